@@ -1,0 +1,77 @@
+"""Seeding, device choice and atomic checkpoints shared by the four scripts.
+
+- `seed_everything(seed, torch_deterministic)`: python, numpy and torch (CleanRL's seeding block).
+- `rng_state()` / `set_rng_state(state)`: capture and restore every global RNG, for `--resume`.
+- `save_checkpoint(path, obj)`: `torch.save` to a temporary file in the same folder, fsync, then `os.replace`, so a
+  crash mid-write never leaves a truncated checkpoint (the old one stays valid until the rename).
+- `load_checkpoint(path)`: the inverse, with a one-line error for a missing or unreadable file.
+- `select_device(cuda)`: CUDA when asked for and present, else CPU.
+Multi-process runs are seeded, not bitwise deterministic: actors race with the learner.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int, torch_deterministic: bool = True) -> None:
+    """Seed python's `random`, numpy's global RNG and torch; `torch_deterministic` sets cudnn.deterministic."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def select_device(cuda: bool) -> torch.device:
+    """`cuda` if requested and available, else `cpu`."""
+    return torch.device("cuda" if cuda and torch.cuda.is_available() else "cpu")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global RNG state (python, numpy, torch CPU and CUDA) as a picklable dict."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the states captured by `rng_state()`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
+    """Atomically write `obj` with torch.save: temporary file + fsync + os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by `save_checkpoint`; raises a one-line error if it is missing or unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        # our own files: they hold numpy RNG states and args, which the weights-only unpickler refuses
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - one clear line instead of an unpickling traceback
+        raise RuntimeError(f"checkpoint {str(path)!r} could not be read: {type(e).__name__}: {e}") from None

@@ -1,0 +1,87 @@
+"""Supervision of actor processes, identical in every script: start, watch, report a death, shut down.
+
+`ProcessGroup(ctx)` starts module-level functions in child processes (`ctx` from
+`multiprocessing.get_context("spawn" | "forkserver")`; never `fork` once a learner may hold a CUDA context).
+In each child, SIGINT is ignored (Ctrl-C reaches the whole process group; the parent alone handles it and stops the
+children), torch uses one thread, and an exception's traceback is sent back to the parent through a queue.
+Actors receive `group.stop_event` and return when it is set. `check()` raises `ActorDied` naming the process, its
+exit code and its traceback; `stop()` sets the event, then joins, terminates and kills; it is safe to call twice.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import traceback
+from typing import Any, Callable
+
+
+class ActorDied(RuntimeError):
+    """A child process ended while the run was going; `.traceback` holds the child's traceback if it sent one."""
+
+    def __init__(self, message: str, traceback_text: str = ""):
+        super().__init__(message)
+        self.traceback = traceback_text
+
+
+def _guarded(target: Callable, args: tuple, name: str, error_queue) -> None:
+    """Child entry point: one thread, parent handles Ctrl-C, tracebacks go back to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        target(*args)
+    except Exception:
+        error_queue.put((name, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class ProcessGroup:
+    """The actor processes of one run."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.procs: list[Any] = []
+        self.errors = ctx.Queue()
+        self.stop_event = ctx.Event()  # pass to actors: they return when it is set
+        self.stopping = False
+        self._tracebacks: dict[str, str] = {}
+
+    def start(self, target: Callable, args: tuple, name: str):
+        """Start `target(*args)` (a module-level function) in a child process called `name`."""
+        proc = self.ctx.Process(target=_guarded, args=(target, args, name, self.errors), name=name, daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def check(self) -> None:
+        """Raise ActorDied if any child has exited (while the run is not stopping)."""
+        if self.stopping:
+            return
+        for proc in self.procs:
+            if proc.exitcode is not None:
+                try:
+                    while True:
+                        name, text = self.errors.get(timeout=0.2)
+                        self._tracebacks[name] = text
+                except queue.Empty:
+                    pass
+                tb = self._tracebacks.get(proc.name, "")
+                last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback (killed or exited)"
+                raise ActorDied(f"{proc.name} died (exit code {proc.exitcode}): {last}", tb)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every child: set `stop_event`, wait up to `timeout` s in total, then terminate, then kill."""
+        self.stopping = True
+        self.stop_event.set()
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, timeout / max(1, len(self.procs))))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1.0)

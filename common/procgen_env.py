@@ -1,0 +1,162 @@
+"""Procgen as a numpy vector env whose every episode can start on a level chosen by the caller (for PLR).
+
+`ProcgenVecEnv` wraps the gym3 `ProcgenGym3Env` (procgen 0.10.7, C++ envs stepped in native threads) and gives:
+- numpy outputs: obs (N, 64, 64, 3) uint8, reward float32, explicit `terminated` / `truncated`: Procgen does not
+  tell a timeout from a death, so an episode that ends at the game's own step limit (`PROCGEN_TIMEOUTS`: 1000,
+  maze 500) is reported as truncated, every other end as terminated;
+- per-env episode return and length, and the level seed of every transition;
+- `set_level(i, seed)`: puts env i on level `seed` in about 0.3 ms. The start state of each level is built once
+  with a throw-away 1-env `ProcgenGym3Env(start_level=seed, num_levels=1)` and cached; switching is the C
+  `set_state` call on slot i, which restores the whole game (layout, RNG, level range) and refreshes its obs.
+  Stock procgen offers no per-env seeding; level-replay used a patched fork (minqi/procgen) for this.
+
+Autoreset is SAME_STEP: when an episode ends, `step` asks `next_level(i)` for the next level (without a callback
+the env stays on Procgen's own level distribution), and the returned obs[i] is that level's first frame. Procgen
+never exposes the last frame of a finished episode, so `info["final_obs"]` is None.
+
+Order matters inside `step` (procgen writes reward 0 / first=True into a slot on `set_state`): act, read reward and
+info, then switch the finished slots, then observe again.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
+    from procgen import ProcgenGym3Env
+
+PROCGEN_GAMES = (
+    "bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot",
+    "heist", "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot",
+)  # fmt: skip
+PROCGEN_DISTRIBUTION_MODES = ("easy", "hard", "extreme", "memory", "exploration")
+# Each game ends an episode by itself after `timeout` steps (BasicAbstractGame: 1000; maze.cpp sets 500).
+PROCGEN_TIMEOUTS = {game: 500 if game == "maze" else 1000 for game in PROCGEN_GAMES}
+
+
+class ProcgenVecEnv:
+    """`num_envs` Procgen games stepped together; see the module docstring for the contract.
+
+    reset(levels=None) -> obs
+    step(actions, next_level=None) -> obs, reward, terminated, truncated, info with
+        info["level_seed"] (N,) level each transition was played on, info["next_level_seed"] (N,) level of obs,
+        info["_episode"] (N,) bool, info["episode_return"], info["episode_length"] valid where _episode,
+        info["final_obs"] = None.
+    """
+
+    def __init__(
+        self,
+        env_name: str,
+        num_envs: int,
+        *,
+        distribution_mode: str = "easy",
+        num_levels: int = 0,
+        start_level: int = 0,
+        num_threads: int = 4,
+        rand_seed: int = 0,
+        max_cached_levels: int = 20_000,
+    ):
+        if env_name not in PROCGEN_GAMES:
+            raise ValueError(f"unknown Procgen game {env_name!r}: use one of {', '.join(PROCGEN_GAMES)}")
+        if distribution_mode not in PROCGEN_DISTRIBUTION_MODES:
+            raise ValueError(
+                f"unknown Procgen distribution mode {distribution_mode!r}: use one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}"
+            )
+        if num_envs < 1 or num_levels < 0 or start_level < 0:
+            raise ValueError("num_envs must be >= 1, num_levels and start_level >= 0")
+        self.env_name, self.num_envs = env_name, num_envs
+        self.timeout = PROCGEN_TIMEOUTS[env_name]
+        self._options = dict(env_name=env_name, distribution_mode=distribution_mode)  # gym3 wants plain ints/strs
+        self.env = ProcgenGym3Env(
+            num=num_envs,
+            num_levels=int(num_levels),
+            start_level=int(start_level),
+            num_threads=int(num_threads),
+            rand_seed=int(rand_seed),
+            **self._options,
+        )
+        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+        self.single_action_space = gym.spaces.Discrete(int(self.env.ac_space.eltype.n))
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._max_cached = max_cached_levels
+        self._ep_return = np.zeros(num_envs, dtype=np.float64)
+        self._ep_length = np.zeros(num_envs, dtype=np.int64)
+        self.levels = self._read_levels()
+
+    def _read_levels(self) -> np.ndarray:
+        return np.array([i["level_seed"] for i in self.env.get_info()], dtype=np.int64)
+
+    def _start_state(self, seed: int) -> bytes:
+        if seed in self._cache:
+            self._cache.move_to_end(seed)
+            return self._cache[seed]
+        one = ProcgenGym3Env(num=1, start_level=seed, num_levels=1, num_threads=0, **self._options)
+        state = one.get_state()[0]
+        one.close()
+        self._cache[seed] = state
+        if len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+        return state
+
+    def _set_state(self, env_index: int, seed: int) -> None:
+        seed = int(seed)
+        if seed < 0:
+            raise ValueError(f"level seeds are non-negative ints, got {seed}")
+        state = self._start_state(seed)
+        self.env.call_c_func("set_state", int(env_index), state, len(state))
+        self.levels[env_index] = seed
+
+    def set_level(self, env_index: int, seed: int) -> np.ndarray:
+        """Start a new episode of env `env_index` on level `seed` now; returns its first frame."""
+        self._set_state(env_index, seed)
+        self._ep_return[env_index] = 0.0
+        self._ep_length[env_index] = 0
+        return self.env.observe()[1]["rgb"][env_index]
+
+    def reset(self, levels: Sequence[int] | None = None) -> np.ndarray:
+        """Start new episodes everywhere: env i on `levels[i]`, or on Procgen's own distribution when None."""
+        if levels is not None:
+            if len(levels) != self.num_envs:
+                raise ValueError(f"reset needs {self.num_envs} levels, got {len(levels)}")
+            for i, seed in enumerate(levels):
+                self._set_state(i, seed)
+        self._ep_return[:] = 0.0
+        self._ep_length[:] = 0
+        return self.env.observe()[1]["rgb"]
+
+    def step(self, actions, next_level: Callable[[int], int] | None = None):
+        self.env.act(np.asarray(actions, dtype=np.int32))
+        reward, obs, first = self.env.observe()  # gym3 returns copies; read before any set_state
+        reward = reward.astype(np.float32)
+        done = first.astype(bool)
+        self._ep_return += reward
+        self._ep_length += 1
+        truncated = done & (self._ep_length >= self.timeout)
+        terminated = done & ~truncated
+        info = {
+            "level_seed": self.levels.copy(),
+            "_episode": done.copy(),
+            "episode_return": np.where(done, self._ep_return, 0.0),
+            "episode_length": np.where(done, self._ep_length, 0),
+            "final_obs": None,
+        }
+        done_idx = np.flatnonzero(done)
+        if len(done_idx):
+            if next_level is not None:
+                for i in done_idx:
+                    self._set_state(int(i), next_level(int(i)))
+                obs = self.env.observe()[1]
+            else:  # Procgen already moved these envs to a level of its own distribution
+                self.levels[done_idx] = self._read_levels()[done_idx]
+            self._ep_return[done_idx] = 0.0
+            self._ep_length[done_idx] = 0
+        info["next_level_seed"] = self.levels.copy()
+        return obs["rgb"], reward, terminated, truncated, info
+
+    def close(self) -> None:
+        getattr(self.env, "close", lambda: None)()

@@ -1,0 +1,8 @@
+"""Test configuration: make the repository root importable (`import common`, `import plr_ppo`, ...)."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")

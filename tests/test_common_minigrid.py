@@ -1,0 +1,96 @@
+"""common/minigrid_env.py: named envs and their sizes, seeded determinism, the vector env's level plumbing."""
+import numpy as np
+import pytest
+
+from common.minigrid_env import MINIGRID_NAMED_ENVS, MiniGridVecEnv, level_difficulty, make_minigrid_env
+
+
+@pytest.mark.parametrize(
+    "env_id, shape, max_steps",
+    [("MultiRoom-N4-Random", (14, 14, 3), 80), ("ObstructedMazeGamut-Easy", (19, 19, 3), None),
+     ("ObstructedMazeGamut-Medium", (19, 19, 3), None), ("MiniGrid-DoorKey-5x5-v0", (5, 5, 3), 250)],
+)  # fmt: skip
+def test_named_env_sizes(env_id, shape, max_steps):
+    env = make_minigrid_env(env_id)
+    assert env.observation_space.shape == shape and env.action_space.n == 7
+    for seed in range(8):  # every gamut variant keeps the fixed frame
+        obs, _ = env.reset(seed=seed)
+        assert obs.shape == shape and obs.dtype == np.uint8
+    if max_steps is not None:
+        assert env.unwrapped.max_steps == max_steps
+
+
+def test_gamut_variant_by_seed_and_max_steps():
+    env = make_minigrid_env("ObstructedMazeGamut-Medium")
+    gamut = env.unwrapped
+    assert len(gamut.variants) == 6
+    for seed in range(12):
+        env.reset(seed=seed)
+        assert gamut.current is gamut.variants[seed % 6]
+    assert [v.max_steps for v in gamut.variants] == [392, 392, 392, 784, 784, 784]  # 4 * rooms visited * 7^2
+    assert [level_difficulty("ObstructedMazeGamut-Easy", s) for s in range(4)] == ["1Dl", "1Dlh", "1Dlhb", "1Dl"]
+
+
+def test_multiroom_has_one_to_four_rooms():
+    counts = {level_difficulty("MultiRoom-N4-Random", s) for s in range(60)}
+    assert counts == {"rooms=1", "rooms=2", "rooms=3", "rooms=4"}
+
+
+@pytest.mark.parametrize("env_id", MINIGRID_NAMED_ENVS + ("DoorKey-5x5-v0",))
+def test_seeded_reset_is_deterministic(env_id):
+    env = make_minigrid_env(env_id)
+    a, _ = env.reset(seed=7)
+    env.reset(seed=8)
+    b, _ = env.reset(seed=7)
+    assert np.array_equal(a, b)
+    differs = [not np.array_equal(a, env.reset(seed=s)[0]) for s in range(20, 30)]
+    assert any(differs), "different seeds give different levels"
+    rng = np.random.default_rng(0)
+    actions = rng.integers(0, 7, 30)
+    traj = []
+    for _ in range(2):
+        env.reset(seed=7)
+        traj.append([env.step(int(x))[0] for x in actions])
+    assert all(np.array_equal(x, y) for x, y in zip(*traj))
+
+
+def test_partial_view_is_7x7():
+    env = make_minigrid_env("MiniGrid-DoorKey-5x5-v0", fully_observable=False)
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (7, 7, 3) and obs.dtype == np.uint8
+
+
+def test_unknown_id_fails_clearly():
+    with pytest.raises(ValueError, match="unknown MiniGrid env id"):
+        make_minigrid_env("MultiRoom-N99")
+
+
+def test_vector_env_level_plumbing_and_final_obs():
+    envs = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 4, num_workers=2, max_steps=6)
+    try:
+        obs = envs.reset([10, 11, 12, 13])
+        single = make_minigrid_env("MiniGrid-Empty-5x5-v0", max_steps=6)
+        assert np.array_equal(obs[2], single.reset(seed=12)[0])
+        chosen = iter(range(100, 200))
+        picked = {}
+
+        def next_level(i):
+            picked[i] = next(chosen)
+            return picked[i]
+
+        actions = np.full(4, 2)  # forward: in Empty-5x5 the goal is not reached within 6 steps by going forward only
+        for t in range(6):
+            obs, reward, terminated, truncated, info = envs.step(actions, next_level=next_level)
+        assert truncated.all() and not terminated.any(), "the 6-step limit is a truncation"
+        np.testing.assert_array_equal(info["level_seed"], [10, 11, 12, 13])
+        np.testing.assert_array_equal(info["next_level_seed"], [picked[i] for i in range(4)])
+        np.testing.assert_array_equal(info["episode_length"], [6, 6, 6, 6])
+        for i in range(4):
+            assert np.array_equal(obs[i], single.reset(seed=picked[i])[0]), "obs is the chosen level's first obs"
+        # the final obs is the true last observation of the finished episode
+        single.reset(seed=12)
+        for _ in range(6):
+            last = single.step(2)[0]
+        assert np.array_equal(info["final_obs"][2], last)
+    finally:
+        envs.close()

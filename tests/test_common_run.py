@@ -1,0 +1,137 @@
+"""common/logger.py, common/checkpoint.py, common/processes.py."""
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.logger import RunLogger, make_run_name, read_metrics
+from common.processes import ActorDied, ProcessGroup
+
+
+@dataclass
+class _Args:
+    env_id: str = "ALE/Pong-v5"
+    seed: int = 3
+    learning_rate: float = 2.5e-4
+
+
+def test_run_logger_writes_parseable_files(tmp_path, capsys):
+    run_name = make_run_name("ALE/Pong-v5", "test", 3)
+    assert "/" not in run_name and run_name.startswith("ALE-Pong-v5__test__3__")
+    logger = RunLogger(run_name, _Args(), root=tmp_path)
+    logger.log(100, {"charts/SPS": 12.5, "losses/value_loss": torch.tensor(0.25), "charts/episodic_return": np.float32(-21)})
+    logger.log(200, {"charts/SPS": 13, "losses/value_loss": float("nan")})
+    logger.progress(200, 13.0, episodic_return=-20.5, loss_name="value_loss", loss=0.25, extra="lr 2.5e-04")
+    logger.summary({"final_return": -20.0, "per_task": {"a": 1.0}})
+    logger.close()
+    logger.close()  # idempotent
+    records = read_metrics(tmp_path / run_name / "metrics.jsonl")
+    assert records[0]["global_step"] == 100 and records[0]["charts/SPS"] == 12.5
+    assert records[0]["losses/value_loss"] == 0.25 and records[0]["charts/episodic_return"] == -21.0
+    assert records[1]["losses/value_loss"] == "nan"  # JSON has no NaN: kept as a string, file stays parseable
+    summary = json.loads((tmp_path / run_name / "summary.json").read_text())
+    assert summary["final_return"] == -20.0 and summary["per_task"] == {"a": 1.0} and summary["run_name"] == run_name
+    assert json.loads((tmp_path / run_name / "args.json").read_text())["learning_rate"] == 2.5e-4
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / run_name))
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "200" in line and "SPS" in line and "-20.50" in line and "value_loss 0.25" in line
+
+
+def test_tensorboard_scalars_are_readable(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = RunLogger("tb", _Args(), root=tmp_path, progress=False)
+    for step in range(3):
+        logger.log(step * 10, {"charts/SPS": step + 1.0})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("charts/SPS")] == [1.0, 2.0, 3.0]
+    assert [e.step for e in acc.Scalars("charts/SPS")] == [0, 10, 20]
+
+
+def test_progress_can_be_switched_off(tmp_path, capsys):
+    logger = RunLogger("quiet", _Args(), root=tmp_path, progress=False)
+    logger.progress(1, 1.0)
+    logger.close()
+    assert capsys.readouterr().out == ""
+
+
+def test_checkpoint_round_trip_and_atomicity(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt" / "checkpoint.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "global_step": 7, "rng": rng_state()})
+    assert os.listdir(path.parent) == ["checkpoint.pt"], "no temporary file is left behind"
+    ckpt = load_checkpoint(path)
+    model2 = torch.nn.Linear(3, 2)
+    model2.load_state_dict(ckpt["model"])
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    opt2.load_state_dict(ckpt["optimizer"])
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert ckpt["global_step"] == 7
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):  # a failed write leaves the old checkpoint intact
+        save_checkpoint(path, {"bad": Unpicklable()})
+    assert load_checkpoint(path)["global_step"] == 7
+    assert os.listdir(path.parent) == ["checkpoint.pt"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match="could not be read"):
+        load_checkpoint(tmp_path / "junk.pt")
+
+
+def test_rng_state_round_trip_and_seeding():
+    seed_everything(5)
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    seed_everything(5)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+    state = rng_state()
+    b = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == b
+    assert select_device(False).type == "cpu"
+    assert select_device(True).type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _crashing_actor(delay):
+    time.sleep(delay)
+    raise ValueError("env exploded")
+
+
+def _waiting_actor(stop_event):
+    while not stop_event.is_set():
+        time.sleep(0.01)
+
+
+def test_process_group_reports_dead_actor_and_stops():
+    group = ProcessGroup(mp.get_context("spawn"))
+    group.start(_waiting_actor, (group.stop_event,), "actor-0")
+    group.start(_crashing_actor, (0.1,), "actor-1")
+    deadline = time.time() + 30
+    with pytest.raises(ActorDied) as err:
+        while time.time() < deadline:
+            group.check()
+            time.sleep(0.05)
+    assert "actor-1 died (exit code 1)" in str(err.value) and "env exploded" in str(err.value)
+    assert "Traceback" in err.value.traceback
+    group.stop()
+    assert all(not p.is_alive() for p in group.procs)
+    group.check()  # no error while stopping
+    group.stop()  # idempotent
