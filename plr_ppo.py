@@ -1,0 +1,1017 @@
+# docs and results: README.md#plr_ppo
+"""Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934),
+for Procgen and MiniGrid, one self-contained file.
+
+Paper parts implemented here
+----------------------------
+- Level scores (Sec. 3.1, Table 1): `step_scores` (per-step quantities) averaged per episode by
+  `LevelSampler.update_with_rollouts`: GAE magnitude = L1 value loss (Eq. (2), default `value_l1`), signed GAE
+  (`gae`), one-step TD error (`one_step_td`), policy entropy, least confidence, min-margin; `random` is the
+  uniform-sampling baseline P_train = Uniform(Λ_train).
+- Score-prioritized distribution P_S (Eq. (3)) with h = 1/rank (rank), h = S (power/proportional) or greedy:
+  `score_distribution`.
+- Staleness distribution P_C (Eq. (4)): `staleness_distribution`.
+- Replay distribution P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)): `replay_distribution`.
+- Replay decision P_D and P_new (Sec. 3, Algorithm 2 / sampleNextLevel of Algorithm 4): `LevelSampler.sample`;
+  P_D(replay) = |Λ_seen|/|Λ_train| (`proportionate`) or a fixed Bernoulli (`fixed`).
+- T-step rollouts with partial-episode scores S~ stitched across rollouts (Algorithm 3/4): `update_with_rollouts`
+  (`--plr-commit episode`, default); the authors' code commits every partial score after each update
+  (`--plr-commit update`, `LevelSampler.after_update`).
+- Unbounded level distribution with a top-M level buffer, l_min = argmin_l P_replay(l) (App. B.3).
+- PPO with GAE (Schulman et al. 2016/2017), IMPALA ResNet for Procgen and a 3-layer 2x2 CNN for MiniGrid
+  (App. A), return normalization (Table 3): `compute_gae`, `ppo_loss`, `ImpalaAgent`, `MiniGridAgent`.
+
+Defaults and their source
+-------------------------
+- Procgen: 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5, γ 0.999, λ 0.95, clip 0.2,
+  entropy 0.01, value 0.5, return normalization, 25M steps, 200 training levels, easy (paper Table 3, Sec. 4).
+- MiniGrid: the same but lr 7e-4, 4 epochs (Table 3); 4000 / 3000 / 6000 training levels for MultiRoom-N4-Random /
+  ObstructedMazeGamut-Easy / -Medium (App. A.2); 64 final conv channels for the gamut (App. A.2).
+- PLR: value_l1, rank, β = 0.1, ρ = 0.1 (Procgen) / 0.3 (MiniGrid) (Table 3); P_D = |Λ_seen|/|Λ_train| (Sec. 3);
+  score EWA α = 1 (authors' code; the paper overwrites, which is α = 1).
+- Grad-norm clip 0.5, clipped value loss, whole-batch advantage normalization: authors' code (not in the paper).
+- Fixed replay probability 0.95 for `fixed` / unbounded mode and buffer M = 4000: authors' full-distribution
+  setting (App. B.3 found p = 0.5 best for MultiRoom, 0.95 for ObstructedMazeGamut-Easy).
+
+Gymnasium autoreset mode
+------------------------
+SAME_STEP, through common.procgen_env.ProcgenVecEnv / common.minigrid_env.MiniGridVecEnv: at an episode end the
+adapter asks `next_level(i)` (here `LevelSampler.sample`) for the next level and returns its first observation;
+`info["level_seed"]` is the level each transition was played on; MiniGrid also returns `info["final_obs"]`, which
+is used to bootstrap time-limit truncations.
+
+Differences from the paper
+--------------------------
+- A level enters Λ_seen when it is sampled with S_i = 0 (Algorithm 2), not when its score is first committed as in
+  the authors' code. Staleness is kept as c - C_i directly (+1 for every level per sampled level, 0 for the chosen).
+- P_C falls back to uniform over Λ_seen when every staleness is 0, and P_S to uniform over Λ_seen when every
+  power weight is 0 (the authors' code falls back to uniform over all levels or crashes).
+- Ranks are taken among seen levels only (Sec. 3.1); ties are broken by level index. The authors' code ranks over
+  all levels with unseen ones at score 0.
+- One-step TD uses δ_t = r_t + γ V(s_{t+1}) - V(s_t) with the episode end masked (Table 1); the authors' code drops
+  γ and the last step. Entropy is normalized by log|A| and min-margin is 1 - (p1 - p2) (authors' code; higher =
+  more uncertain). The paper's Table 1 writes Σ π log π and p1 - p2.
+- value_l1 / gae scores use PPO's own GAE, which at a rollout's end bootstraps from V(s_T) of the unfinished
+  episode (as the authors' code); partial-episode scores are merged step-weighted (Algorithm 4's S~).
+- Procgen does not expose the last frame of a finished episode, so a Procgen time-limit truncation is treated as a
+  termination (as the authors' code and CleanRL do); MiniGrid truncations bootstrap from V(final_obs).
+- Return normalization uses γ = args.gamma (the authors' code used 0.99 there), clip ±10.
+- In unbounded mode a new level is scored while staged and enters the M-level buffer when its first episode ends
+  (replacing l_min only if S(l_min) < its score), as the authors' extended code does.
+- Evaluation uses a stochastic policy, 10 episodes per set every `eval_every` updates and `final_eval_episodes`
+  (default 100; the paper used 100 on Procgen test levels) at the end.
+- On `--resume` the environments restart their current levels from the first frame (emulator states are not saved).
+
+Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
+common/processes.py.
+"""
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions import Categorical
+
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.logger import RunLogger, make_run_name
+
+SCORE_STRATEGIES = ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random")
+TRANSFORMS = ("rank", "power", "greedy")
+REPLAY_SCHEDULES = ("proportionate", "fixed")
+COMMIT_MODES = ("episode", "update")
+MAX_SEED = 2**31 - 1
+
+# Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
+PROCGEN_RETURN_BOUNDS = {
+    "bigfish": (1, 40, 0, 40), "bossfight": (0.5, 13, 0.5, 13), "caveflyer": (3.5, 12, 2, 13.4),
+    "chaser": (0.5, 13, 0.5, 14.2), "climber": (2, 12.6, 1, 12.6), "coinrun": (5, 10, 5, 10),
+    "dodgeball": (1.5, 19, 1.5, 19), "fruitbot": (-1.5, 32.4, -0.5, 27.2), "heist": (3.5, 10, 2, 10),
+    "jumper": (3, 10, 1, 10), "leaper": (3, 10, 1.5, 10), "maze": (5, 10, 4, 10), "miner": (1.5, 13, 1.5, 20),
+    "ninja": (3.5, 10, 2, 10), "plunder": (4.5, 30, 3, 30), "starpilot": (2.5, 64, 1.5, 35),
+}  # fmt: skip
+# |Λ_train| per MiniGrid env (paper App. A.2: about 1000 levels per difficulty)
+MINIGRID_TRAIN_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
+
+
+@dataclass
+class Args:
+    # --- common to all four scripts (keep this block identical) ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment (actor i uses seed + 1000 * i)"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA for the learner when available (falls back to CPU)"""
+    track: bool = False
+    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
+    wandb_project_name: str = "replay-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the first actor/eval env into videos/{run_name}"""
+    save_model: bool = False
+    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
+    checkpoint_every: int = 0
+    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
+    resume: str | None = None
+    """path to a checkpoint.pt to resume from"""
+    progress: bool = True
+    """print a compact progress line"""
+    start_method: str = "spawn"
+    """multiprocessing start method for actor processes: spawn | forkserver"""
+
+    # --- algorithm specific arguments ---
+    env_id: str = "bigfish"
+    """a Procgen game (bigfish, ...), MultiRoom-N4-Random, ObstructedMazeGamut-Easy/-Medium or a registered MiniGrid id"""
+    total_timesteps: int = 25_000_000
+    """total environment steps (paper: 25M Procgen)"""
+    distribution_mode: str = "easy"
+    """Procgen distribution mode (paper: easy)"""
+    num_train_levels: int = -1
+    """|Λ_train|: training levels are seeds start_level..start_level+|Λ_train|-1; -1 = paper value (200 Procgen,
+    4000 MultiRoom-N4-Random, 3000/6000 ObstructedMazeGamut-Easy/-Medium, 1000 other MiniGrid); 0 = unbounded
+    (full distribution) with a top-M level buffer (App. B.3)"""
+    start_level: int = 0
+    """first training level seed"""
+    num_envs: int = 64
+    """N_b parallel environments (Table 3: 64 workers)"""
+    num_steps: int = 256
+    """T, rollout length per environment (Table 3)"""
+    num_minibatches: int = 8
+    """PPO minibatches per epoch (Table 3)"""
+    update_epochs: int = -1
+    """PPO epochs; -1 = Table 3 (3 Procgen, 4 MiniGrid)"""
+    learning_rate: float = -1.0
+    """Adam learning rate; -1 = Table 3 (5e-4 Procgen, 7e-4 MiniGrid)"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (Table 3)"""
+    gamma: float = 0.999
+    """γ discount (Table 3)"""
+    gae_lambda: float = 0.95
+    """λ of GAE (Table 3)"""
+    clip_coef: float = 0.2
+    """PPO clip range ε (Table 3)"""
+    clip_vloss: bool = True
+    """clip the value loss as PPO's reference code does"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (Table 3)"""
+    vf_coef: float = 0.5
+    """value loss coefficient (Table 3)"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip (authors' code)"""
+    norm_adv: bool = True
+    """normalize advantages over the whole batch (authors' code)"""
+    norm_reward: bool = True
+    """return normalization: divide rewards by the running std of the discounted return (Table 3), clip ±10"""
+    num_workers: int = 0
+    """MiniGrid worker processes (0 = one per CPU core)"""
+    eval_every: int = 50
+    """evaluate on train and test levels every this many updates (0 = only at the end)"""
+    eval_episodes: int = 10
+    """episodes per level set at each periodic evaluation (the paper's 10 train + 10 test)"""
+    final_eval_episodes: int = 100
+    """episodes per level set at the final evaluation"""
+    num_eval_envs: int = 8
+    """parallel environments per evaluation set"""
+
+    # --- PLR (paper symbols) ---
+    plr_strategy: str = "value_l1"
+    """score(τ, π) (Table 1): value_l1 (GAE magnitude, Eq. (2)) | gae | one_step_td | policy_entropy |
+    least_confidence | min_margin | random (uniform level sampling baseline)"""
+    plr_transform: str = "rank"
+    """prioritization h of Eq. (3): rank (h = 1/rank) | power (h = S, 'proportional') | greedy (argmax)"""
+    plr_temperature: float = 0.1
+    """β, temperature of Eq. (3) (Table 3)"""
+    plr_staleness_coef: float = -1.0
+    """ρ, staleness mixing of Eq. (1) in [0, 1]; -1 = Table 3 (0.1 Procgen, 0.3 MiniGrid)"""
+    plr_replay_schedule: str = "proportionate"
+    """P_D: proportionate (P_D(replay) = |Λ_seen|/|Λ_train|, Sec. 3) | fixed (P_D(replay) = --plr-replay-prob)"""
+    plr_replay_prob: float = 0.95
+    """P_D(replay) of the fixed schedule (App. B.3: 0.5 MultiRoom, 0.95 ObstructedMazeGamut-Easy)"""
+    plr_min_fill: float = 0.0
+    """no replay before |Λ_seen| >= min_fill |Λ_train| (authors' code `rho`; their default 1.0, the paper's rule is 0)"""
+    plr_score_alpha: float = 1.0
+    """α of the score EWA S <- (1-α) S + α score(τ) (authors' code; 1 = the paper's overwrite)"""
+    plr_commit: str = "episode"
+    """episode: stitch partial-episode scores S~ across rollouts, commit at episode end (Algorithm 4);
+    update: commit every partial score after each PPO update (authors' code)"""
+    plr_buffer_size: int = 4000
+    """M, level-buffer size in unbounded mode (--num-train-levels 0; App. B.3)"""
+
+
+def is_procgen(env_id: str) -> bool:
+    from common.procgen_env import PROCGEN_GAMES
+
+    return env_id in PROCGEN_GAMES
+
+
+def resolve_defaults(args: Args) -> Args:
+    """Fill the -1 sentinels with the paper's per-domain values (Table 3, App. A.2)."""
+    procgen = is_procgen(args.env_id)
+    if args.num_train_levels == -1:
+        args.num_train_levels = 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000)
+    if args.update_epochs == -1:
+        args.update_epochs = 3 if procgen else 4
+    if args.learning_rate == -1.0:
+        args.learning_rate = 5e-4 if procgen else 7e-4
+    if args.plr_staleness_coef == -1.0:
+        args.plr_staleness_coef = 0.1 if procgen else 0.3
+    return args
+
+
+def validate_args(args: Args) -> None:
+    """Fail at start-up with one clear line on bad flags."""
+
+    def fail(msg):
+        raise SystemExit(f"error: {msg}")
+
+    from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
+
+    if args.env_id not in PROCGEN_GAMES:
+        from common.minigrid_env import resolve_minigrid_id
+
+        try:
+            resolve_minigrid_id(args.env_id)
+        except ValueError as e:
+            fail(f"--env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}")
+    elif args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES:
+        fail(f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}")
+    if args.plr_strategy not in SCORE_STRATEGIES:
+        fail(f"unknown --plr-strategy {args.plr_strategy!r}: use one of {', '.join(SCORE_STRATEGIES)}")
+    if args.plr_transform not in TRANSFORMS:
+        fail(f"unknown --plr-transform {args.plr_transform!r}: use one of {', '.join(TRANSFORMS)}")
+    if args.plr_replay_schedule not in REPLAY_SCHEDULES:
+        fail(f"unknown --plr-replay-schedule {args.plr_replay_schedule!r}: use one of {', '.join(REPLAY_SCHEDULES)}")
+    if args.plr_commit not in COMMIT_MODES:
+        fail(f"unknown --plr-commit {args.plr_commit!r}: use one of {', '.join(COMMIT_MODES)}")
+    if not args.plr_temperature > 0:
+        fail(f"--plr-temperature (β) must be > 0, got {args.plr_temperature}")
+    if not 0.0 <= args.plr_staleness_coef <= 1.0:
+        fail(f"--plr-staleness-coef (ρ) must be in [0, 1], got {args.plr_staleness_coef}")
+    for name in ("plr_replay_prob", "plr_min_fill"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if not 0.0 < args.plr_score_alpha <= 1.0:
+        fail(f"--plr-score-alpha (α) must be in (0, 1], got {args.plr_score_alpha}")
+    if args.num_train_levels < 0:
+        fail(f"--num-train-levels must be >= 0 (0 = unbounded) or -1 (paper default), got {args.num_train_levels}")
+    if args.start_level < 0 or args.start_level + args.num_train_levels > MAX_SEED:
+        fail(f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]")
+    if args.num_train_levels == 0:
+        if args.plr_buffer_size < 1:
+            fail("--plr-buffer-size (M) must be >= 1 in unbounded mode (--num-train-levels 0)")
+        if args.plr_replay_schedule != "fixed" and args.plr_strategy != "random":
+            fail("unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)")
+    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps", "num_eval_envs"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if (args.num_envs * args.num_steps) % args.num_minibatches:
+        fail(f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches")
+    if not (0 < args.gamma <= 1 and 0 <= args.gae_lambda <= 1 and args.learning_rate > 0):
+        fail("need 0 < --gamma <= 1, 0 <= --gae-lambda <= 1 and --learning-rate > 0")
+    if args.eval_every < 0 or args.eval_episodes < 0 or args.final_eval_episodes < 0 or args.checkpoint_every < 0:
+        fail("--eval-every, --eval-episodes, --final-eval-episodes and --checkpoint-every must be >= 0")
+    if args.capture_video:
+        fail("--capture-video is not supported by plr_ppo.py (the vector adapters expose no rendered frames)")
+    if args.resume and not os.path.isfile(args.resume):
+        fail(f"--resume: no checkpoint file at {args.resume}")
+    if args.start_method not in ("spawn", "forkserver", "fork"):
+        fail(f"--start-method must be spawn or forkserver, got {args.start_method!r}")
+
+
+def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
+    """A level-settable vector env: ProcgenVecEnv (native threads) or MiniGridVecEnv (worker processes)."""
+    if is_procgen(args.env_id):
+        from common.procgen_env import ProcgenVecEnv
+
+        return ProcgenVecEnv(args.env_id, num_envs, distribution_mode=args.distribution_mode,
+                             num_threads=min(4, os.cpu_count() or 1), rand_seed=seed)  # fmt: skip
+    from common.minigrid_env import MiniGridVecEnv
+
+    return MiniGridVecEnv(args.env_id, num_envs, num_workers=num_workers or args.num_workers or None,
+                          fully_observable=True, seed=seed, start_method=args.start_method)  # fmt: skip
+
+
+# NETWORKS
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):  # standard pre-activation block (the authors' in-place ReLU changes the skip: notes §4.13)
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+class ConvSequence(nn.Module):
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(self.conv(x), kernel_size=3, stride=2, padding=1)
+        return self.res1(self.res0(x))
+
+
+class ImpalaAgent(nn.Module):
+    """IMPALA ResNet 16/32/32 + 256 hidden (Espeholt et al. 2018; Cobbe et al. 2020; PLR App. A.1)."""
+
+    def __init__(self, obs_shape, num_actions, hidden=256):
+        super().__init__()
+        h, w, c = obs_shape
+        seqs = []
+        for out in (16, 32, 32):
+            seqs.append(ConvSequence(c, out))
+            c, h, w = out, (h + 1) // 2, (w + 1) // 2
+        self.trunk = nn.Sequential(*seqs, nn.Flatten(), nn.ReLU(), nn.Linear(c * h * w, hidden), nn.ReLU())
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+
+    def forward(self, obs):  # obs uint8 (B, H, W, C)
+        z = self.trunk(obs.permute(0, 3, 1, 2).float() / 255.0)
+        return self.actor(z), self.critic(z).squeeze(-1)
+
+
+class MiniGridAgent(nn.Module):
+    """3-layer CNN 16/32/32 (64 for ObstructedMazeGamut), 2x2 kernels, stride 1, then 64-unit actor and critic heads
+    (Igl et al. 2019; PLR App. A.2). Inputs are MiniGrid's integer cell encodings as floats."""
+
+    def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
+        super().__init__()
+        h, w, c = obs_shape
+        self.trunk = nn.Sequential(
+            nn.Conv2d(c, 16, 2), nn.ReLU(), nn.Conv2d(16, 32, 2), nn.ReLU(), nn.Conv2d(32, final_channels, 2), nn.ReLU(),
+            nn.Flatten(),
+        )  # fmt: skip
+        n = final_channels * (h - 3) * (w - 3)
+        self.actor = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01))
+        self.critic = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0))
+
+    def forward(self, obs):
+        z = self.trunk(obs.permute(0, 3, 1, 2).float())
+        return self.actor(z), self.critic(z).squeeze(-1)
+
+
+def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
+    if is_procgen(args.env_id):
+        return ImpalaAgent(obs_shape, num_actions)
+    return MiniGridAgent(obs_shape, num_actions, final_channels=64 if "ObstructedMaze" in args.env_id else 32)
+
+
+# ALGORITHM PIECES: PPO
+def compute_gae(rewards, values, next_value, terminated, dones, final_values, gamma, gae_lambda):
+    """GAE over a T-step rollout, (T, N) tensors.
+
+    dones[t]: the episode ended at step t (terminated or truncated); terminated[t]: true termination (no bootstrap);
+    final_values[t]: V(s_final) of an episode truncated at t (bootstrap value; ignored elsewhere);
+    next_value: V(s_T) of the observation after the rollout.
+    Returns (advantages, deltas) with δ_t = r_t + γ V(s_{t+1}) (1 - terminal_t) - V(s_t)  (PLR Sec. 3.1)
+    and A_t = Σ_k (γλ)^{k-t} δ_k within the episode (Eq. (2) without the absolute value)."""
+    T = rewards.shape[0]
+    next_values = torch.cat([values[1:], next_value[None]], 0)
+    # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
+    boot = torch.where(dones, final_values, next_values) * (1.0 - terminated.float())
+    deltas = rewards + gamma * boot - values
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in reversed(range(T)):
+        last = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].float()) * last  # Eq. (2) recursion
+        advantages[t] = last
+    return advantages, deltas
+
+
+def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args: Args):
+    """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017)."""
+    logits, values = agent(obs)
+    dist = Categorical(logits=logits)
+    logratio = dist.log_prob(actions) - old_logprobs
+    ratio = logratio.exp()
+    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    if args.clip_vloss:
+        v_clipped = old_values + torch.clamp(values - old_values, -args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((values - returns) ** 2).mean()
+    entropy = dist.entropy().mean()
+    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+    return loss, pg_loss, v_loss, entropy, approx_kl, clipfrac
+
+
+class ReturnNormalizer:
+    """Divides rewards by the running std of the discounted return (return normalization, Table 3), clip ±clip."""
+
+    def __init__(self, num_envs, gamma, clip=10.0, eps=1e-8):
+        self.gamma, self.clip, self.eps = gamma, clip, eps
+        self.ret = np.zeros(num_envs)
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def __call__(self, rewards, dones):
+        self.ret = self.ret * self.gamma + rewards
+        x = self.ret
+        b_mean, b_var, b_count = x.mean(), x.var(), x.size  # parallel running mean/var (Chan et al.)
+        delta, tot = b_mean - self.mean, self.count + b_count
+        self.mean += delta * b_count / tot
+        self.var = (self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / tot) / tot
+        self.count = tot
+        self.ret[dones] = 0.0
+        return np.clip(rewards / np.sqrt(self.var + self.eps), -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self):
+        return {"ret": self.ret.copy(), "mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, d):
+        self.ret, self.mean, self.var, self.count = d["ret"].copy(), d["mean"], d["var"], d["count"]
+
+
+# ALGORITHM PIECES: PLR
+def step_scores(strategy, advantages, deltas, logits=None):
+    """Per-step quantity whose episode mean is score(τ, π) (Table 1); numpy (T, N) out.
+    advantages, deltas: (T, N) GAE and one-step TD errors; logits: (T, N, |A|) of the behaviour policy."""
+    if strategy == "value_l1":
+        return np.abs(advantages)  # Eq. (2): |Σ_k (γλ)^{k-t} δ_k|
+    if strategy == "gae":
+        return np.asarray(advantages)
+    if strategy == "one_step_td":
+        return np.abs(deltas)  # |δ_t|
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    p = np.exp(logp)
+    if strategy == "policy_entropy":  # -Σ_a π log π, normalized by log|A| (authors' code)
+        return -(p * logp).sum(-1) / np.log(p.shape[-1])
+    if strategy == "least_confidence":
+        return 1.0 - p.max(-1)
+    if strategy == "min_margin":  # 1 - (p_(1) - p_(2)), higher = less confident (authors' code)
+        top2 = np.sort(p, axis=-1)[..., -2:]
+        return 1.0 - (top2[..., 1] - top2[..., 0])
+    raise ValueError(f"no per-step score for strategy {strategy!r}")
+
+
+def score_distribution(scores, seen, transform="rank", temperature=0.1):
+    """Eq. (3): P_S(l_i) = h(S_i)^(1/β) / Σ_j h(S_j)^(1/β) over seen levels, 0 for unseen.
+    rank: h = 1/rank(S_i), rank among seen levels in descending order (1 = highest; ties by index);
+    power: h = max(S_i, 0) (proportional); greedy: all mass on the highest score. Computed in log space so that
+    β -> 0 stays finite; falls back to uniform over seen levels when every weight is 0."""
+    seen = np.asarray(seen, dtype=bool)
+    p = np.zeros(len(seen))
+    idx = np.flatnonzero(seen)
+    if idx.size == 0:
+        return p
+    s = np.asarray(scores, dtype=np.float64)[idx]
+    if transform == "greedy":
+        p[idx[np.argmax(s)]] = 1.0
+        return p
+    if transform == "rank":
+        ranks = np.empty(idx.size)
+        ranks[np.argsort(-s, kind="stable")] = np.arange(1, idx.size + 1)
+        log_h = -np.log(ranks)
+    elif transform == "power":
+        with np.errstate(divide="ignore"):
+            log_h = np.log(np.clip(s, 0.0, None))
+    else:
+        raise ValueError(f"unknown transform {transform!r}")
+    top = log_h.max()
+    if not np.isfinite(top):
+        p[idx] = 1.0 / idx.size
+        return p
+    w = np.exp((log_h - top) / temperature)
+    p[idx] = w / w.sum()
+    return p
+
+
+def staleness_distribution(staleness, seen):
+    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over seen levels; uniform over seen if all are 0."""
+    seen = np.asarray(seen, dtype=bool)
+    p = np.zeros(len(seen))
+    idx = np.flatnonzero(seen)
+    if idx.size == 0:
+        return p
+    st = np.asarray(staleness, dtype=np.float64)[idx]
+    z = st.sum()
+    p[idx] = st / z if z > 0 else 1.0 / idx.size
+    return p
+
+
+def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
+    """Eq. (1): P_replay = (1 - ρ) P_S + ρ P_C over all levels (0 for unseen; all 0 if nothing is seen).
+    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ."""
+    p_s = score_distribution(scores, seen, transform, temperature)
+    if staleness_coef == 0.0:
+        return p_s
+    return (1.0 - staleness_coef) * p_s + staleness_coef * staleness_distribution(staleness, seen)
+
+
+class LevelSampler:
+    """PLR's level sampler: scores S, staleness c - C, seen set Λ_seen, per-actor partial scores S~ (Algorithm 4).
+
+    Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
+    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1) staged until their first episode ends.
+    Call order per update: `sample` (inside env.step, at each episode end) ... `update_with_rollouts` ->
+    PPO update -> `after_update`."""
+
+    def __init__(self, levels, num_actors, *, strategy="value_l1", transform="rank", temperature=0.1,
+                 staleness_coef=0.1, replay_schedule="proportionate", replay_prob=0.95, min_fill=0.0,
+                 score_alpha=1.0, commit="episode", buffer_size=0, seed=0):  # fmt: skip
+        self.unbounded = levels is None
+        self.strategy, self.transform, self.temperature = strategy, transform, temperature
+        self.staleness_coef, self.replay_schedule, self.replay_prob = staleness_coef, replay_schedule, replay_prob
+        self.min_fill, self.score_alpha, self.commit = min_fill, score_alpha, commit
+        size = buffer_size if self.unbounded else len(levels)
+        self.seeds = np.full(size, -1, np.int64) if self.unbounded else np.asarray(levels, np.int64).copy()
+        self.slot_of = {} if self.unbounded else {int(s): i for i, s in enumerate(self.seeds)}
+        self.scores = np.zeros(size)  # S
+        self.staleness = np.zeros(size)  # c - C
+        self.seen = np.zeros(size, bool)  # Λ_seen (unbounded: filled buffer slots)
+        self.scored = np.zeros(size, bool)  # has a committed score (EWA starts from the first score)
+        self.num_seen = 0
+        self.partial_score = np.zeros(num_actors)  # S~: time-averaged score of the unfinished episode
+        self.partial_steps = np.zeros(num_actors, np.int64)  # |τ| of that partial episode
+        self.partial_level = np.full(num_actors, -1, np.int64)
+        self.staged = {}  # unbounded: seed -> c when sampled, for levels not yet in the buffer
+        self.num_samples = 0  # c
+        self.num_replays = 0
+        self.rng = np.random.default_rng(seed)
+        self._p_s = None  # cached P_S (scores change only in update_with_rollouts / after_update)
+
+    # --- distributions ---
+    def _score_probs(self):
+        if self._p_s is None:
+            self._p_s = score_distribution(self.scores, self.seen, self.transform, self.temperature)
+        return self._p_s
+
+    def replay_probs(self) -> np.ndarray:
+        """P_replay over slots (Eq. (1)); same as replay_distribution(...) with the cached P_S."""
+        if self.staleness_coef == 0.0:
+            return self._score_probs()
+        return (1 - self.staleness_coef) * self._score_probs() + self.staleness_coef * staleness_distribution(
+            self.staleness, self.seen
+        )
+
+    def replay_decision_prob(self) -> float:
+        """P_D(d = 1), the probability that the next level is a replay."""
+        size = len(self.seeds)
+        frac = self.num_seen / size
+        if self.num_seen == 0 or frac < self.min_fill:
+            return 0.0
+        if not self.unbounded and self.num_seen == size:
+            return 1.0  # Algorithm 2: no unseen level left
+        return frac if self.replay_schedule == "proportionate" else self.replay_prob
+
+    # --- sampleNextLevel (Algorithm 4) ---
+    def _draw_unseen(self) -> int:
+        """P_new: uniform over Λ_train \\ Λ_seen (bounded), or a random seed not in the buffer (unbounded)."""
+        if not self.unbounded:
+            return int(self.rng.choice(np.flatnonzero(~self.seen)))
+        while True:
+            s = int(self.rng.integers(MAX_SEED))
+            if s not in self.slot_of and s not in self.staged:
+                return s
+
+    def sample(self, actor: int) -> int:
+        """Choose the level of actor `actor`'s next episode; returns its seed."""
+        if self.strategy == "random":  # uniform baseline P_train = Uniform(Λ_train)
+            if self.unbounded:
+                return int(self.rng.integers(MAX_SEED))
+            return int(self.seeds[self.rng.integers(len(self.seeds))])
+        self.num_samples += 1  # c <- c + 1
+        self.staleness += 1.0
+        if self.rng.random() < self.replay_decision_prob():  # d ~ P_D
+            slot = int(self.rng.choice(len(self.seeds), p=self.replay_probs()))  # l ~ P_replay
+            self.num_replays += 1
+            seed = int(self.seeds[slot])
+        else:
+            seed = self._draw_unseen()
+            slot = self.slot_of.get(seed)
+            if slot is None:  # unbounded: staged until its first episode is scored
+                self.staged[seed] = self.num_samples
+            else:  # Algorithm 2: add l to Λ_seen with S = 0, C = c
+                self.seen[slot] = True
+                self.num_seen += 1
+                self.scores[slot] = 0.0
+                self._p_s = None
+        if slot is not None:
+            self.staleness[slot] = 0.0  # C_i <- c
+        return seed
+
+    # --- scores ---
+    def _commit(self, seed: int, score: float) -> None:
+        """S_i <- (1 - α) S_i + α score (α = 1: the paper's overwrite); unbounded: insert into the top-M buffer."""
+        slot = self.slot_of.get(seed)
+        if slot is None:  # unbounded, level not in the buffer
+            timestamp = self.staged.pop(seed, self.num_samples)
+            if self.num_seen < len(self.seeds):
+                slot = self.num_seen
+                self.num_seen += 1
+            else:  # App. B.3: l_min = argmin P_replay(l), replaced only if its score is lower
+                slot = int(np.argmin(self.replay_probs()))
+                if not self.scores[slot] < score:
+                    return
+                del self.slot_of[int(self.seeds[slot])]
+            self.seeds[slot] = seed
+            self.slot_of[seed] = slot
+            self.seen[slot] = True
+            self.scored[slot] = False
+            self.staleness[slot] = self.num_samples - timestamp
+        if self.scored[slot]:
+            self.scores[slot] = (1.0 - self.score_alpha) * self.scores[slot] + self.score_alpha * score
+        else:
+            self.scores[slot] = score
+            self.scored[slot] = True
+        self._p_s = None
+
+    def update_with_rollouts(self, scores_tn, dones_tn, levels_tn) -> int:
+        """Split each actor's rollout at episode ends, average the per-step scores of each segment, stitch the first
+        segment to the actor's partial score S~ (Algorithm 4), commit finished episodes and keep the trailing
+        unfinished one as the new partial score. (T, N) numpy arrays in; returns the number of committed scores."""
+        if self.strategy == "random":
+            return 0
+        T, N = scores_tn.shape
+        s = np.asarray(scores_tn, np.float64).T.reshape(-1)  # actor-major
+        d = np.asarray(dones_tn, bool).T.reshape(-1)
+        lv = np.asarray(levels_tn, np.int64).T.reshape(-1)
+        start = np.zeros(N * T, bool)
+        start[::T] = True
+        start[1:] |= d[:-1]
+        start[::T] = True
+        first = np.flatnonzero(start)
+        last = np.r_[first[1:], N * T] - 1
+        seg = np.cumsum(start) - 1
+        sums = np.bincount(seg, weights=s, minlength=len(first))
+        counts = np.bincount(seg, minlength=len(first)).astype(np.int64)
+        seg_done, seg_level, seg_actor = d[last], lv[first], first // T
+        seg_first_of_actor = first % T == 0
+        committed = 0
+        for k in range(len(first)):  # one iteration per episode segment (vectorized stats above)
+            a, n, total = seg_actor[k], counts[k], sums[k]
+            if seg_first_of_actor[k] and self.partial_steps[a] > 0:
+                if self.partial_level[a] == seg_level[k]:  # continue S~ of the same episode
+                    total += self.partial_score[a] * self.partial_steps[a]
+                    n += self.partial_steps[a]
+                self.partial_steps[a] = 0
+            if seg_done[k]:
+                self._commit(int(seg_level[k]), total / n)
+                committed += 1
+            else:
+                self.partial_score[a], self.partial_steps[a], self.partial_level[a] = total / n, n, seg_level[k]
+        return committed
+
+    def after_update(self) -> None:
+        """`--plr-commit update` (authors' code): commit every partial score S~ as its level's score, reset S~."""
+        if self.commit != "update" or self.strategy == "random":
+            return
+        for a in np.flatnonzero(self.partial_steps > 0):
+            self._commit(int(self.partial_level[a]), float(self.partial_score[a]))
+            self.partial_steps[a] = 0
+
+    # --- checkpointing ---
+    _ARRAYS = ("seeds", "scores", "staleness", "seen", "scored", "partial_score", "partial_steps", "partial_level")
+
+    def state_dict(self) -> dict:
+        d = {k: getattr(self, k).copy() for k in self._ARRAYS}
+        d.update(staged=dict(self.staged), num_samples=self.num_samples, num_replays=self.num_replays,
+                 num_seen=self.num_seen, rng=self.rng.bit_generator.state)  # fmt: skip
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        for k in self._ARRAYS:
+            setattr(self, k, np.array(d[k]).copy())
+        self.staged, self.num_samples = dict(d["staged"]), d["num_samples"]
+        self.num_replays, self.num_seen = d["num_replays"], d["num_seen"]
+        self.slot_of = {int(s): i for i, s in enumerate(self.seeds) if s >= 0}
+        self.rng.bit_generator.state = d["rng"]
+        self._p_s = None
+
+    def stats(self) -> dict:
+        """plr/* metrics."""
+        p = self.replay_probs() if self.num_seen else np.zeros(1)
+        nz = p[p > 0]
+        sc, st = self.scores[self.seen], self.staleness[self.seen]
+        return {
+            "plr/num_seen_levels": int(self.num_seen),
+            "plr/replay_prob": self.replay_decision_prob(),
+            "plr/num_replays": int(self.num_replays),
+            "plr/score_mean": float(sc.mean()) if sc.size else 0.0,
+            "plr/score_max": float(sc.max()) if sc.size else 0.0,
+            "plr/staleness_mean": float(st.mean()) if st.size else 0.0,
+            "plr/staleness_max": float(st.max()) if st.size else 0.0,
+            "plr/replay_entropy": float(-(nz * np.log(nz)).sum()),
+        }
+
+
+def make_sampler(args: Args, seed: int) -> LevelSampler:
+    levels = None if args.num_train_levels == 0 else np.arange(args.start_level, args.start_level + args.num_train_levels)
+    return LevelSampler(levels, args.num_envs, strategy=args.plr_strategy, transform=args.plr_transform,
+                        temperature=args.plr_temperature, staleness_coef=args.plr_staleness_coef,
+                        replay_schedule=args.plr_replay_schedule, replay_prob=args.plr_replay_prob,
+                        min_fill=args.plr_min_fill, score_alpha=args.plr_score_alpha, commit=args.plr_commit,
+                        buffer_size=args.plr_buffer_size, seed=seed)  # fmt: skip
+
+
+# EVALUATION
+def normalized_return(env_id, distribution_mode, ret):
+    """Cobbe et al. (2020) min-max normalization (R - R_min) / (R_max - R_min); None outside Procgen easy/hard."""
+    if env_id not in PROCGEN_RETURN_BOUNDS or distribution_mode not in ("easy", "hard"):
+        return None
+    b = PROCGEN_RETURN_BOUNDS[env_id]
+    lo, hi = (b[0], b[1]) if distribution_mode == "easy" else (b[2], b[3])
+    return (ret - lo) / (hi - lo)
+
+
+def evaluate(agent, envs, next_level, num_episodes, device) -> np.ndarray:
+    """Stochastic-policy returns of `num_episodes` episodes, each env contributing its first ceil(k/n) episodes
+    (so short episodes are not over-represented); every episode starts on `next_level()`."""
+    n = envs.num_envs
+    quota = -(-num_episodes // n)
+    got = [[] for _ in range(n)]
+    obs = envs.reset([next_level() for _ in range(n)])
+    while sum(min(len(g), quota) for g in got) < num_episodes:
+        with torch.no_grad():
+            logits, _ = agent(torch.as_tensor(obs, device=device))
+        actions = Categorical(logits=logits).sample().cpu().numpy()
+        obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
+        for i in np.flatnonzero(info["_episode"]):
+            got[i].append(float(info["episode_return"][i]))
+    return np.array([r for g in got for r in g[:quota]][:num_episodes])
+
+
+def level_difficulties(env_id, seeds) -> np.ndarray | None:
+    """Difficulty label per training level for MultiRoom / ObstructedMazeGamut (paper Fig. 4), else None."""
+    if "MultiRoom" not in env_id and "ObstructedMazeGamut" not in env_id:
+        return None
+    from common.minigrid_env import level_difficulty
+
+    return np.array([level_difficulty(env_id, int(s)) for s in seeds])
+
+
+def plot_curriculum(history, path) -> None:
+    """Probability mass of P_replay per difficulty over training (paper Figure 4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h[0] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label in sorted(history[0][1]):
+        ax.plot(steps, [h[1][label] for h in history], label=label)
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("P_replay mass")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume and os.path.isfile(args.resume):
+        ckpt = load_checkpoint(args.resume)
+        resumed_args = Args(**ckpt["args"])
+        resumed_args.total_timesteps, resumed_args.resume = args.total_timesteps, args.resume
+        resumed_args.progress, resumed_args.checkpoint_every = args.progress, args.checkpoint_every
+        args = resumed_args
+    args = resolve_defaults(args)
+    validate_args(args)  # one-line errors before anything heavy starts
+    run_name = make_run_name(args.env_id, args.exp_name, args.seed)
+    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
+                       wandb_entity=args.wandb_entity, progress=args.progress)  # fmt: skip
+
+    # TRY NOT TO MODIFY: seeding
+    seed_everything(args.seed, args.torch_deterministic)
+    device = select_device(args.cuda)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2) if device.type == "cpu" else 1)
+
+    # SETUP: envs, network, optimizer, level sampler
+    procgen = is_procgen(args.env_id)
+    N, T = args.num_envs, args.num_steps
+    batch_size = N * T
+    minibatch_size = batch_size // args.num_minibatches
+    envs = make_env(args, N, seed=args.seed)
+    eval_envs = {k: make_env(args, args.num_eval_envs, seed=args.seed + 1 + j, num_workers=1)
+                 for j, k in enumerate(("train", "test"))}  # fmt: skip
+    obs_shape = envs.single_observation_space.shape
+    num_actions = int(envs.single_action_space.n)
+    agent = make_agent(args, obs_shape, num_actions).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    sampler = make_sampler(args, seed=args.seed)
+    normalizer = ReturnNormalizer(N, args.gamma) if args.norm_reward else None
+    eval_rng = np.random.default_rng(args.seed + 12345)
+    train_levels = np.arange(args.start_level, args.start_level + args.num_train_levels)
+
+    def eval_level(kind):
+        if kind == "train" and args.num_train_levels > 0:
+            return int(train_levels[eval_rng.integers(len(train_levels))])
+        return int(eval_rng.integers(MAX_SEED))  # held-out test levels: the full distribution
+
+    difficulties = None if args.num_train_levels == 0 else level_difficulties(args.env_id, train_levels)
+    curriculum = []
+
+    global_step, update, start_update_time = 0, 0, time.time()
+    if args.resume:
+        agent.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        global_step, update = ckpt["global_step"], ckpt["update"]
+        sampler.load_state_dict(ckpt["sampler"])
+        if normalizer is not None:
+            normalizer.load_state_dict(ckpt["normalizer"])
+        eval_rng.bit_generator.state = ckpt["eval_rng"]
+        curriculum = ckpt.get("curriculum", [])
+        set_rng_state(ckpt["rng"])
+        # emulator states are not saved: each env restarts the level it was playing
+        next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])
+        print(f"resumed from {args.resume} at step {global_step}")
+    else:
+        next_obs = envs.reset([sampler.sample(i) for i in range(N)])
+
+    obs_buf = torch.zeros((T, N, *obs_shape), dtype=torch.uint8, device=device)
+    actions_buf = torch.zeros((T, N), dtype=torch.long, device=device)
+    logprobs_buf, values_buf, rewards_buf = (torch.zeros((T, N), device=device) for _ in range(3))
+    final_values_buf = torch.zeros((T, N), device=device)
+    term_buf, done_buf = (torch.zeros((T, N), dtype=torch.bool, device=device) for _ in range(2))
+    levels_np = np.zeros((T, N), np.int64)
+    need_logits = args.plr_strategy in ("policy_entropy", "least_confidence", "min_margin")
+    logits_buf = torch.zeros((T, N, num_actions), device=device) if need_logits else None
+    recent_returns, last_eval = [], {}
+    sps_steps, sps_time = 0, 0.0
+
+    def run_eval(num_episodes):
+        agent.eval()
+        out = {}
+        for kind in ("train", "test"):
+            rets = evaluate(agent, eval_envs[kind], lambda k=kind: eval_level(k), num_episodes, device)
+            out[f"eval/{kind}_return"] = float(rets.mean())
+            norm = normalized_return(args.env_id, args.distribution_mode, rets.mean())
+            if norm is not None:
+                out[f"eval/{kind}_normalized_return"] = float(norm)
+        out["eval/generalization_gap"] = out["eval/train_return"] - out["eval/test_return"]
+        agent.train()
+        return out
+
+    def save(path):
+        save_checkpoint(path, {
+            "args": vars(args), "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+            "global_step": global_step, "update": update, "sampler": sampler.state_dict(),
+            "normalizer": normalizer.state_dict() if normalizer is not None else None,
+            "eval_rng": eval_rng.bit_generator.state, "curriculum": curriculum, "rng": rng_state(),
+            "env_levels": np.array(envs.levels, dtype=np.int64),
+        })  # fmt: skip
+
+    next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
+    interrupted = False
+    try:
+        while global_step < args.total_timesteps:
+            t0 = time.time()
+            replays_before = sampler.num_replays
+            samples_before = sampler.num_samples
+            # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
+            for step in range(T):
+                obs_t = torch.as_tensor(next_obs, device=device)
+                obs_buf[step] = obs_t
+                with torch.no_grad():
+                    logits, value = agent(obs_t)
+                dist = Categorical(logits=logits)
+                action = dist.sample()
+                actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
+                if need_logits:
+                    logits_buf[step] = logits
+                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=sampler.sample)
+                done = terminated | truncated
+                levels_np[step] = info["level_seed"]
+                if normalizer is not None:
+                    reward = normalizer(reward, done)
+                rewards_buf[step] = torch.as_tensor(reward, device=device)
+                term_buf[step] = torch.as_tensor(terminated, device=device)
+                done_buf[step] = torch.as_tensor(done, device=device)
+                if info["final_obs"] is not None and truncated.any():  # bootstrap truncations from V(s_final)
+                    idx = np.flatnonzero(truncated)
+                    with torch.no_grad():
+                        _, v_final = agent(torch.as_tensor(info["final_obs"][idx], device=device))
+                    final_values_buf[step, torch.as_tensor(idx, device=device)] = v_final
+                for i in np.flatnonzero(info["_episode"]):
+                    recent_returns.append((float(info["episode_return"][i]), int(info["episode_length"][i])))
+            global_step += batch_size
+            collect_time = time.time() - t0
+
+            # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
+            with torch.no_grad():
+                _, next_value = agent(torch.as_tensor(next_obs, device=device))
+            if procgen:  # no final obs: a time-limit truncation is treated as a termination (authors' code, CleanRL)
+                no_bootstrap, final_values = done_buf, torch.zeros_like(values_buf)
+            else:  # MiniGrid: truncated episodes bootstrap from V(final_obs)
+                no_bootstrap, final_values = term_buf, final_values_buf
+            advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, no_bootstrap, done_buf, final_values,
+                                             args.gamma, args.gae_lambda)  # fmt: skip
+            returns = advantages + values_buf
+            t1 = time.time()
+            if args.plr_strategy != "random":
+                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
+                                     logits_buf.cpu().numpy() if need_logits else None)  # fmt: skip
+                sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
+            plr_time = time.time() - t1
+
+            b_obs = obs_buf.reshape(-1, *obs_shape)
+            b_actions, b_logprobs = actions_buf.reshape(-1), logprobs_buf.reshape(-1)
+            b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values_buf.reshape(-1)
+            if args.norm_adv:
+                b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-5)
+            clipfracs = []
+            for epoch in range(args.update_epochs):
+                perm = torch.randperm(batch_size, device=device)
+                for start in range(0, batch_size, minibatch_size):
+                    mb = perm[start : start + minibatch_size]
+                    loss, pg_loss, v_loss, entropy, approx_kl, clipfrac = ppo_loss(
+                        agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args
+                    )
+                    optimizer.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    clipfracs.append(clipfrac)
+            t2 = time.time()
+            sampler.after_update()
+            plr_time += time.time() - t2
+            update += 1
+
+            # LOG
+            sps_steps += batch_size
+            sps_time += time.time() - t0
+            sps = int(sps_steps / max(sps_time, 1e-9))
+            y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+            var_y = np.var(y_true)
+            metrics = {
+                "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/collect_seconds": collect_time, "charts/plr_seconds": plr_time,
+                "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
+                "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
+                "losses/clipfrac": torch.stack(clipfracs).mean().item(),
+                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
+            }  # fmt: skip
+            if recent_returns:
+                metrics["charts/episodic_return"] = float(np.mean([r for r, _ in recent_returns]))
+                metrics["charts/episodic_length"] = float(np.mean([n for _, n in recent_returns]))
+            if args.plr_strategy != "random":
+                metrics.update(sampler.stats())
+                new = sampler.num_samples - samples_before
+                metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / new if new else 0.0
+                if difficulties is not None and sampler.num_seen:
+                    p = sampler.replay_probs()
+                    mass = {lab: float(p[difficulties == lab].sum()) for lab in np.unique(difficulties)}
+                    curriculum.append((global_step, mass))
+                    metrics.update({f"plr/mass_{lab}": m for lab, m in mass.items()})
+            if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
+                last_eval = run_eval(args.eval_episodes)
+                metrics.update(last_eval)
+            logger.log(global_step, metrics)
+            logger.progress(global_step, sps, episodic_return=metrics.get("charts/episodic_return"),
+                            loss_name="value_loss", loss=metrics["losses/value_loss"],
+                            extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "")  # fmt: skip
+            recent_returns = []
+
+            # CHECKPOINT
+            if next_checkpoint is not None and global_step >= next_checkpoint:
+                save(logger.dir / "checkpoint.pt")
+                next_checkpoint += args.checkpoint_every
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: closing environments")
+    except RuntimeError as e:  # a MiniGrid worker died
+        interrupted = True
+        print(f"error: {e}")
+    finally:
+        envs.close()
+
+    # SAVE + EVALUATE
+    summary = {"global_step": global_step, "updates": update, "interrupted": interrupted}
+    if not interrupted:
+        if args.checkpoint_every:
+            save(logger.dir / "checkpoint.pt")
+        if args.save_model:
+            model_path = logger.dir / f"{args.exp_name}.model"
+            save_checkpoint(model_path, {"model": agent.state_dict(), "args": vars(args)})
+            print(f"model saved to {model_path}")
+        if args.final_eval_episodes:
+            final = run_eval(args.final_eval_episodes)
+            logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
+            summary.update({k.replace("eval/", "final_"): v for k, v in final.items()})
+        if curriculum:
+            plot_curriculum(curriculum, logger.dir / "curriculum.png")
+    if args.plr_strategy != "random":
+        summary.update({k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()})
+    for e in eval_envs.values():
+        e.close()
+    logger.summary(summary)
+    logger.close()
