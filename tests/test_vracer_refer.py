@@ -1,0 +1,405 @@
+"""Tests for vracer_refer.py: estimators against slow textbook loops written from the paper's equations, ReF-ER
+bookkeeping, the replay memory, and end-to-end smoke / resume runs with 2 actor processes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vracer_refer as vr
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "vracer_refer.py")
+
+
+# ---------------------------------------------------------------- textbook implementations (paper notation, slow)
+def textbook_vtbc(rewards, values, rhos, gamma, terminated):
+    """Eq. (8) as a backward loop: V^tbc_t = V_t + min(1, rho_t) [r_{t+1} + gamma V^tbc_{t+1} - V_t]."""
+    L = len(rewards)
+    nxt = 0.0 if terminated else values[L]  # V^tbc_L: bootstrap V(s_L) on truncation, 0 on termination
+    out = np.zeros(L)
+    for t in reversed(range(L)):
+        rho_bar = min(1.0, rhos[t])
+        out[t] = values[t] + rho_bar * (rewards[t] + gamma * nxt - values[t])
+        nxt = out[t]
+    return out
+
+
+def textbook_qret(rewards, values, rhos, gamma, terminated):
+    """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (from Eqs. (6)-(7))."""
+    vt = textbook_vtbc(rewards, values, rhos, gamma, terminated)
+    tail = 0.0 if terminated else values[len(rewards)]
+    return np.array([rewards[t] + gamma * (vt[t + 1] if t + 1 < len(rewards) else tail) for t in range(len(rewards))])
+
+
+def random_episode(rng, L, terminated):
+    rewards = rng.normal(size=L)
+    values = rng.normal(size=L + 1)
+    if terminated:
+        values[L] = 0.0
+    rhos = np.exp(rng.normal(scale=1.0, size=L))
+    return rewards, values, rhos
+
+
+# ---------------------------------------------------------------- V^tbc (Eq. (8))
+@pytest.mark.parametrize("terminated", [True, False])
+def test_vtbc_matches_textbook(terminated):
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        L = int(rng.integers(1, 60))
+        gamma = float(rng.uniform(0.5, 1.0))
+        r, v, rho = random_episode(rng, L, terminated)
+        np.testing.assert_allclose(vr.vtbc_targets(r, v, rho, gamma, terminated),
+                                   textbook_vtbc(r, v, rho, gamma, terminated), rtol=1e-10, atol=1e-10)
+
+
+def test_vtbc_edge_cases():
+    # length-1 episodes: terminal -> V + c (r - V); truncated -> V + c (r + gamma V(s_1) - V)
+    out = vr.vtbc_targets([2.0], [0.5, 3.0], [0.5], 0.9, True)
+    np.testing.assert_allclose(out, [0.5 + 0.5 * (2.0 - 0.5)])
+    out = vr.vtbc_targets([2.0], [0.5, 3.0], [4.0], 0.9, False)
+    np.testing.assert_allclose(out, [2.0 + 0.9 * 3.0])
+    # terminated ignores whatever is in the tail slot
+    np.testing.assert_allclose(vr.vtbc_targets([1.0, 1.0], [0, 0, 100.0], [1, 1], 0.5, True), [1.5, 1.0])
+    # rho >= 1 everywhere: V^tbc is the bootstrapped discounted return, independent of V
+    rng = np.random.default_rng(1)
+    r, v, _ = random_episode(rng, 30, False)
+    disc = sum(0.99**k * r[k] for k in range(30)) + 0.99**30 * v[30]
+    assert vr.vtbc_targets(r, v, np.full(30, 2.0), 0.99, False)[0] == pytest.approx(disc)
+    # rho tiny: trace cut, V^tbc ~ V
+    np.testing.assert_allclose(vr.vtbc_targets(r, v, np.full(30, 1e-12), 0.99, False), v[:30], atol=1e-9)
+
+
+def test_reverse_linear_scan_segments():
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        n = int(rng.integers(1, 200))
+        a = rng.uniform(0, 1, n)
+        a[rng.uniform(size=n) < 0.1] = 0.0
+        a[-1] = 0.0
+        b = rng.normal(size=n)
+        x = np.zeros(n)
+        nxt = 0.0
+        for t in reversed(range(n)):
+            x[t] = b[t] + a[t] * nxt
+            nxt = x[t]
+        np.testing.assert_allclose(vr.reverse_linear_scan(a, b), x, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- ReF-ER schedules (Eqs. (12), (13))
+def test_refer_cmax_and_lr():
+    assert vr.refer_cmax(0, 4.0, 5e-7) == pytest.approx(5.0)
+    assert vr.refer_cmax(1_000_000, 4.0, 5e-7) == pytest.approx(1 + 4 / 1.5)
+    assert vr.refer_cmax(10**7, 4.0, 5e-7) == pytest.approx(1 + 4 / 6)
+    c = [vr.refer_cmax(k, 4.0, 5e-7) for k in range(0, 10**9, 10**7)]
+    assert all(x > y for x, y in zip(c, c[1:])) and c[-1] > 1.0  # decreasing towards 1, never below
+    assert vr.annealed_lr(2_000_000, 1e-4, 5e-7) == pytest.approx(1e-4 / 2)
+
+
+def test_refer_beta_update():
+    def textbook(beta, frac, D, eta):
+        if frac > D:
+            return (1 - eta) * beta
+        return (1 - eta) * beta + eta
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        beta, frac, D, eta = rng.uniform(), rng.uniform(0, 0.3), rng.uniform(0.01, 0.3), rng.uniform(1e-5, 0.1)
+        assert vr.refer_beta_update(beta, frac, D, eta) == pytest.approx(textbook(beta, frac, D, eta))
+    # fixed points: 0 when too many far-policy samples, 1 otherwise; stays in [0, 1]
+    assert vr.refer_beta_update(0.0, 0.5, 0.1, 1e-4) == 0.0
+    assert vr.refer_beta_update(1.0, 0.05, 0.1, 1e-4) == pytest.approx(1.0)
+    b = 0.0
+    for _ in range(20000):
+        b = vr.refer_beta_update(b, 0.0, 0.1, 1e-4)
+    assert b == pytest.approx(1 - (1 - 1e-4) ** 20000)
+    assert vr.refer_beta_update(0.5, 0.1, 0.1, 0.1) > 0.5  # frac == D is "otherwise" (not >)
+
+
+# ---------------------------------------------------------------- KL (Eq. (11)) and the per-sample gradient (Eq. (10))
+def test_gaussian_kl_both_directions_against_torch():
+    g = torch.Generator().manual_seed(0)
+    m1, m2 = torch.randn(50, 6, generator=g, dtype=torch.float64), torch.randn(50, 6, generator=g, dtype=torch.float64)
+    s1, s2 = torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1, torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1
+    N = torch.distributions.Normal
+    ref_mu_pi = torch.distributions.kl_divergence(N(m1, s1), N(m2, s2)).sum(-1)
+    ref_pi_mu = torch.distributions.kl_divergence(N(m2, s2), N(m1, s1)).sum(-1)
+    torch.testing.assert_close(vr.gaussian_kl(m1, s1, m2, s2), ref_mu_pi)
+    torch.testing.assert_close(vr.gaussian_kl(m2, s2, m1, s1), ref_pi_mu)
+    assert not torch.allclose(ref_mu_pi, ref_pi_mu)  # the two directions really differ
+    torch.testing.assert_close(vr.gaussian_logprob(m1, m2, s2), N(m2, s2).log_prob(m1).sum(-1))
+
+
+def hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_direction):
+    """d loss / d (mean, std, V) per sample, derived by hand from Eqs. (5), (7), (9)-(11), with loss = -(1/B) sum g."""
+    B = mean.shape[0]
+    logp = (-0.5 * ((act - mean) / std) ** 2 - np.log(std) - 0.5 * np.log(2 * np.pi)).sum(-1)
+    logmu = (-0.5 * ((act - mu_mean) / mu_std) ** 2 - np.log(mu_std) - 0.5 * np.log(2 * np.pi)).sum(-1)
+    rho = np.exp(np.clip(logp - logmu, -7, 7))
+    adv = qret - value
+    gm, gs, gv = np.zeros_like(mean), np.zeros_like(std), np.zeros_like(value)
+    for i in range(B):
+        d = mean[i] - mu_mean[i]
+        if kl_direction == "mu_pi":  # D_KL(mu || pi)
+            kl_m = d / std[i] ** 2
+            kl_s = (std[i] ** 2 - mu_std[i] ** 2 - d**2) / std[i] ** 3
+        else:  # D_KL(pi || mu)
+            kl_m = d / mu_std[i] ** 2
+            kl_s = std[i] / mu_std[i] ** 2 - 1 / std[i]
+        gm[i] = (1 - beta) * kl_m
+        gs[i] = (1 - beta) * kl_s
+        if 1 / cmax < rho[i] < cmax:  # near-policy: + beta * (off-PG and value) gradients
+            dlogp_m = (act[i] - mean[i]) / std[i] ** 2
+            dlogp_s = ((act[i] - mean[i]) ** 2 / std[i] ** 2 - 1) / std[i]
+            gm[i] += -beta * rho[i] * adv[i] * dlogp_m
+            gs[i] += -beta * rho[i] * adv[i] * dlogp_s
+            gv[i] = -beta * min(1.0, rho[i]) * adv[i]  # V - V^tbc
+    return gm / B, gs / B, gv / B, rho
+
+
+@pytest.mark.parametrize("kl_direction", ["mu_pi", "pi_mu"])
+def test_per_sample_gradient_matches_hand_derivation(kl_direction):
+    rng = np.random.default_rng(4)
+    B, dA = 12, 3
+    mean, mu_mean = rng.normal(size=(B, dA)), rng.normal(size=(B, dA)) * 0.3
+    std, mu_std = rng.uniform(0.3, 1.0, (B, dA)), rng.uniform(0.3, 1.0, (B, dA))
+    mean[:4] = mu_mean[:4] + 0.01  # some near-policy samples
+    std[:4] = mu_std[:4]
+    act = mu_mean + mu_std * rng.normal(size=(B, dA))
+    value, qret = rng.normal(size=B), rng.normal(size=B)
+    beta, cmax = 0.3, 2.0
+    t = {k: torch.tensor(v, requires_grad=k in ("mean", "std", "value")) for k, v in
+         dict(mean=mean, std=std, value=value, act=act, mu_mean=mu_mean, mu_std=mu_std, qret=qret).items()}
+    loss, info = vr.refer_loss(t["mean"], t["std"], t["value"], t["act"], t["mu_mean"], t["mu_std"], t["qret"],
+                               beta, cmax, "full", kl_direction)
+    loss.backward()
+    gm, gs, gv, rho = hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_direction)
+    far = ~((rho > 1 / cmax) & (rho < cmax))
+    assert 0 < far.sum() < B  # both kinds present
+    np.testing.assert_allclose(info["rho"].numpy(), rho, rtol=1e-10)
+    np.testing.assert_array_equal(info["far"].numpy(), far)
+    np.testing.assert_allclose(t["mean"].grad.numpy(), gm, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(t["std"].grad.numpy(), gs, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(t["value"].grad.numpy(), gv, rtol=1e-8, atol=1e-12)
+    assert np.all(t["value"].grad.numpy()[far] == 0)  # far-policy: no value gradient
+
+
+def test_ablations_change_the_gradient_as_described():
+    rng = np.random.default_rng(5)
+    B, dA = 16, 2
+    args = [torch.tensor(x) for x in (rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA)), rng.normal(size=B),
+                                      rng.normal(size=(B, dA)), rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA)),
+                                      rng.normal(size=B))]
+
+    def grads(refer, beta):
+        ps = [a.clone().requires_grad_(i < 3) for i, a in enumerate(args)]
+        loss, info = vr.refer_loss(*ps, beta=beta, cmax=1.5, refer=refer)
+        loss.backward()
+        return ps[0].grad, ps[2].grad, info["far"]
+    gm_none, gv_none, _ = grads("none", 0.2)
+    gm_r1, gv_r1, far = grads("rule1", 0.2)
+    assert far.any() and (~far).any()
+    assert torch.all(gm_r1[far] == 0) and torch.all(gv_r1[far] == 0)  # rule 1 only: far samples give nothing
+    torch.testing.assert_close(gv_r1[~far], gv_none[~far])  # near samples: plain gradient (beta ignored)
+    gm_full_b1, _, _ = grads("full", 1.0)
+    torch.testing.assert_close(gm_full_b1, gm_r1)  # full with beta = 1 is rule 1
+    _, gv_r2, _ = grads("rule2", 0.2)
+    assert torch.all(gv_r2 != 0)  # rule 2: every sample has a value gradient
+
+
+# ---------------------------------------------------------------- replay memory
+def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
+    lens = []
+    for _ in range(n_episodes):
+        L = int(rng.integers(lmin, lmax + 1))
+        term = bool(rng.uniform() < 0.5)
+        rm.add_episode(rng.normal(size=(L, obs_dim)), rng.normal(size=(L, act_dim)), np.zeros((L, act_dim)),
+                       np.ones((L, act_dim)), rng.normal(size=L), rng.normal(size=L), term,
+                       final_val=float(rng.normal()), final_obs=rng.normal(size=obs_dim))
+        lens.append(L)
+    return lens
+
+
+def test_fifo_removal_keeps_at_least_N():
+    rng = np.random.default_rng(6)
+    N = 300
+    rm = vr.EpisodeReplay(N, 3, 2, 0.99, max_episode_len=40)
+    inserted = 0
+    order = []
+    for _ in range(400):
+        lens = fill(rm, rng, 1)
+        inserted += lens[0]
+        order.append(rm.episodes[-1][0])
+        assert rm.size >= min(N, inserted)  # never below N once N samples were seen
+        assert rm.size - rm.episodes[0][1] < N  # removing one more episode would go below N
+        assert rm.size == rm.valid.sum() == sum(L for _, L in rm.episodes)
+    assert rm.forced_removals == 0
+    # FIFO: stored episodes are the most recently inserted ones, in order
+    assert [s for s, _ in rm.episodes] == order[-len(rm.episodes):]
+    # episodes are contiguous and bookkeeping is consistent
+    for s, L in rm.episodes:
+        assert np.all(rm.ep_start[s:s + L] == s) and np.all(rm.ep_last[s:s + L] == s + L - 1)
+
+
+def test_empty_and_small_memory():
+    rm = vr.EpisodeReplay(100, 3, 2, 0.99, max_episode_len=40)
+    rng = np.random.default_rng(7)
+    with pytest.raises(ValueError):
+        rm.sample(4, rng)
+    assert rm.far_fraction() == 0.0
+    rm.recompute_all()  # no-op on an empty memory
+    fill(rm, rng, 1, lmin=5, lmax=5)
+    assert sorted(rm.sample(5, rng)) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        rm.add_episode(np.zeros((200, 3)), np.zeros((200, 2)), np.zeros((200, 2)), np.ones((200, 2)), np.zeros(200),
+                       np.zeros(200), True)
+
+
+def test_sampling_is_distinct_valid_and_roughly_uniform():
+    rng = np.random.default_rng(8)
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 200)
+    counts = np.zeros(rm.cap)
+    for _ in range(400):
+        idx = rm.sample(64, rng)
+        assert len(np.unique(idx)) == 64 and rm.valid[idx].all()
+        counts[idx] += 1
+    c = counts[rm.valid]
+    assert abs(c.mean() - 400 * 64 / rm.size) < 1e-9
+    assert c.std() / c.mean() < 0.25  # binomial spread, no region starved
+
+
+def check_qret_consistent(rm):
+    """Stored Q^ret equals the full Eq. (8) recursion over the stored V, rho and vboot of every episode."""
+    for s, L in rm.episodes:
+        sl = slice(s, s + L)
+        term = not rm.truncated_last[s + L - 1]
+        vals = np.append(rm.val[sl], rm.vboot[s + L - 1])
+        np.testing.assert_allclose(rm.qret[sl], textbook_qret(rm.rs[sl], vals, rm.rho[sl], rm.gamma, term),
+                                   rtol=1e-9, atol=1e-9)
+
+
+def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
+    rng = np.random.default_rng(9)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
+    fill(rm, rng, 40)
+    check_qret_consistent(rm)  # insertion: rho = 1 and acting-time V
+    rm.cmax = 2.0
+    rm.recount_far(2.0)
+    for step in range(30):
+        idx = rm.sample(32, rng)
+        boot = idx[rm.truncated_last[idx]]
+        rm.update_samples(idx, np.exp(rng.normal(size=32)), rng.normal(size=32), boot, rng.normal(size=len(boot)))
+        check_qret_consistent(rm)  # incremental refresh == full recomputation
+        n_far_incremental = rm.n_far
+        assert n_far_incremental == int((vr.is_far_policy(rm.rho, 2.0) & rm.valid).sum())
+        if step % 10 == 0:
+            fill(rm, rng, 3)  # insertions/removals in between keep the invariant
+            assert rm.n_far == int((vr.is_far_policy(rm.rho, 2.0) & rm.valid).sum())
+    before = rm.qret.copy()
+    rm.recompute_all()
+    np.testing.assert_allclose(rm.qret[rm.valid], before[rm.valid], rtol=1e-9, atol=1e-9)
+
+
+def test_reward_scaling_is_rms_without_mean_shift():
+    rng = np.random.default_rng(10)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 30)
+    for i in range(len(rm.rew)):
+        rm.rew[i] += 5.0 * rm.valid[i]
+    scale = rm.update_reward_scale()
+    r = rm.rew[rm.valid]
+    assert scale == pytest.approx(np.sqrt(np.mean(r**2)) + 1e-7)  # Eq. (16)
+    np.testing.assert_allclose(rm.rs[rm.valid], r / scale)  # r / (sigma_r + eps), mean kept
+    assert rm.rs[rm.valid].mean() > 0.5
+    check_qret_consistent(rm)  # targets recomputed in the new scale
+    m, s = rm.state_stats()
+    np.testing.assert_allclose(m, rm.obs[rm.valid].mean(0), rtol=1e-5)  # Eq. (14)
+    np.testing.assert_allclose(s, rm.obs[rm.valid].std(0), rtol=1e-5)  # Eq. (15)
+
+
+def test_rank_per_prefers_high_priorities():
+    rng = np.random.default_rng(11)
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 100)
+    rm.prio[rm.valid] = rng.uniform(size=rm.valid.sum())
+    rm.per_rebuild()
+    idx, w = rm.sample_per(2000, rng, 0.7, 0.5)
+    assert rm.valid[idx].all() and w.max() == pytest.approx(1.0) and np.all(w > 0)
+    assert rm.prio[idx].mean() > rm.prio[rm.valid].mean() + 0.1
+    assert np.all(np.diff(w[np.argsort(rm.prio[idx])]) <= 1e-12)  # higher priority -> smaller IS weight
+
+
+def test_noise_and_action_scaling():
+    rng = np.random.default_rng(12)
+    z = vr.sample_noise(rng, (200_000,), "truncnorm")
+    assert np.abs(z).max() <= 3.0 and abs(z.std() - 0.9866) < 0.01  # std of N(0,1) truncated at +-3
+    z = vr.sample_noise(rng, (200_000,), "smarties")
+    assert np.abs(z).max() <= 3.0
+    assert np.abs(vr.sample_noise(rng, (200_000,), "normal")).max() > 3.0
+    low, high = np.array([-0.4, 0.0]), np.array([0.4, 2.0])
+    np.testing.assert_allclose(vr.to_env_action(np.array([-1.0, 1.0]), low, high), [-0.4, 2.0])
+    np.testing.assert_allclose(vr.to_env_action(np.array([0.0, 0.0]), low, high), [0.0, 1.0])
+    np.testing.assert_allclose(vr.to_env_action(np.array([2.0, -3.0]), low, high, clip=True), [0.4, 0.0])
+
+
+def test_agent_initialisation():
+    torch.manual_seed(0)
+    for std_map in ("softplus", "cheap_softplus"):
+        agent = vr.Agent(11, 3, 128, 0.2**0.5, std_map)
+        m, s, v = agent(torch.randn(64, 11))
+        torch.testing.assert_close(s, torch.full((64, 3), 0.2**0.5))  # Sigma_0 = 0.2 I
+        assert m.abs().max() < 0.2 and v.abs().max() < 0.2  # near-zero outputs
+    assert vr.Agent(11, 3, 128, residual=True)(torch.randn(2, 11))[0].shape == (2, 3)
+
+
+# ---------------------------------------------------------------- end to end (subprocess, 2 actors)
+def run_script(tmp_path, *flags, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+SMALL = ["--env-id", "Hopper-v5", "--num-actors", "2", "--learning-starts", "600", "--buffer-size", "600",
+         "--batch-size", "32", "--log-every", "100", "--stats-every", "200"]
+
+
+def test_smoke_two_actors_and_resume_round_trip(tmp_path):
+    p = run_script(tmp_path, *SMALL, "--total-timesteps", "1600", "--checkpoint-every", "500",
+                   "--checkpoint-replay", "--save-model", "--eval-episodes", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = next((tmp_path / "runs").iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] >= 1600
+    assert summary["grad_steps"] >= 900  # F = 1 after learning starts
+    names = set()
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        names |= set(json.loads(line))
+    for n in ("charts/episodic_return", "charts/SPS", "losses/policy_loss", "losses/value_loss", "refer/beta",
+              "refer/far_policy_frac", "refer/c_max", "refer/kl", "charts/learning_rate", "eval/episodic_return"):
+        assert n in names, n
+    assert (run / "vracer_refer.model").exists()
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["replay"] is not None and ckpt["state"]["k"] > 0
+    # resume: restores network, optimizer, beta, k, statistics and the replay memory; learning continues at once
+    p2 = run_script(tmp_path, *SMALL, "--total-timesteps", str(ckpt["global_step"] + 400), "--checkpoint-every",
+                    "200", "--resume", str(run / "checkpoint.pt"))
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    assert "with replay memory" in p2.stdout
+    ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt2["state"]["k"] > ckpt["state"]["k"]
+    assert ckpt2["global_step"] > ckpt["global_step"]
+    torch.testing.assert_close(ckpt2["obs_mean"], ckpt["obs_mean"])  # frozen state statistics restored
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path):
+    for flags, needle in [(["--env-id", "NoSuchEnv-v0"], "error: unknown or non-MuJoCo env id"),
+                          (["--env-id", "CartPole-v1"], "error: unknown or non-MuJoCo env id"),
+                          (["--env-id", "Hopper-v5", "--batch-size", "512", "--learning-starts", "100"], "error:"),
+                          (["--resume", "missing.pt"], "error: checkpoint")]:
+        p = run_script(tmp_path, *flags, timeout=60)
+        assert p.returncode != 0
+        assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr

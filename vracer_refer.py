@@ -1,0 +1,973 @@
+# docs and results: README.md#v-racer-with-remember-and-forget-experience-replay-vracer_referpy
+"""V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827),
+one self-contained file, for gymnasium MuJoCo tasks.
+
+Paper parts implemented here
+----------------------------
+- Network (Sec. 2, App. A): `Agent`: one MLP 2 x 128 Softsign, Glorot-uniform hidden layers, output layer
+  U(+-0.1/sqrt(fan_in)) so outputs start near zero; outputs V(s) and the Gaussian mean; a state-independent diagonal
+  std through a softplus, initial covariance Sigma = 0.2 I.
+- Off-policy policy gradient (Eq. (5)) with rho = pi/mu: `refer_loss`.
+- Retrace / V^tbc (Eqs. (6)-(8)): `vtbc_targets` (one episode), `reverse_linear_scan` (the vectorized recursion),
+  stored per step as Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} and refreshed for all prior steps of a sampled step's
+  episode (`EpisodeReplay.refresh`), vectorized over all sampled episodes at once.
+- Value loss (Eq. (9)): `refer_loss`.
+- ReF-ER Rule 1 (far-policy samples give zero gradient) and Rule 2 (KL penalty, Eqs. (10)-(11)): `refer_loss`,
+  `gaussian_kl`; beta update (Eq. (12)): `refer_beta_update`; annealing of c_max and the learning rate (Eq. (13)):
+  `refer_cmax`, `annealed_lr`. Far-policy counts come from each stored step's most recent rho (`EpisodeReplay`).
+- Ablations (Sec. 5): `--refer full|rule1|rule2|none` (none = conventional ER) and `--per rank` (rank-based
+  prioritized experience replay, Schaul et al. 2015, the paper's comparison).
+- Replay memory (Sec. 3, App. B, App. C Alg. 1-3): `EpisodeReplay`: whole episodes, FIFO removal that keeps at least
+  N samples; state standardisation (Eqs. (14)-(15)) and reward scaling by the RMS (Eq. (16)) from replay statistics.
+- Actions from a normal truncated at 3 sigma (App. A), linearly rescaled to the action bounds (App. B):
+  `sample_noise`, `to_env_action`.
+- Master algorithm (App. C Alg. 1): `--num-actors` actor processes (`actor_loop`) step their environments with the
+  latest weights (shared memory) and stream transitions with the behaviour mean/std and V(s) through shared-memory
+  rings; the learner keeps F = env steps / gradient steps.
+
+Defaults and their source
+-------------------------
+- gamma = 0.995, C = 4, A = 5e-7, D = 0.1, N = buffer_size = 2**18, B = 256, lr = 1e-4, F = 1   (App. A, Sec. 3)
+- learning_starts = 2**18 (App. C Alg. 1 N_start; the authors' settings use N_start = N)
+- init_std = sqrt(0.2) (App. A: "Sigma = 0.2 I" is a covariance; the authors' scripts use explNoise = 0.4472)
+- std_map = softplus (App. A); alternative cheap_softplus 0.5 (x + sqrt(1 + x^2)) is the authors' code
+- kl_direction = mu_pi, i.e. D_KL(mu || pi) (Eq. (11)); alternative pi_mu is what the authors' code computes
+- beta_init = 0.0: the paper does not state it; the authors' ICML-era code (smarties 12018e6) starts at 0
+- beta_lr (eta in Eq. (12)) = 1e-4, fixed: the paper says "the NN's learning rate" (1e-4 at start); the authors'
+  code hard-codes 1e-4 without annealing
+- logrho_clip = 7: not in the paper; the authors' code clips log rho to +-7
+- rule2 clips rho at 1e3 in the policy gradient (Sec. 5.3)
+- action_noise = truncnorm (true truncated normal, App. A); `smarties` = the authors' uniform refill of |z| > 3
+- per_alpha = 0.5, per_beta0 = 0.5 annealed to 1 with A (the authors' PER baseline: p = 1/sqrt(rank))
+- stats_every = 1000 (App. B), state stats frozen after the start (App. B; the authors' code moves them at rate
+  1e-3: `--state-stats-rate 1e-3`), eps = 1e-7 (App. B)
+- Adam eps = 1.19e-7 (the authors' code), no gradient clipping, no target network (paper and code)
+
+Gymnasium autoreset mode
+------------------------
+None: each actor steps a single env (common.mujoco_env, no autoreset), so the observation returned with
+truncated=True is the true s_T and V(s_T) is bootstrapped on time-limit truncation; termination bootstraps 0.
+
+Differences from the paper
+--------------------------
+- The replay stores Q^ret_t (what the authors' code stores) rather than V^tbc_t; the gradient at a sampled step uses
+  V^tbc_t = V(s_t) + min(1, rho_t)(Q^ret_t - V(s_t)) (Eq. (7)) with the fresh V and rho, which is the paper's V^tbc
+  with the current network outputs.
+- Refresh of prior steps happens once per gradient step, after the update, for all sampled episodes together (the
+  authors' code does the same back-pass after the step); the result equals the full Eq. (8) recursion over the
+  stored V and rho. Stored targets are also fully recomputed whenever the reward scale is updated (every 1000 steps)
+  so old and new reward scales never mix (the 2019 code mixed them).
+- The far-policy count n_far is kept incrementally from the most recent rho of each sampled step and recounted
+  exactly every `stats_every` steps (the 2019 code never recounted, HEAD recounts every 1000 steps).
+- Hidden layers use Glorot uniform U(+-sqrt(6/(fi+fo))) for weights and biases (the authors' code); the paper
+  prints U(+-6/sqrt(fi+fo)), which we read as a typo.
+- rho and the KL use untruncated Gaussian densities (the truncation constant cancels in pi/mu; as the authors' code).
+- Actors may act with weights up to one learner iteration old and a torn weight copy is possible; each transition
+  stores the mean/std actually used, so rho stays exact.
+- `--per rank` re-sorts priorities every `stats_every` steps (Schaul et al. use an approximately sorted heap); new
+  episodes are sampled uniformly until the next re-sort, then enter with the maximal priority.
+- Not implemented: the authors' `farpolfrac` forgetting, the residual layer is off by default (`--residual`), DDPG and
+  NAF with ReF-ER (other algorithms of the paper), the parameterized advantage of App. E.
+
+Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
+"""
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.logger import RunLogger, make_run_name
+from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
+from common.processes import ActorDied, ProcessGroup
+
+
+@dataclass
+class Args:
+    # --- common to all four scripts (keep this block identical) ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment (actor i uses seed + 1000 * i)"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA for the learner when available (falls back to CPU)"""
+    track: bool = False
+    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
+    wandb_project_name: str = "replay-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the first actor/eval env into videos/{run_name}"""
+    save_model: bool = False
+    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
+    checkpoint_every: int = 0
+    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
+    resume: str | None = None
+    """path to a checkpoint.pt to resume from"""
+    progress: bool = True
+    """print a compact progress line"""
+    start_method: str = "spawn"
+    """multiprocessing start method for actor processes: spawn | forkserver"""
+
+    # --- algorithm specific arguments ---
+    env_id: str = "HalfCheetah-v5"
+    """gymnasium MuJoCo task id (continuous Box actions, vector observations)"""
+    total_timesteps: int = 1_000_000
+    """total environment steps t (summed over actors)"""
+    learning_starts: int = 2**18
+    """N_start: env steps (complete episodes in the RM) collected before the first gradient step (App. C Alg. 1)"""
+    buffer_size: int = 2**18
+    """N: the replay memory keeps at least N samples; oldest whole episodes are removed first (Sec. 3)"""
+    batch_size: int = 256
+    """B: time steps per mini-batch (App. A)"""
+    gamma: float = 0.995
+    """gamma: discount factor (App. A)"""
+    learning_rate: float = 1e-4
+    """eta: initial Adam learning rate, annealed eta/(1 + A k) (Eq. (13), App. A)"""
+    adam_eps: float = 1.19e-7
+    """Adam epsilon (not in the paper; the authors' code adds float32 eps)"""
+    F: float = 1.0
+    """F = t/k: environment steps per gradient step (App. A)"""
+    refer: Literal["full", "rule1", "rule2", "none"] = "full"
+    """ReF-ER variant: full (Rules 1+2), rule1 (skip far-policy only), rule2 (KL penalty only), none (conventional ER)"""
+    C: float = 4.0
+    """C in c_max = 1 + C/(1 + A k) (Eq. (13))"""
+    A: float = 5e-7
+    """A: annealing of c_max and the learning rate per gradient step (Eq. (13))"""
+    D: float = 0.1
+    """D: target fraction of far-policy samples in the RM (Eq. (12))"""
+    beta_init: float = 0.0
+    """initial beta of Eq. (10) (paper silent; the authors' code starts at 0)"""
+    beta_lr: float = 1e-4
+    """eta of Eq. (12): rate of the beta update (fixed, as in the authors' code)"""
+    kl_direction: Literal["mu_pi", "pi_mu"] = "mu_pi"
+    """penalty direction: mu_pi = D_KL(mu||pi) (Eq. (11)); pi_mu = D_KL(pi||mu) (the authors' code)"""
+    logrho_clip: float = 7.0
+    """clip log(rho) to +-this (not in the paper; the authors' code uses 7)"""
+    rule2_rho_max: float = 1e3
+    """rule2 ablation: rho <- min(rho, this) in the policy gradient (Sec. 5.3)"""
+    per: Literal["none", "rank"] = "none"
+    """sampling: uniform, or rank-based prioritized experience replay (the paper's PER comparison)"""
+    per_alpha: float = 0.5
+    """rank-based PER exponent: p_i proportional to rank^-alpha (the authors' PER: 1/sqrt(rank))"""
+    per_beta0: float = 0.5
+    """PER importance-weight exponent, annealed to 1 as min(1, beta0 + (1 - beta0) A k)"""
+    init_std: float = 0.2**0.5
+    """initial policy std (App. A: covariance 0.2 I)"""
+    std_map: Literal["softplus", "cheap_softplus"] = "softplus"
+    """map from the std parameter to sigma: softplus (paper) or 0.5(x + sqrt(1 + x^2)) (the authors' code)"""
+    hidden_size: int = 128
+    """units per hidden layer (App. A)"""
+    residual: bool = False
+    """residual connection on hidden layer 2 (the authors' code; not in the paper)"""
+    action_noise: Literal["truncnorm", "smarties", "normal"] = "truncnorm"
+    """noise z for a = m + sigma z: normal truncated at 3 (App. A), smarties (|z|>3 -> U(-3,3)), or plain normal"""
+    clip_actions: bool = False
+    """clip actions to the bounds before env.step (the paper does not; MuJoCo clamps ctrl itself)"""
+    stats_every: int = 1000
+    """gradient steps between reward-scale updates, exact n_far recounts and PER re-sorts (App. B)"""
+    state_stats_rate: float = 0.0
+    """rate at which state mean/std move to the RM statistics every stats_every steps (0 = frozen, App. B)"""
+    num_actors: int = 2
+    """actor processes stepping one environment each (CPU, one thread each)"""
+    ring_size: int = 4096
+    """transitions each actor can stream ahead of the learner (shared-memory ring)"""
+    learner_threads: int = 1
+    """torch threads of the learner on CPU"""
+    max_grad_steps_per_iter: int = 64
+    """gradient steps between two reads of the actor rings"""
+    log_every: int = 1000
+    """gradient steps between two metric lines"""
+    checkpoint_replay: bool = False
+    """also store the replay memory in checkpoints (large: about 150 MB at N = 2**18 on Hopper)"""
+    eval_episodes: int = 10
+    """episodes of the deterministic (mean-action) policy evaluated after training with --save-model"""
+
+
+def validate_args(args: Args) -> None:
+    """Fail at start-up with one clear line (raise SystemExit(f"error: ...")) on bad flags."""
+    try:
+        check_mujoco_env_id(args.env_id)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.num_actors < 1:
+        raise SystemExit("error: --num-actors must be >= 1")
+    if args.batch_size < 1 or args.buffer_size < args.batch_size:
+        raise SystemExit("error: need 1 <= --batch-size <= --buffer-size")
+    if args.learning_starts < args.batch_size:
+        raise SystemExit("error: --learning-starts must be >= --batch-size (the first batch needs that many samples)")
+    if args.F <= 0:
+        raise SystemExit("error: --F must be > 0")
+    if not 0 < args.D < 1 or not 0 <= args.beta_init <= 1 or not 0 < args.beta_lr < 1:
+        raise SystemExit("error: need 0 < --D < 1, 0 <= --beta-init <= 1, 0 < --beta-lr < 1")
+    if args.C <= 0 and args.refer != "none":
+        raise SystemExit("error: --C must be > 0 with ReF-ER (use --refer none for conventional ER)")
+    if args.init_std <= 0:
+        raise SystemExit("error: --init-std must be > 0")
+    if args.start_method not in ("spawn", "forkserver"):
+        raise SystemExit("error: --start-method must be spawn or forkserver")
+    if args.ring_size < 2:
+        raise SystemExit("error: --ring-size must be >= 2")
+
+
+def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
+    env = make_mujoco_env(env_id, seed, capture_video=capture_video,
+                          video_folder=f"videos/{run_name}" if capture_video else None)
+    return env
+
+
+# NETWORK
+def std_from_param(x: torch.Tensor, std_map: str) -> torch.Tensor:
+    """Map the state-independent parameter to sigma > 0 (App. A: "mapped onto R+ by a Softplus rectifier")."""
+    if std_map == "softplus":
+        return nn.functional.softplus(x)
+    return 0.5 * (x + torch.sqrt(1.0 + x * x))  # the authors' "cheap softplus"
+
+
+def std_param_init(std: float, std_map: str) -> float:
+    """Inverse of `std_from_param`."""
+    if std_map == "softplus":
+        return float(np.log(np.expm1(std)))
+    return (std * std - 0.25) / std
+
+
+class Agent(nn.Module):
+    """V-RACER's single MLP: s -> (mean m(s), sigma, V(s)); sigma is state independent (App. A)."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int = 128, init_std: float = 0.2**0.5,
+                 std_map: str = "softplus", residual: bool = False):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(obs_dim, hidden), nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 1 + act_dim)  # [V, mean]
+        self.std_param = nn.Parameter(torch.full((act_dim,), std_param_init(init_std, std_map)))
+        self.std_map, self.residual = std_map, residual
+        for layer in (self.l1, self.l2):  # App. A: Glorot uniform (weights and, as the authors' code, biases)
+            bound = float(np.sqrt(6.0 / (layer.in_features + layer.out_features)))
+            nn.init.uniform_(layer.weight, -bound, bound)
+            nn.init.uniform_(layer.bias, -bound, bound)
+        bound = 0.1 / float(np.sqrt(hidden))  # App. A: U(+-0.1/sqrt(f_i)) -> near-zero outputs
+        nn.init.uniform_(self.out.weight, -bound, bound)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, obs: torch.Tensor):
+        h = nn.functional.softsign(self.l1(obs))
+        h2 = nn.functional.softsign(self.l2(h))
+        h = h + h2 if self.residual else h2
+        o = self.out(h)
+        std = std_from_param(self.std_param, self.std_map).expand(o.shape[0], -1)
+        return o[:, 1:], std, o[:, 0]
+
+
+# ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
+def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None) -> np.ndarray:
+    """Solve x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0), vectorized.
+
+    Segments (episodes, or the refreshed prefix of an episode) are separated by a_t = 0 on their last element, so one
+    call handles many segments. Hillis-Steele doubling: ceil(log2(max_len)) passes of whole-array numpy operations.
+    """
+    x, a = np.array(b, dtype=np.float64), np.array(a, dtype=np.float64)
+    n = len(x)
+    max_len = n if max_len is None else max_len
+    shift = 1
+    while shift < min(n, max_len):
+        x[:-shift] += a[:-shift] * x[shift:]  # numpy resolves the overlap as if from the old values
+        a[:-shift] *= a[shift:]
+        shift *= 2
+    return x
+
+
+def vtbc_targets(rewards: np.ndarray, values: np.ndarray, rhos: np.ndarray, gamma: float, terminated: bool) -> np.ndarray:
+    """V^tbc_t for t = 0..L-1 of one episode (Eq. (8)).
+
+    rewards[t] = r_{t+1}, the reward after action t; values[t] = V(s_t) with len(values) = L + 1, values[L] = V(s_L)
+    (used on time-limit truncation; the tail is 0 when `terminated`); rhos[t] = pi(a_t|s_t)/mu(a_t|s_t).
+    Eq. (8): V^tbc_t = V_t + min(1, rho_t) (r_{t+1} + gamma V^tbc_{t+1} - V_t),  V^tbc_L = V(s_L) or 0.
+    Written as x_t = b_t + a_t x_{t+1} with a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}.
+    """
+    rewards, values, rhos = (np.asarray(v, dtype=np.float64) for v in (rewards, values, rhos))
+    L = len(rewards)
+    c = np.minimum(1.0, rhos)  # rho-bar = min(1, rho) (Eq. (6))
+    tail = 0.0 if terminated else values[L]
+    a = gamma * c
+    b = (1.0 - c) * values[:L] + c * rewards
+    b[-1] += a[-1] * tail
+    a[-1] = 0.0
+    return reverse_linear_scan(a, b)
+
+
+def refer_cmax(step: int, C: float, A: float) -> float:
+    """Eq. (13): c_max(k) = 1 + C / (1 + A k), k = gradient steps."""
+    return 1.0 + C / (1.0 + A * step)
+
+
+def annealed_lr(step: int, lr: float, A: float) -> float:
+    """Eq. (13): eta(k) = eta / (1 + A k)."""
+    return lr / (1.0 + A * step)
+
+
+def refer_beta_update(beta: float, far_fraction: float, D: float, eta: float) -> float:
+    """Eq. (12): beta <- (1 - eta) beta if n_far/N > D, else (1 - eta) beta + eta."""
+    return (1.0 - eta) * beta if far_fraction > D else (1.0 - eta) * beta + eta
+
+
+def is_far_policy(rho, cmax: float):
+    """Rule 1: a sample is near-policy iff 1/c_max < rho < c_max (Sec. 3); works on numpy arrays and tensors."""
+    return (rho >= cmax) | (rho <= 1.0 / cmax)
+
+
+def gaussian_kl(mean_p, std_p, mean_q, std_q):
+    """D_KL(p || q) of diagonal Gaussians, summed over action dimensions (closed form).
+
+    log(s_q/s_p) + (s_p^2 + (m_p - m_q)^2) / (2 s_q^2) - 1/2 per dimension."""
+    return (torch.log(std_q / std_p) + (std_p**2 + (mean_p - mean_q) ** 2) / (2.0 * std_q**2) - 0.5).sum(-1)
+
+
+def gaussian_logprob(act, mean, std):
+    """log N(a; m, diag(std^2)) summed over dimensions (untruncated: the 3-sigma truncation constant cancels in rho)."""
+    z = (act - mean) / std
+    return (-0.5 * z * z - torch.log(std) - 0.5 * float(np.log(2.0 * np.pi))).sum(-1)
+
+
+def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: float, refer: str = "full",
+               kl_direction: str = "mu_pi", logrho_clip: float = 7.0, rule2_rho_max: float = 1e3, weights=None):
+    """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10)).
+
+    Per sample i: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL;
+    far-policy: (1 - beta) D_KL only (Rule 1). Batch gradient = sum / B (App. C Alg. 3).
+    refer = rule1: beta_eff = 1 (no penalty); rule2: every sample near (rho clipped at rule2_rho_max in the PG);
+    none: conventional ER (every sample near, beta_eff = 1).
+    Returns (loss, info) with per-sample detached tensors rho, far, kl_mu_pi, abs_err and scalar losses.
+    """
+    B = mean.shape[0]
+    logp = gaussian_logprob(act, mean, std)
+    logmu = gaussian_logprob(act, mu_mean, mu_std)
+    rho = torch.exp(torch.clamp(logp.detach() - logmu, -logrho_clip, logrho_clip))  # rho = pi/mu
+    v_det = value.detach()
+    adv = qret - v_det  # Q^ret - V^w(s) (Eq. (5))
+    cbar = torch.clamp(rho, max=1.0)  # rho-bar = min(1, rho)
+    vtbc = v_det + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
+    rho_pg = torch.clamp(rho, max=rule2_rho_max) if refer == "rule2" else rho
+    pg_loss = -(rho_pg * adv) * logp  # Eq. (5): gradient rho (Q^ret - V) grad log pi (rho, Q^ret - V detached)
+    v_loss = 0.5 * (value - vtbc) ** 2  # Eq. (9)
+    kl_mu_pi = gaussian_kl(mu_mean, mu_std, mean, std)  # Eq. (11): D_KL(mu || pi)
+    kl = kl_mu_pi if kl_direction == "mu_pi" else gaussian_kl(mean, std, mu_mean, mu_std)
+    far = is_far_policy(rho, cmax)  # Rule 1
+    near = (~far).to(rho.dtype) if refer in ("full", "rule1") else torch.ones_like(rho)
+    beta_eff = beta if refer in ("full", "rule2") else 1.0
+    w = 1.0 if weights is None else weights  # PER importance weights
+    per_sample = near * w * beta_eff * (pg_loss + v_loss) + (1.0 - beta_eff) * kl  # Eq. (10)
+    loss = per_sample.sum() / B
+    info = {"rho": rho, "far": far, "kl_mu_pi": kl_mu_pi.detach(), "abs_err": (cbar * adv).abs(),
+            "policy_loss": (near * pg_loss).detach().sum() / B, "value_loss": (near * v_loss).detach().sum() / B,
+            "kl_loss": kl.detach().mean()}
+    return loss, info
+
+
+def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
+    """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal."""
+    z = rng.standard_normal(shape)
+    if mode == "truncnorm":  # rejection: exact truncated normal
+        bad = np.abs(z) > 3.0
+        while bad.any():
+            z[bad] = rng.standard_normal(int(bad.sum()))
+            bad = np.abs(z) > 3.0
+    elif mode == "smarties":
+        bad = np.abs(z) > 3.0
+        z[bad] = rng.uniform(-3.0, 3.0, int(bad.sum()))
+    return z
+
+
+def to_env_action(u: np.ndarray, low: np.ndarray, high: np.ndarray, clip: bool = False) -> np.ndarray:
+    """App. B: linear rescaling of the Gaussian sample u to the action bounds, a = low + (high - low)(u + 1)/2."""
+    a = low + 0.5 * (high - low) * (u + 1.0)
+    return np.clip(a, low, high) if clip else a
+
+
+# REPLAY MEMORY
+class EpisodeReplay:
+    """Replay memory of whole episodes with per-step Q^ret, last V and last rho (Sec. 2-3, App. B-C).
+
+    Episodes are stored contiguously in flat arrays (the write head jumps to 0 when an episode does not fit before the
+    end); the oldest whole episodes are removed while the memory would still hold >= N samples without them (FIFO).
+    Per step t: s_t, u_t (action in normalised space), mu_t = (mean, std), raw r_{t+1}, V(s_t) and rho_t (most recent,
+    1 at insertion), Q^ret_t. Per episode end: V(s_L) (0 if terminated) and s_L (for truncated episodes).
+    """
+
+    def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
+        self.N, self.gamma = N, gamma
+        self.cap = N + 4 * max_episode_len
+        cap = self.cap
+        self.obs = np.zeros((cap, obs_dim), np.float32)
+        self.act = np.zeros((cap, act_dim), np.float32)
+        self.mu_mean = np.zeros((cap, act_dim), np.float32)
+        self.mu_std = np.ones((cap, act_dim), np.float32)
+        self.rew = np.zeros(cap)  # raw r_{t+1}
+        self.rs = np.zeros(cap)  # scaled reward r / (sigma_r + eps) (App. B)
+        self.val = np.zeros(cap)  # most recent V(s_t)
+        self.rho = np.ones(cap)  # most recent rho_t
+        self.qret = np.zeros(cap)  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
+        self.prio = np.zeros(cap)  # PER priority |V^tbc - V|
+        self.ep_start = np.zeros(cap, np.int64)
+        self.ep_last = np.zeros(cap, np.int64)
+        self.valid = np.zeros(cap, bool)
+        self.vboot = np.zeros(cap)  # at an episode's last step: V(s_L) (0 if terminated)
+        self.boot_obs = np.zeros((cap, obs_dim), np.float32)  # at a truncated episode's last step: s_L
+        self.truncated_last = np.zeros(cap, bool)
+        self.episodes: deque = deque()  # (start, length) oldest first
+        self.size = self.head = self.hi = 0
+        self.max_len = 1
+        self.reward_scale = 1.0  # sigma_r + eps
+        self.n_far, self.cmax = 0, np.inf
+        self.forced_removals = 0
+        self.per_order = None  # rank-based PER: slot indices by decreasing priority
+        self.max_prio = 1.0
+
+    # -- insertion and FIFO forgetting
+    def _remove_oldest(self) -> None:
+        start, length = self.episodes.popleft()
+        sl = slice(start, start + length)
+        self.n_far -= int(is_far_policy(self.rho[sl], self.cmax).sum())
+        self.valid[sl] = False
+        self.truncated_last[sl] = False
+        self.size -= length
+
+    def add_episode(self, obs, act, mu_mean, mu_std, rew, val, terminated: bool, final_val: float = 0.0,
+                    final_obs=None) -> None:
+        """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's."""
+        L = len(rew)
+        if L == 0:
+            return
+        if L > self.cap - self.N:
+            raise ValueError(f"episode of {L} steps is longer than the memory's slack {self.cap - self.N}")
+        if self.head + L > self.cap:
+            self.head = 0
+        lo, hi = self.head, self.head + L
+        while self.episodes and self.episodes[0][0] < hi and self.episodes[0][0] + self.episodes[0][1] > lo:
+            self._remove_oldest()  # the region ahead of the head holds the oldest episodes
+            self.forced_removals += 1
+        sl = slice(lo, hi)
+        self.obs[sl], self.act[sl], self.mu_mean[sl], self.mu_std[sl] = obs, act, mu_mean, mu_std
+        self.rew[sl] = rew
+        self.rs[sl] = np.asarray(rew) / self.reward_scale
+        self.val[sl] = val
+        self.rho[sl] = 1.0
+        self.prio[sl] = self.max_prio  # PER: new samples get the maximal priority
+        self.ep_start[sl], self.ep_last[sl] = lo, hi - 1
+        self.valid[sl] = True
+        self.vboot[hi - 1] = 0.0 if terminated else final_val  # App. C Alg. 2 remark 2
+        self.truncated_last[hi - 1] = not terminated
+        if not terminated and final_obs is not None:
+            self.boot_obs[hi - 1] = final_obs
+        vals = np.append(np.asarray(val, np.float64), self.vboot[hi - 1])
+        vt = vtbc_targets(self.rs[sl], vals, np.ones(L), self.gamma, terminated)
+        self.qret[sl] = self.rs[sl] + self.gamma * np.append(vt[1:], self.vboot[hi - 1])  # Q^ret_t = r + gamma V^tbc_{t+1}
+        self.episodes.append((lo, L))
+        self.size += L
+        self.head, self.hi = hi, max(self.hi, hi)
+        self.max_len = max(self.max_len, L)
+        while self.episodes and self.size - self.episodes[0][1] >= self.N:  # FIFO: keep >= N samples
+            self._remove_oldest()
+
+    # -- sampling
+    def sample(self, B: int, rng: np.random.Generator) -> np.ndarray:
+        """B distinct stored steps, uniformly (rejection over the slots; App. C Alg. 1)."""
+        if self.size < B:
+            raise ValueError(f"replay holds {self.size} samples < batch size {B}")
+        for _ in range(8):
+            cand = rng.integers(0, self.hi, size=B + B // 2 + 16)
+            cand = np.unique(cand[self.valid[cand]])
+            if len(cand) >= B:
+                return rng.permutation(cand)[:B]  # a uniformly random B-subset (the draws are exchangeable)
+        return rng.choice(np.flatnonzero(self.valid[: self.hi]), size=B, replace=False)
+
+    def per_rebuild(self) -> None:
+        """Rank-based PER: sort the stored steps by decreasing priority (done every stats_every steps)."""
+        idx = np.flatnonzero(self.valid[: self.hi])
+        self.per_order = idx[np.argsort(-self.prio[idx], kind="stable")]
+
+    def sample_per(self, B: int, rng: np.random.Generator, alpha: float, beta_is: float):
+        """Rank-based PER (Schaul et al. 2015): P(rank k) ~ k^-alpha; returns (indices, normalised IS weights)."""
+        if self.per_order is None:
+            self.per_rebuild()
+        n = len(self.per_order)
+        p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+        cdf = np.cumsum(p)
+        ranks = np.minimum(np.searchsorted(cdf, rng.uniform(0, cdf[-1], B)), n - 1)
+        idx = self.per_order[ranks]
+        stale = ~self.valid[idx]  # removed since the last re-sort: replace by uniform draws
+        if stale.any():
+            idx[stale] = self.sample(int(stale.sum()), rng)
+            ranks[stale] = n // 2
+        prob = p[ranks] / cdf[-1]
+        w = (n * prob) ** -beta_is
+        return idx, w / w.max()
+
+    # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
+    def update_samples(self, idx: np.ndarray, rho: np.ndarray, val: np.ndarray, boot_idx=None, boot_val=None,
+                       prio=None) -> None:
+        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8))."""
+        old_far = is_far_policy(self.rho[idx], self.cmax)
+        new_far = is_far_policy(rho, self.cmax)
+        self.n_far += int(new_far.sum()) - int(old_far.sum())  # counts from each sample's most recent rho
+        self.rho[idx], self.val[idx] = rho, val
+        if prio is not None:
+            self.prio[idx] = prio
+            self.max_prio = max(self.max_prio, float(prio.max()))
+        if boot_idx is not None and len(boot_idx):  # truncated ends: V(s_L) refreshed with the current network
+            self.vboot[boot_idx] = boot_val
+            self.qret[boot_idx] = self.rs[boot_idx] + self.gamma * boot_val
+        self.refresh(idx)
+
+    def refresh(self, idx: np.ndarray) -> None:
+        """Recompute Q^ret for every step before the latest sampled step of each sampled episode (Eq. (8)), vectorized.
+
+        For an episode with first slot s and latest sampled slot m: V^tbc_m = V_m + c_m (Q^ret_m - V_m) (Eq. (7)),
+        then V^tbc_j = (1 - c_j) V_j + c_j r_{j+1} + gamma c_j V^tbc_{j+1} and Q^ret_j = r_{j+1} + gamma V^tbc_{j+1}
+        for j = m-1 .. s: one `reverse_linear_scan` over the concatenated prefixes [s, m] of all sampled episodes.
+        """
+        starts = self.ep_start[idx]
+        order = np.lexsort((-idx, starts))  # by episode, latest sampled first
+        first = np.ones(len(idx), bool)
+        first[1:] = starts[order][1:] != starts[order][:-1]
+        m, s = idx[order][first], starts[order][first]
+        lens = m - s + 1
+        total = int(lens.sum())
+        if total == 0:
+            return
+        offs = np.cumsum(lens) - lens
+        j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes
+        tail = offs + lens - 1
+        c = np.minimum(1.0, self.rho[j])
+        v = self.val[j]
+        a = self.gamma * c
+        b = (1.0 - c) * v + c * self.rs[j]
+        b[tail] = (1.0 - c[tail]) * v[tail] + c[tail] * self.qret[m]  # Eq. (7) at the latest sampled step
+        a[tail] = 0.0
+        x = reverse_linear_scan(a, b, int(lens.max()))  # V^tbc over the prefixes
+        not_tail = np.ones(total, bool)
+        not_tail[tail] = False
+        jj = j[not_tail]
+        self.qret[jj] = self.rs[jj] + self.gamma * x[1:][not_tail[:-1]]  # Q^ret_j = r_{j+1} + gamma V^tbc_{j+1}
+
+    def recompute_all(self) -> None:
+        """Q^ret of every stored step from the stored V, rho and the current reward scale (one scan over the RM)."""
+        n = self.hi
+        if n == 0:
+            return
+        valid = self.valid[:n]
+        c = np.where(valid, np.minimum(1.0, self.rho[:n]), 0.0)
+        last = valid & (np.arange(n) == self.ep_last[:n])
+        a = np.where(last, 0.0, self.gamma * c)
+        b = np.where(valid, (1.0 - c) * self.val[:n] + c * self.rs[:n], 0.0)
+        b[last] += self.gamma * c[last] * self.vboot[:n][last]
+        a[~valid] = 0.0
+        x = reverse_linear_scan(a, b, self.max_len)
+        nxt = np.append(x[1:], 0.0)
+        nxt[last] = self.vboot[:n][last]
+        self.qret[:n] = np.where(valid, self.rs[:n] + self.gamma * nxt, 0.0)
+
+    def recount_far(self, cmax: float) -> float:
+        """Exact n_far with the current c_max; returns n_far / size."""
+        self.cmax = cmax
+        self.n_far = int((is_far_policy(self.rho[: self.hi], cmax) & self.valid[: self.hi]).sum())
+        return self.far_fraction()
+
+    def far_fraction(self) -> float:
+        return self.n_far / max(1, self.size)
+
+    # -- statistics (App. B)
+    def state_stats(self):
+        """Eqs. (14)-(15): mean and std of the stored states."""
+        o = self.obs[: self.hi][self.valid[: self.hi]].astype(np.float64)
+        return o.mean(0), o.std(0)
+
+    def update_reward_scale(self, eps: float = 1e-7) -> float:
+        """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret."""
+        r = self.rew[: self.hi][self.valid[: self.hi]]
+        self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
+        self.rs[: self.hi] = self.rew[: self.hi] / self.reward_scale
+        self.recompute_all()
+        return self.reward_scale
+
+    def state_dict(self) -> dict:
+        keys = ["obs", "act", "mu_mean", "mu_std", "rew", "rs", "val", "rho", "qret", "prio", "ep_start", "ep_last",
+                "valid", "vboot", "boot_obs", "truncated_last"]
+        d = {k: getattr(self, k)[: self.hi].copy() for k in keys}
+        d.update(episodes=list(self.episodes), size=self.size, head=self.head, hi=self.hi, max_len=self.max_len,
+                 reward_scale=self.reward_scale, n_far=self.n_far, cmax=self.cmax, max_prio=self.max_prio,
+                 N=self.N, cap=self.cap)
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        if d["N"] != self.N or d["cap"] != self.cap:
+            raise SystemExit(f"error: checkpoint replay has N={d['N']}, this run N={self.N}")
+        for k, v in d.items():
+            if isinstance(v, np.ndarray):
+                getattr(self, k)[: len(v)] = v
+        self.episodes = deque(tuple(e) for e in d["episodes"])
+        for k in ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio"):
+            setattr(self, k, d[k])
+
+
+# LEARNER STEP (App. C Alg. 3)
+def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
+               obs_mean: torch.Tensor, obs_std: torch.Tensor) -> torch.Tensor:
+    """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta.
+
+    `state` holds k (gradient steps) and beta. Returns a CPU tensor of scalar stats
+    [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho].
+    """
+    k = state["k"]
+    cmax = refer_cmax(k, args.C, args.A) if args.refer != "none" else np.inf  # Eq. (13)
+    rm.cmax = cmax
+    for g in optimizer.param_groups:
+        g["lr"] = annealed_lr(k, args.learning_rate, args.A)  # Eq. (13)
+    if args.per == "rank":
+        beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
+        idx, w = rm.sample_per(args.batch_size, rng, args.per_alpha, beta_is)
+        weights = torch.as_tensor(w, dtype=torch.float32, device=device)
+    else:
+        idx, weights = rm.sample(args.batch_size, rng), None
+    boot_idx = idx[rm.truncated_last[idx]]  # truncated last steps: also refresh V(s_L)
+    obs = np.concatenate([rm.obs[idx], rm.boot_obs[boot_idx]]) if len(boot_idx) else rm.obs[idx]
+    obs_t = (torch.as_tensor(obs, device=device) - obs_mean) / obs_std
+    act = torch.as_tensor(rm.act[idx], device=device)
+    mu_mean = torch.as_tensor(rm.mu_mean[idx], device=device)
+    mu_std = torch.as_tensor(rm.mu_std[idx], device=device)
+    qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32, device=device)
+    mean, std, value = agent(obs_t)
+    B = args.batch_size
+    loss, info = refer_loss(mean[:B], std[:B], value[:B], act, mu_mean, mu_std, qret, state["beta"], cmax,
+                            args.refer, args.kl_direction, args.logrho_clip, args.rule2_rho_max, weights)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    # one device->host copy per step: per-sample rho, V, |err|, V(s_L) and the scalar stats
+    stats = torch.stack([loss.detach(), info["policy_loss"], info["value_loss"], info["kl_mu_pi"].mean(),
+                         info["far"].float().mean(), info["rho"].mean()])
+    host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
+    nb = len(boot_idx)
+    rho_new, v_new, err = host[:B], host[B:2 * B], host[2 * B + nb:3 * B + nb]
+    rm.update_samples(idx, rho_new, v_new, boot_idx, host[2 * B:2 * B + nb],
+                      prio=err if args.per == "rank" else None)
+    if args.refer != "none":  # Eq. (12), far fraction from each stored step's most recent rho
+        state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
+    state["k"] = k + 1
+    return torch.from_numpy(host[-6:])
+
+
+# ACTOR PROCESS (module-level so spawn can pickle it)
+OBS0 = 0  # ring row layout: [obs | u | mean | std | value, reward, terminated, truncated | final_obs | final_value,
+#                             episodic_return, episodic_length]
+
+
+def ring_width(obs_dim: int, act_dim: int) -> int:
+    return 2 * obs_dim + 3 * act_dim + 7
+
+
+def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_weights: torch.Tensor,
+               shared_norm: torch.Tensor, control: torch.Tensor, rings: torch.Tensor, written: torch.Tensor,
+               read: torch.Tensor, seed: int, run_name: str, stop_event) -> None:
+    """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
+
+    control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i.
+    """
+    env = make_env(args.env_id, seed, args.capture_video and actor_id == 0, run_name)
+    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    rng = np.random.default_rng(seed)
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
+    version = -1
+    ring, R = rings[actor_id].numpy(), rings.shape[1]
+    ring_written = written.numpy()
+    obs, _ = env.reset(seed=seed)
+    ep_ret, ep_len = 0.0, 0
+
+    def policy(o):
+        x = (torch.as_tensor(o, dtype=torch.float32)[None] - norm[0]) / norm[1]
+        m, s, v = agent(x)
+        return m[0].numpy().astype(np.float64), s[0].numpy().astype(np.float64), float(v[0])
+
+    with torch.no_grad():
+        while not stop_event.is_set():
+            n = int(ring_written[actor_id])
+            if n - int(read[actor_id]) >= R or int(written.sum()) >= int(control[0]):  # ring full or F gate
+                time.sleep(0.0005)
+                continue
+            if int(control[1]) != version:  # latest weights and state statistics (shared memory)
+                version = int(control[1])
+                torch.nn.utils.vector_to_parameters(shared_weights.clone(), agent.parameters())
+                norm = shared_norm.clone().view(2, obs_dim)
+            mean, std, v = policy(obs)
+            u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # a ~ mu_t (App. C Alg. 2)
+            next_obs, r, term, trunc, _ = env.step(to_env_action(u, low, high, args.clip_actions))
+            ep_ret += float(r)
+            ep_len += 1
+            row = ring[n % R]
+            row[:obs_dim] = obs
+            p = obs_dim
+            row[p:p + act_dim], row[p + act_dim:p + 2 * act_dim], row[p + 2 * act_dim:p + 3 * act_dim] = u, mean, std
+            p += 3 * act_dim
+            row[p:p + 4] = (v, r, float(term), float(trunc and not term))
+            p += 4
+            if trunc and not term:  # time limit: s_T and V(s_T) for the bootstrap
+                row[p:p + obs_dim] = next_obs
+                row[p + obs_dim] = policy(next_obs)[2]
+            row[p + obs_dim + 1:p + obs_dim + 3] = (ep_ret, ep_len)
+            ring_written[actor_id] = n + 1  # publish after the row is complete
+            if term or trunc:
+                obs, _ = env.reset()
+                ep_ret, ep_len = 0.0, 0
+            else:
+                obs = next_obs
+    env.close()
+
+
+def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
+    """Deterministic policy (mean action) returns."""
+    env = make_env(env_id, seed)
+    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    returns = []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        done, ret = False, 0.0
+        while not done:
+            with torch.no_grad():
+                x = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
+                m = agent(x)[0][0].cpu().numpy().astype(np.float64)
+            obs, r, term, trunc, _ = env.step(to_env_action(m, low, high, clip))
+            ret += float(r)
+            done = term or trunc
+        returns.append(ret)
+    env.close()
+    return returns
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    validate_args(args)  # one-line errors before anything heavy starts
+    ckpt = None
+    if args.resume:
+        try:
+            ckpt = load_checkpoint(args.resume)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise SystemExit(f"error: {e}") from None
+    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
+    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
+                       wandb_entity=args.wandb_entity, progress=args.progress)
+
+    # TRY NOT TO MODIFY: seeding
+    seed_everything(args.seed, args.torch_deterministic)
+    device = select_device(args.cuda)
+    if device.type == "cpu":
+        torch.set_num_threads(args.learner_threads)
+
+    # SETUP: envs/actors, network, optimizer, replay
+    try:
+        probe = make_env(args.env_id, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
+    max_ep_len = probe.spec.max_episode_steps or 1000
+    probe.close()
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    rm = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
+    rng = np.random.default_rng(args.seed)
+    obs_mean = torch.zeros(obs_dim, device=device)
+    obs_std = torch.ones(obs_dim, device=device)
+    state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
+    global_step, t0, started, stats_ready = 0, 0, False, False
+    if ckpt:
+        if ckpt["dims"] != (obs_dim, act_dim):
+            raise SystemExit(f"error: checkpoint is for dims {ckpt['dims']}, {args.env_id} has {(obs_dim, act_dim)}")
+        agent.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["state"]
+        global_step, stats_ready = ckpt["global_step"], ckpt["stats_ready"]
+        obs_mean, obs_std = ckpt["obs_mean"].to(device), ckpt["obs_std"].to(device)
+        rm.reward_scale = ckpt["reward_scale"]
+        if ckpt.get("replay") is not None:  # full restore: continue learning at once
+            rm.load_state_dict(ckpt["replay"])
+            started, t0 = True, ckpt["t0"]
+        rng = ckpt["np_rng"]
+        set_rng_state(ckpt["rng"])
+        print(f"resumed from {args.resume} at env step {global_step}, grad step {state['k']}"
+              f" ({'with' if started else 'without'} replay memory)", flush=True)
+
+    ctx = torch.multiprocessing.get_context(args.start_method)
+    procs = ProcessGroup(ctx)
+    n_params = sum(p.numel() for p in agent.parameters())
+    shared_weights = torch.zeros(n_params).share_memory_()
+    shared_norm = torch.zeros(2 * obs_dim).share_memory_()
+    control = torch.zeros(2, dtype=torch.int64).share_memory_()  # [allowed env steps, weights version]
+    rings = torch.zeros(args.num_actors, args.ring_size, ring_width(obs_dim, act_dim), dtype=torch.float64).share_memory_()
+    written = torch.zeros(args.num_actors, dtype=torch.int64).share_memory_()
+    read = torch.zeros(args.num_actors, dtype=torch.int64).share_memory_()
+
+    def publish() -> None:
+        shared_weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
+        shared_norm.copy_(torch.cat([obs_mean, obs_std]).cpu())
+        control[1] += 1
+
+    def allowed_steps() -> int:  # App. C Alg. 1: "while t < F k: advance the environment"
+        slack = 4 * args.num_actors
+        limit = t0 + int(state["k"] * args.F) + slack if started else args.total_timesteps
+        return min(args.total_timesteps, limit)
+
+    base_step = global_step  # actors count env steps from 0 in this process: control[0] is relative to it
+    publish()
+    control[0] = allowed_steps() - base_step
+    for i in range(args.num_actors):
+        actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
+        procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
+                                 read, actor_seed, run_name, procs.stop_event), name=f"actor-{i}")
+
+    W = ring_width(obs_dim, act_dim)
+    partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
+    recent_returns: deque = deque(maxlen=20)
+    acc = torch.zeros(6, dtype=torch.float64)
+    acc_n, last_log_k, last_ckpt = 0, state["k"], global_step
+    start_time, last_time, last_step = time.time(), time.time(), global_step
+    status = "completed"
+    try:
+        while True:
+            # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
+            for i in range(args.num_actors):
+                n_w, n_r = int(written[i]), int(read[i])
+                if n_w == n_r:
+                    continue
+                pos = np.arange(n_r, n_w) % args.ring_size
+                rows = rings[i].numpy()[pos].copy()
+                read[i] = n_w
+                global_step += len(rows)
+                ends = np.flatnonzero((rows[:, obs_dim + 3 * act_dim + 2] + rows[:, obs_dim + 3 * act_dim + 3]) > 0)
+                prev = 0
+                for e in ends:
+                    ep = np.concatenate(partial[i] + [rows[prev:e + 1]])
+                    partial[i], prev = [], e + 1
+                    p = obs_dim
+                    last = ep[-1]
+                    q = p + 3 * act_dim
+                    terminated = bool(last[q + 2])
+                    rm.add_episode(ep[:, :p], ep[:, p:p + act_dim], ep[:, p + act_dim:p + 2 * act_dim],
+                                   ep[:, p + 2 * act_dim:q], ep[:, q + 1], ep[:, q], terminated,
+                                   final_val=float(last[q + 4 + obs_dim]), final_obs=last[q + 4:q + 4 + obs_dim])
+                    ep_return, ep_length = float(last[W - 2]), int(last[W - 1])
+                    recent_returns.append(ep_return)
+                    logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
+                if prev < len(rows):
+                    partial[i].append(rows[prev:])
+            if not started and rm.size >= args.learning_starts:
+                # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
+                if not stats_ready:
+                    m, s = rm.state_stats()
+                    s = np.where(s < 1e-7, 1.0, s)  # constant inputs: std 1 (the authors' code)
+                    obs_mean = torch.as_tensor(m, dtype=torch.float32, device=device)
+                    obs_std = torch.as_tensor(s + 1e-7, dtype=torch.float32, device=device)
+                    stats_ready = True
+                rm.update_reward_scale()
+                rm.recount_far(refer_cmax(state["k"], args.C, args.A))
+                started, t0 = True, global_step
+                publish()
+                print(f"learning starts at env step {global_step} (replay holds {rm.size} samples)", flush=True)
+
+            # LEARN: keep k <= (t - t0)/F (App. C Alg. 1)
+            did = 0
+            while started and state["k"] < (global_step - t0) / args.F and did < args.max_grad_steps_per_iter:
+                k = state["k"]
+                if k > 0 and k % args.stats_every == 0:  # App. B: every 1000 steps
+                    rm.update_reward_scale()
+                    rm.recount_far(refer_cmax(k, args.C, args.A))
+                    if args.per == "rank":
+                        rm.per_rebuild()
+                    if args.state_stats_rate > 0:
+                        m, s = rm.state_stats()
+                        s = torch.as_tensor(np.where(s < 1e-7, 1.0, s) + 1e-7, dtype=torch.float32, device=device)
+                        obs_mean += args.state_stats_rate * (torch.as_tensor(m, dtype=torch.float32, device=device) - obs_mean)
+                        obs_std += args.state_stats_rate * (s - obs_std)
+                stats = train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
+                if not torch.isfinite(stats).all():  # NaN guard
+                    status = "diverged"
+                    raise SystemExit(f"error: non-finite loss at gradient step {k} (env step {global_step}): "
+                                     f"loss={stats[0]:.4g} policy={stats[1]:.4g} value={stats[2]:.4g} kl={stats[3]:.4g}")
+                acc += stats
+                acc_n += 1
+                did += 1
+            if did:
+                publish()
+            control[0] = allowed_steps() - base_step
+
+            # LOG
+            if started and state["k"] - last_log_k >= args.log_every and acc_n:
+                now = time.time()
+                sps = (global_step - last_step) / max(1e-9, now - last_time)
+                a = (acc / acc_n).tolist()
+                logger.log(global_step, {
+                    "charts/SPS": sps, "charts/learning_rate": annealed_lr(state["k"], args.learning_rate, args.A),
+                    "charts/grad_steps": state["k"], "losses/loss": a[0], "losses/policy_loss": a[1],
+                    "losses/value_loss": a[2], "refer/kl": a[3], "refer/far_policy_frac": rm.far_fraction(),
+                    "refer/far_batch_frac": a[4], "refer/avg_rho": a[5], "refer/beta": state["beta"],
+                    "refer/c_max": refer_cmax(state["k"], args.C, args.A),
+                    "stats/reward_scale": rm.reward_scale, "stats/sigma_mean": float(std_from_param(
+                        agent.std_param.detach(), args.std_map).mean()), "stats/replay_size": rm.size})
+                logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
+                                a[2], f"beta {state['beta']:.3f} far {rm.far_fraction():.3f} kl {a[3]:.3g}")
+                acc.zero_()
+                acc_n, last_log_k, last_time, last_step = 0, state["k"], now, global_step
+            elif not started and global_step - last_step >= 10_000:
+                now = time.time()
+                logger.progress(global_step, (global_step - last_step) / max(1e-9, now - last_time),
+                                np.mean(recent_returns) if recent_returns else None, extra=f"collecting {rm.size}")
+                last_time, last_step = now, global_step
+
+            # CHECKPOINT
+            if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
+                save_checkpoint(logger.dir / "checkpoint.pt", {
+                    "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim), "model": agent.state_dict(),
+                    "optimizer": optimizer.state_dict(), "state": dict(state), "global_step": global_step,
+                    "t0": t0, "stats_ready": stats_ready, "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(),
+                    "reward_scale": rm.reward_scale, "np_rng": rng, "rng": rng_state(),
+                    "replay": rm.state_dict() if (args.checkpoint_replay and started) else None})
+                last_ckpt = global_step
+
+            if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
+                break
+            if not did:
+                procs.check()  # dead actor -> ActorDied with the reason
+                time.sleep(0.0005)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        print("interrupted: stopping actors", flush=True)
+    except ActorDied as e:
+        status = "actor died"
+        print(e.traceback, flush=True)
+        raise SystemExit(f"error: {e}") from None
+    finally:
+        procs.stop()
+
+    # SAVE + EVALUATE
+    summary = {"status": status, "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
+               "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+               "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)}
+    if args.save_model:
+        path = logger.dir / f"{args.exp_name}.model"
+        torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
+                    "obs_std": obs_std.cpu()}, path)
+        print(f"model saved to {path}", flush=True)
+        if args.eval_episodes > 0:
+            returns = evaluate(agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device,
+                               args.clip_actions)
+            for i, r in enumerate(returns):
+                logger.log(global_step, {"eval/episodic_return": r})
+            summary["eval_return_mean"] = float(np.mean(returns))
+    logger.summary(summary)
+    logger.close()
