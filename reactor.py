@@ -1,0 +1,1083 @@
+"""Reactor (Gruslys, Dabney, Azar, Piot, Bellemare, Munos 2018, https://arxiv.org/abs/1704.04651), one self-contained file.
+
+Retrace-Actor: an off-policy actor-critic with a recurrent network, trained from prioritized replay of sequences.
+Actors (CPU processes) act with the latest weights and stream transitions to the learner, which owns the replay,
+samples sequences of 33 observations, and trains the categorical Q head with distributional Retrace and the policy
+head with the beta-leave-one-out policy gradient.
+
+Paper parts implemented here
+----------------------------
+- Retrace (Eqs. (3)-(4)), scalar, the "ND" ablation:             `retrace_returns`
+- C51 projection kernel h_{z_i} (C51 Eq. (7), quoted in 3.2):       `categorical_projection`
+- Distributional Retrace as an alpha-mixture of n-step backups
+  (3.2: alpha_{n,a}, q*_i, Eq. (12) KL loss):                       `distributional_retrace_target`, `reactor_loss`
+- beta-LOO policy gradient (Eq. (10), beta = min(c, 1/mu(A)))        `beta_loo_policy_loss`
+- TISLR (ACER's truncated IS likelihood ratio, 3.1), the ablation    `tislr_policy_loss`
+- Prioritized sequence replay with lazy initialization (3.3):
+  priorities for all overlapping sequences keyed by start time, unknown ones estimated from the known neighbours
+  weighted by cell sizes, epsilon-uniform mix, IS weights with exponent 1: `LazyPriorities`, `SequenceReplay`
+- Priorities: mean |TD| along the sequence (ND), total variation (distributional) (3.3): `reactor_loss`
+- Network (3.4.1): conv torso on single frames, shared linear layer, separate policy and Q LSTMs, policy LSTM
+  gradients blocked from the torso, categorical Q = value logits + action logits (no mean subtraction),
+  policy softmax mixed with a fixed uniform distribution, concatenated ReLU: `ReactorNetwork`
+- Decoupled acting and learning with an enforced acting:learning ratio, target network every 1000 learning
+  steps, Adam lr 5e-5 with zero first-moment momentum (3.4, 4.1): `__main__`
+- Evaluation with no-op starts and whole games (no life-loss ends), real game scores (4.1): `evaluate`
+
+Defaults and their source
+-------------------------
+- sequence_length = 32 transitions (33 observations), batch_size = 4           (paper 3.4)
+- replay_ratio = 4 acting steps per learning step                               (paper 3.4: "4-6")
+- target_update_period = 1000 learning steps, retrace_lambda = 1.0             (paper 4.1)
+- beta_loo_c = 1.0 (beta-LOO with beta = 1 in all reported runs)               (paper 4.1, Fig. 3)
+- learning_rate = 5e-5, Adam beta1 = 0 ("zero momentum")                         (paper 3.4.1)
+- importance-sampling exponent = 1 (fixed)                                     (paper 3.3)
+- NOT IN THE RECOVERED PAPER (its appendix was lost), our choices, all flags:
+  num_atoms = 51, v_min = -10, v_max = 10, gamma = 0.99 (C51 defaults, cleanrl/c51_atari.py);
+  conv 16-32-32 / linear 128 / LSTM 128 / head linear 32 with CReLU (an unconfirmed recollection of Table 3);
+  policy_uniform_eps = 0.01; entropy_coef = 0.01 (A3C / CleanRL); replay_uniform_eps = 0.1;
+  priority_exponent = 1.0 (3.3 samples "proportionally to" the estimate); adam_beta2 = 0.999, adam_eps = 1e-8
+  (torch defaults); max_grad_norm = 40 (A3C); tislr_c = 10 (ACER); replay_size = 1e6 transitions;
+  learning_starts = 10_000; sticky actions 0 (the paper used the DQN pipeline of 2015; ALE v5 would use 0.25);
+  the LSTM state of each step is stored at acting time and used as the sequence's initial state (R2D2's
+  "stored state"; the paper does not say).
+
+Gymnasium autoreset mode
+------------------------
+None: every actor runs one `make_atari_env` env and calls `env.reset()` itself after `terminated or truncated`,
+so the observation returned with `truncated=True` is the true last frame, stored as a "pad" slot and bootstrapped
+from. A life loss ends the learning episode (`terminated`, discount and traces cut) without resetting the game.
+
+Differences from the paper
+--------------------------
+- One machine: N actor processes + one learner process with one local replay instead of 10 actor-learner
+  workers with a parameter server. The actors read the learner's weights from shared memory (hogwild-style: a
+  read may see a half-written update).
+- The Contextual Priority Tree (AVL tree, appendix 6.3, lost) is replaced by an equivalent structure that
+  satisfies the constraints of 3.3: three sum trees over the key space (valid keys, keys with a known priority,
+  cell masses). Cell I_i = the known key s_i and the unknown keys after it up to the next known key (in index
+  order, circular over the whole replay); J(t) = the cell of t and its two neighbour cells. Index order is time
+  order inside each actor's ring segment, except at the write head and at segment borders (2 * num_actors places),
+  where neighbouring cells are not temporal neighbours. Insert, sample, update and evict are O(log n).
+- The CPT re-inserts an updated key as a leaf; we have no such tree-shape detail.
+- R(A) in beta-LOO is the scalar Retrace return on the expected target-network Q (Eq. (3)); the distributional
+  target's mean equals it unless atoms are clipped at v_min/v_max.
+- The IS weights are normalized by their batch maximum (as most PER code does).
+
+Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
+"""
+import os
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+from common.atari_env import ATARI_ENV_IDS, make_atari_env
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.logger import RunLogger, make_run_name
+from common.processes import ActorDied, ProcessGroup
+
+
+@dataclass
+class Args:
+    # --- common to all four scripts (keep this block identical) ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment (actor i uses seed + 1000 * i)"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA for the learner when available (falls back to CPU)"""
+    track: bool = False
+    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
+    wandb_project_name: str = "replay-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the first actor/eval env into videos/{run_name}"""
+    save_model: bool = False
+    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
+    checkpoint_every: int = 0
+    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
+    resume: str | None = None
+    """path to a checkpoint.pt to resume from"""
+    progress: bool = True
+    """print a compact progress line"""
+    start_method: str = "spawn"
+    """multiprocessing start method for actor processes: spawn | forkserver"""
+
+    # --- algorithm specific arguments ---
+    env_id: str = "ALE/Pong-v5"
+    """the id of the Atari environment (gymnasium ALE id)"""
+    total_timesteps: int = 50_000_000
+    """total environment steps over all actors (agent steps; 1 step = 4 frames; paper: 200M frames = 50M steps)"""
+    num_actors: int = 2
+    """number of actor processes (CPU, one thread each); the paper used 10 actor-learner workers"""
+    replay_size: int = 1_000_000
+    """replay capacity in transitions (= sequence keys), split evenly between actors (not in the recovered paper)"""
+    learning_starts: int = 10_000
+    """env steps collected before learning starts (not in the recovered paper)"""
+    batch_size: int = 4
+    """sequences per learning step (paper 3.4)"""
+    sequence_length: int = 32
+    """transitions per sequence; the network sees sequence_length + 1 = 33 observations (paper 3.4)"""
+    replay_ratio: float = 4.0
+    """acting steps per learning step, enforced in both directions (paper 3.4: 4 to 6)"""
+    ratio_slack: int = 512
+    """env steps the actors may run ahead of replay_ratio * learning steps before they wait"""
+    actor_chunk: int = 16
+    """transitions an actor sends to the learner at once"""
+    learning_rate: float = 5e-5
+    """Adam learning rate (paper 3.4.1)"""
+    adam_beta1: float = 0.0
+    """Adam first-moment momentum (paper 3.4.1: zero momentum)"""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay (torch default, not in the recovered paper)"""
+    adam_eps: float = 1e-8
+    """Adam epsilon (torch default, not in the recovered paper)"""
+    max_grad_norm: float = 40.0
+    """gradient clipping norm, 0 = off (A3C's value, not in the recovered paper)"""
+    target_update_period: int = 1000
+    """learning steps between target network copies (T_update, paper 4.1)"""
+    gamma: float = 0.99
+    """discount factor gamma (not in the recovered paper; C51/DQN value)"""
+    retrace_lambda: float = 1.0
+    """lambda in the traces c_s = lambda * min(1, pi/mu) (paper 4.1)"""
+    distributional: bool = True
+    """distributional Retrace with a categorical Q head; --no-distributional is the scalar 'Reactor ND' ablation"""
+    num_atoms: int = 51
+    """number of atoms N of the categorical return distribution (C51 value, not in the recovered paper)"""
+    v_min: float = -10.0
+    """lowest atom z_0 (C51 value, not in the recovered paper)"""
+    v_max: float = 10.0
+    """highest atom z_{N-1} (C51 value, not in the recovered paper)"""
+    policy_gradient: str = "beta-loo"
+    """policy gradient estimator: beta-loo (Eq. (10)) | tislr (ACER, the paper's ablation)"""
+    beta_loo_c: float = 1.0
+    """c in beta = min(c, 1/mu(A)) of beta-LOO (paper: beta = 1, i.e. c = 1)"""
+    tislr_c: float = 10.0
+    """truncation c of TISLR (ACER's value)"""
+    entropy_coef: float = 0.01
+    """entropy regularization weight (the paper mentions an A3C-style entropy cost; value not recovered)"""
+    policy_uniform_eps: float = 0.01
+    """epsilon of the uniform mix pi = (1 - eps) softmax + eps / |A| (value not recovered)"""
+    crelu: bool = True
+    """concatenated ReLU activations (paper appendix comparison with Rainbow); --no-crelu uses ReLU"""
+    lstm_size: int = 128
+    """units of each LSTM (not recovered; unconfirmed Table 3 recollection)"""
+    prioritized: bool = True
+    """prioritized sequence replay with lazy initialization; --no-prioritized samples uniformly"""
+    replay_uniform_eps: float = 0.1
+    """probability of sampling uniformly instead of proportionally to the priority estimate (value not recovered)"""
+    priority_exponent: float = 1.0
+    """priorities are stored as p^exponent (paper samples proportionally to p: 1; PER would use 0.6)"""
+    sticky_action_prob: float = 0.0
+    """ALE sticky actions (paper: DQN pipeline, none; ALE v5 default would be 0.25)"""
+    noop_max: int = 30
+    """maximum no-op actions at the start of a game (acting and evaluation)"""
+    actor_sync_every: int = 16
+    """actor env steps between checks for new weights in shared memory"""
+    eval_episodes: int = 10
+    """whole games played by the final evaluation (paper: 200)"""
+    log_every: int = 100
+    """learning steps between metric log lines"""
+    checkpoint_replay: bool = False
+    """also store the replay memory in checkpoints (large)"""
+    memory_fraction: float = 0.8
+    """refuse a replay needing more than this fraction of the available RAM"""
+
+
+def validate_args(args: Args) -> None:
+    """Fail at start-up with one clear line on bad flags."""
+    if args.env_id not in ATARI_ENV_IDS:
+        raise SystemExit(f"error: reactor.py is for Atari (discrete actions, pixel frames): {args.env_id!r} is not "
+                         f"a registered ALE id (try ALE/Pong-v5)")
+    if args.policy_gradient not in ("beta-loo", "tislr"):
+        raise SystemExit(f"error: --policy-gradient must be beta-loo or tislr, not {args.policy_gradient!r}")
+    if args.start_method not in ("spawn", "forkserver"):
+        raise SystemExit("error: --start-method must be spawn or forkserver")
+    checks = [
+        (args.num_actors >= 1, "--num-actors must be >= 1"),
+        (args.batch_size >= 1 and args.sequence_length >= 1, "--batch-size and --sequence-length must be >= 1"),
+        (args.replay_ratio > 0, "--replay-ratio must be > 0"),
+        (args.v_max > args.v_min and args.num_atoms >= 2, "need --v-max > --v-min and --num-atoms >= 2"),
+        (0.0 <= args.policy_uniform_eps < 1.0, "--policy-uniform-eps must be in [0, 1)"),
+        (0.0 <= args.replay_uniform_eps <= 1.0, "--replay-uniform-eps must be in [0, 1]"),
+        (args.beta_loo_c >= 1.0, "--beta-loo-c must be >= 1 (paper 3.1: c >= 1)"),
+        (0.0 <= args.retrace_lambda <= 1.0 and 0.0 <= args.gamma <= 1.0, "--retrace-lambda and --gamma in [0, 1]"),
+        (args.actor_chunk >= 1, "--actor-chunk must be >= 1"),
+        (args.policy_uniform_eps > 0 or args.policy_gradient == "beta-loo",
+         "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    seg = args.replay_size // args.num_actors
+    if seg < 2 * (args.sequence_length + 1) + args.actor_chunk + 2:
+        raise SystemExit(f"error: --replay-size {args.replay_size} is too small: each of the {args.num_actors} actors "
+                         f"needs >= {2 * (args.sequence_length + 1) + args.actor_chunk + 2} slots")
+
+
+def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
+    """Single 84x84 grayscale frames (1, 84, 84) uint8; life loss ends a learning episode, not an evaluation one."""
+    return make_atari_env(env_id, seed, frame_stack=1, clip_rewards=not evaluation,
+                          terminal_on_life_loss=not evaluation, sticky_action_prob=args.sticky_action_prob,
+                          noop_max=args.noop_max, capture_video=video_folder is not None, video_folder=video_folder)
+
+
+# NETWORK
+class CReLU(nn.Module):
+    """Concatenated ReLU: [relu(x), relu(-x)] along the feature axis (doubles the width)."""
+
+    def forward(self, x):
+        return torch.cat([F.relu(x), F.relu(-x)], dim=1)
+
+
+class NetOut(NamedTuple):
+    q: torch.Tensor  # [B, L, A, K] categorical logits (distributional) or [B, L, A] action values (ND)
+    pi: torch.Tensor  # [B, L, A] mixed policy probabilities
+    state: tuple  # (h_q, c_q, h_pi, c_pi) after the last step
+
+
+class ReactorNetwork(nn.Module):
+    """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
+
+    def __init__(self, num_actions: int, num_atoms: int = 51, lstm_size: int = 128, crelu: bool = True,
+                 distributional: bool = True, policy_uniform_eps: float = 0.01):
+        super().__init__()
+        act, m = (CReLU, 2) if crelu else (nn.ReLU, 1)
+        self.num_actions, self.num_atoms, self.lstm_size = num_actions, num_atoms, lstm_size
+        self.distributional, self.policy_uniform_eps = distributional, policy_uniform_eps
+        # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
+        self.torso = nn.Sequential(
+            nn.Conv2d(1, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
+            nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten(), nn.Linear(7 * 7 * 32 * m, 128), act())
+        self.q_lstm = nn.LSTMCell(128 * m, lstm_size)
+        self.pi_lstm = nn.LSTMCell(128 * m, lstm_size)
+        self.q_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
+        self.pi_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
+        k = num_atoms if distributional else 1
+        self.value_logits = nn.Linear(32 * m, k)  # state-value logits
+        self.action_logits = nn.Linear(32 * m, num_actions * k)  # action-specific logits
+        self.pi_logits = nn.Linear(32 * m, num_actions)
+
+    def initial_state(self, batch: int, device=None):
+        return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
+
+    def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple) -> NetOut:
+        """obs [B, L, 84, 84] uint8, first [B, L] (episode starts: LSTM state reset before that frame)."""
+        B, L = obs.shape[:2]
+        x = self.torso(obs.reshape(B * L, 1, 84, 84).float() / 255.0).reshape(B, L, -1)
+        hq, cq, hp, cp = state
+        q_out, pi_out = [], []
+        keep = (~first.bool()).float().unsqueeze(-1)
+        for t in range(L):
+            k = keep[:, t]
+            hq, cq, hp, cp = hq * k, cq * k, hp * k, cp * k
+            hq, cq = self.q_lstm(x[:, t], (hq, cq))
+            # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
+            hp, cp = self.pi_lstm(x[:, t].detach(), (hp, cp))
+            q_out.append(hq)
+            pi_out.append(hp)
+        hq_all = self.q_hidden(torch.stack(q_out, 1).reshape(B * L, -1))
+        hp_all = self.pi_hidden(torch.stack(pi_out, 1).reshape(B * L, -1))
+        k = self.num_atoms if self.distributional else 1
+        # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
+        q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, k)
+        q = q.view(B, L, self.num_actions, k) if self.distributional else q.view(B, L, self.num_actions)
+        # policy: softmax mixed with a fixed uniform distribution (3.4.1)
+        pi = (1 - self.policy_uniform_eps) * F.softmax(self.pi_logits(hp_all), -1) + self.policy_uniform_eps / self.num_actions
+        return NetOut(q, pi.view(B, L, self.num_actions), (hq, cq, hp, cp))
+
+
+# ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
+def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Project sum_j probs_j delta_{atoms_j} onto the fixed grid `support` (C51 Eq. (7), the kernel h_{z_i} of 3.2).
+
+    out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1).
+    atoms, probs: [..., M] (broadcastable); support: [K] evenly spaced; returns [..., K]. Linear in probs, so signed
+    weights (distributional Retrace's alpha) are fine. O(M) via scatter-add of the two neighbouring grid points.
+    """
+    atoms, probs = torch.broadcast_tensors(atoms, probs)
+    K = support.shape[0]
+    v_min, v_max = float(support[0]), float(support[-1])
+    b = ((atoms.clamp(v_min, v_max) - v_min) / ((v_max - v_min) / (K - 1))).clamp(0, K - 1)
+    lower = b.floor()
+    frac = b - lower  # weight of the upper neighbour; 0 for an atom on a grid point
+    lower_idx = lower.long().clamp(0, K - 1)
+    upper_idx = (lower_idx + 1).clamp(max=K - 1)
+    out = probs.new_zeros(*probs.shape[:-1], K)
+    out.scatter_add_(-1, lower_idx, probs * (1 - frac))
+    out.scatter_add_(-1, upper_idx, probs * frac)
+    return out
+
+
+def _window_products(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """x [B, T] -> P [B, T(t), T(j)] with P[t, j] = prod_{i=t}^{j} x_i (inclusive) or prod_{i=t}^{j-1} x_i, for j >= t.
+
+    Built with a cumulative product over a matrix where entries before t are 1, so zeros in x (cut traces,
+    terminal discounts) are exact. Entries with j < t are garbage (1) and must be masked by the caller.
+    """
+    B, T = x.shape
+    t_idx = torch.arange(T, device=x.device)
+    start = t_idx[:, None] <= t_idx[None, :]  # [t, i]: i >= t
+    m = torch.where(start, x[:, None, :], torch.ones((), dtype=x.dtype, device=x.device))
+    incl = torch.cumprod(m, dim=-1)
+    if inclusive:
+        return incl
+    return torch.cat([torch.ones_like(incl[..., :1]), incl[..., :-1]], dim=-1)
+
+
+def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
+    """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) on a sequence of T transitions, by its backward recursion
+
+        Q^ret_t = r_t + gamma_t [ E_pi Q(x_{t+1}, .) - c_{t+1} Q(x_{t+1}, a_{t+1}) + c_{t+1} Q^ret_{t+1} ],
+
+    which equals Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s. All inputs [B, T]: rewards r_t,
+    discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one is treated as 0: the sequence end
+    cuts the trace), v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
+    """
+    T = rewards.shape[1]
+    out = torch.empty_like(rewards)
+    acc = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        c = c_next[:, t] if t < T - 1 else torch.zeros_like(acc)
+        acc = rewards[:, t] + discounts[:, t] * (v_next[:, t] - c * q_next_a[:, t] + c * acc)
+        out[:, t] = acc
+    return out
+
+
+def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a_next, support):
+    """Distributional Retrace target q*_i(x_t, a_t) for every t of a sequence (paper 3.2).
+
+        q*_i(x_t,a_t) = sum_{n>=1} sum_a alpha_{n,a} sum_j q_j(x_{t+n}, a) h_{z_i}(z^n_j),
+        alpha_{n,a} = (c_{t+1}...c_{t+n-1}) (pi(a|x_{t+n}) - 1{a = a_{t+n}} c_{t+n}),
+        z^n_j = sum_{s=t}^{t+n-1} gamma^{s-t} r_s + gamma^n z_j.
+
+    rewards, discounts (gamma_t, 0 after termination), c_next (c_{t+1}): [B, T]; pi_next (pi(.|x_{t+1})): [B, T, A];
+    q_next (target-network probabilities q(x_{t+1}, .)): [B, T, A, K]; a_next (a_{t+1}): [B, T]; support z: [K].
+    The sequence end cuts the trace (c_{t+T} := 0), so sum_{n,a} alpha = 1 and the target has total mass 1
+    (some entries may be negative for a given trajectory; they are non-negative in expectation).
+    Returns [B, T, K].
+    """
+    B, T, A, K = q_next.shape
+    c = c_next.clone()
+    c[:, -1] = 0.0  # c_{t+K} := 0 at the end of the sequence
+    # Y_s = sum_a (pi(a|x_s) - 1{a=a_s} c_s) q(x_s, a) = E_pi q(x_s) - c_s q(x_s, a_s)       [B, T(s), K]
+    q_a = q_next.gather(2, a_next.long()[:, :, None, None].expand(B, T, 1, K)).squeeze(2)
+    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * q_a
+    trace = _window_products(c, inclusive=False)  # [t, j]: c_{t+1} ... c_{s-1} for s = j + 1
+    disc_incl = _window_products(discounts, inclusive=True)  # gamma^n (with cuts): prod_{u=t}^{s-1} gamma_u
+    disc_excl = _window_products(discounts, inclusive=False)  # prod_{u=t}^{j-1} gamma_u: discount of r_j
+    valid = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # j >= t, i.e. n = j - t + 1 >= 1
+    ret = torch.cumsum(torch.where(valid, disc_excl * rewards[:, None, :], torch.zeros(())), dim=-1)  # sum gamma^{s-t} r_s
+    weights = torch.where(valid[..., None], trace[..., None] * y[:, None, :, :], torch.zeros(()))  # alpha-weighted q_j
+    atoms = ret[..., None] + disc_incl[..., None] * support  # z^n_j                                       [B,T,T,K]
+    return categorical_projection(atoms.reshape(B, T, T * K), weights.reshape(B, T, T * K), support)
+
+
+def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
+    """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)].
+
+    beta = min(c, 1/mu(A)) (3.1; c = 1 gives beta = 1, the paper's runs). pi [..., A] carries the gradient;
+    q [..., A] (current Q estimates), returns R(A) [...] (Retrace) and mu_a = mu(A) [...] are constants.
+    """
+    beta = torch.clamp(1.0 / mu_a, max=c)
+    pi_a = pi.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    q = q.detach()
+    q_a = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    return -(beta * (returns - q_a).detach() * pi_a + (q * pi).sum(-1))
+
+
+def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
+    """Negative TISLR surrogate (ACER; paper 3.1), the ablation of beta-LOO:
+    min(c, rho(A)) (R(A) - V) grad log pi(A) + sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q.
+    pi [..., A] (gradient), q [..., A], returns [...], mu [..., A] (full behaviour policy)."""
+    q, pi_d = q.detach(), pi.detach()
+    rho = pi_d / mu
+    v = (pi_d * q).sum(-1)
+    log_pi = torch.log(pi)
+    idx = actions.long().unsqueeze(-1)
+    rho_a = rho.gather(-1, idx).squeeze(-1)
+    term1 = torch.clamp(rho_a, max=c) * (returns - v).detach() * log_pi.gather(-1, idx).squeeze(-1)
+    term2 = (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1)
+    return -(term1 + term2)
+
+
+def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
+    """Per-transition discounts gamma_t, traces c_{t+1} and loss mask for a sequence of T+1 slots ([B, T+1] each).
+
+    c_s = lambda min(1, rho_s) (Eq. (4)). An episode end inside the sequence cuts the discount and the traces:
+    after a termination at t, gamma_t = 0 and c_{t+1} = 0. A time-limit truncation at t is followed by a pad slot
+    holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0 (the trace stops there), and the pad
+    slot itself carries no transition (mask 0, gamma 0). Returns (disc [B, T], c_next [B, T], mask [B, T]).
+    """
+    T = rho.shape[1] - 1
+    c = lam * torch.clamp(rho, max=1.0)
+    term, pad, first = term.to(rho.dtype), pad.to(rho.dtype), first.to(rho.dtype)
+    mask = 1.0 - pad[:, :T]
+    disc = gamma * (1.0 - term[:, :T]) * mask
+    c_next = c[:, 1:] * (1.0 - first[:, 1:]) * (1.0 - pad[:, 1:]) * mask
+    return disc, c_next, mask
+
+
+class Batch(NamedTuple):
+    obs: torch.Tensor  # [B, T+1, 84, 84] uint8
+    actions: torch.Tensor  # [B, T+1]
+    rewards: torch.Tensor  # [B, T+1] (r of the transition leaving each slot)
+    term: torch.Tensor  # [B, T+1] transition from this slot terminated
+    pad: torch.Tensor  # [B, T+1] slot is the last frame of a truncated episode (no transition from it)
+    first: torch.Tensor  # [B, T+1] slot is the first frame of an episode
+    mu: torch.Tensor  # [B, T+1, A] behaviour policy at acting time (with the uniform mix)
+    state: tuple  # 4 x [B, H] LSTM state before slot 0
+    weights: torch.Tensor  # [B] importance-sampling weights
+
+
+def reactor_loss(net, target_net, batch: Batch, support, args: Args):
+    """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors)."""
+    out = net(batch.obs, batch.first, batch.state)
+    with torch.no_grad():
+        tout = target_net(batch.obs, batch.first, batch.state)
+    T = batch.obs.shape[1] - 1
+    pi = out.pi  # [B, T+1, A]
+    pi_d = pi.detach()
+    a = batch.actions.long()
+    mu_a = batch.mu.gather(-1, a.unsqueeze(-1)).squeeze(-1)
+    rho = pi_d.gather(-1, a.unsqueeze(-1)).squeeze(-1) / mu_a
+    disc, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
+    rewards = batch.rewards[:, :T].float()
+    if args.distributional:
+        logq = F.log_softmax(out.q, -1)  # [B, T+1, A, K]
+        q_online = (logq.exp() * support).sum(-1).detach()  # Eq. (5): Q = sum_i q_i z_i
+        q_next = F.softmax(tout.q[:, 1:], -1)
+        target = distributional_retrace_target(rewards, disc, c_next, pi_d[:, 1:], q_next, a[:, 1:], support)
+        K = support.shape[0]
+        logq_a = logq[:, :T].gather(2, a[:, :T, None, None].expand(-1, -1, 1, K)).squeeze(2)
+        value_loss = -(target * logq_a).sum(-1)  # Eq. (12): cross-entropy with the (signed) target
+        td_size = 0.5 * (target - logq_a.exp()).abs().sum(-1)  # total variation (3.3)
+        qbar_next = (q_next * support).sum(-1)
+    else:
+        q_online = out.q.detach()
+        qbar_next = tout.q[:, 1:]
+    v_next = (pi_d[:, 1:] * qbar_next).sum(-1)
+    q_next_a = qbar_next.gather(-1, a[:, 1:].unsqueeze(-1)).squeeze(-1)
+    returns = retrace_returns(rewards, disc, c_next, v_next, q_next_a)  # R(A), Eq. (3)
+    if not args.distributional:
+        q_taken = out.q[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1)
+        value_loss = 0.5 * (returns - q_taken) ** 2
+        td_size = (returns - q_taken).abs().detach()  # |TD| along the sequence (3.3)
+    if args.policy_gradient == "beta-loo":
+        policy_loss = beta_loo_policy_loss(pi[:, :T], q_online[:, :T], a[:, :T], returns, mu_a[:, :T], args.beta_loo_c)
+    else:
+        policy_loss = tislr_policy_loss(pi[:, :T], q_online[:, :T], a[:, :T], returns, batch.mu[:, :T], args.tislr_c)
+    entropy = -(pi[:, :T] * torch.log(pi[:, :T])).sum(-1)
+    per_step = value_loss + policy_loss - args.entropy_coef * entropy
+    denom = mask.sum(1).clamp(min=1.0)
+    w = batch.weights
+    loss = (w * (per_step * mask).sum(1) / denom).mean()
+    priorities = (td_size.detach() * mask).sum(1) / denom  # mean |TD| (ND) or mean total variation
+    n = mask.sum().clamp(min=1.0)
+    stats = {
+        "losses/value_loss": (value_loss.detach() * mask).sum() / n,
+        "losses/policy_loss": (policy_loss.detach() * mask).sum() / n,
+        "losses/entropy": (entropy.detach() * mask).sum() / n,
+        "losses/q_values": (q_online[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1) * mask).sum() / n,
+        "losses/retrace_return": (returns * mask).sum() / n,
+        "replay/rho_mean": (rho[:, :T] * mask).sum() / n,
+        "replay/trace_mean": (c_next * mask).sum() / n,
+        "replay/trace_cut_fraction": ((c_next < 1.0).float() * mask).sum() / n,
+    }
+    return loss, priorities, stats
+
+
+# PRIORITIZED SEQUENCE REPLAY WITH LAZY INITIALIZATION (paper 3.3)
+class SumTree:
+    """Binary tree over `capacity` leaves (leaves at [size, 2 size) of one array); each node = sum of its two children.
+
+    Every operation is vectorized over a batch of indices and walks log2(size) levels. Updates recompute parents
+    from their children (never add deltas), so float sums never drift.
+    """
+
+    def __init__(self, capacity: int, dtype):
+        self.depth = max(1, int(np.ceil(np.log2(capacity + 1))))
+        self.size = 1 << self.depth  # > capacity, so prefix(capacity) is a valid query
+        self.tree = np.zeros(2 * self.size, dtype)
+
+    @property
+    def total(self):
+        return self.tree[1]
+
+    def get(self, idx):
+        return self.tree[np.asarray(idx, np.int64) + self.size]
+
+    def set(self, idx, values) -> None:
+        node = np.asarray(idx, np.int64) + self.size
+        if node.size == 0:
+            return
+        self.tree[node] = values
+        node = np.unique(node >> 1)
+        for _ in range(self.depth):
+            self.tree[node] = self.tree[2 * node] + self.tree[2 * node + 1]
+            node = np.unique(node >> 1)
+
+    def prefix(self, idx):
+        """Sum of leaves [0, idx) for each idx (0 <= idx <= capacity)."""
+        node = np.asarray(idx, np.int64) + self.size
+        res = np.zeros(node.shape, self.tree.dtype)
+        for _ in range(self.depth):
+            res += np.where(node & 1, self.tree[node - 1], 0)  # a right child: add its left sibling's subtree
+            node = node >> 1
+        return res
+
+    def find(self, value):
+        """Leaf i with prefix(i) <= value < prefix(i + 1) (for counts: the (value+1)-th one)."""
+        value = np.array(value, dtype=self.tree.dtype)
+        node = np.ones(value.shape, np.int64)
+        for _ in range(self.depth):
+            left = self.tree[2 * node]
+            right = value >= left
+            value = np.where(right, value - left, value)
+            node = 2 * node + right
+        return node - self.size
+
+
+class LazyPriorities:
+    """Sequence keys 0..capacity-1 with lazily initialized priorities (paper 3.3), all operations O(log n).
+
+    A key is *valid* when its whole sequence is in memory. A valid key is either *known* (it was trained on and got a
+    priority p) or unknown. The known keys s_1 < s_2 < ... partition the valid keys into cells
+    I_i = {valid keys from s_i up to (excluding) s_{i+1}} (circular over the key space), each with exactly one known
+    key; the partition depends only on which keys are known, never on priority values. J(t) = the cell of t and its
+    two neighbour cells. The estimate of an unknown key in cell i is
+        p_hat = sum_{j in J} w_j p_j / sum_{j in J} w_j,  w_j = |I_j| (cell sizes: inverse local density),
+    the same for every unknown key of the cell, so the cell's mass is m_i = p_i + (|I_i| - 1) p_hat_i, held at s_i in
+    a sum tree. Sampling: with probability eps uniformly over the valid keys, else proportionally to p_hat (pick a
+    cell by mass, then its known key with probability p_i / m_i, else one of its unknown keys uniformly).
+    When no priority is known the sampling is uniform.
+    """
+
+    def __init__(self, capacity: int, uniform_eps: float = 0.1):
+        self.capacity, self.eps = capacity, uniform_eps
+        self.valid = SumTree(capacity, np.int64)
+        self.known = SumTree(capacity, np.int64)
+        self.mass = SumTree(capacity, np.float64)
+        self.priority = np.zeros(capacity, np.float64)
+
+    # --- order queries (all vectorized) ---
+    @property
+    def num_valid(self) -> int:
+        return int(self.valid.total)
+
+    @property
+    def num_known(self) -> int:
+        return int(self.known.total)
+
+    def _known_by_rank(self, rank):
+        return self.known.find(np.mod(rank, self.num_known))
+
+    def _owner(self, keys):
+        """The known key whose cell holds each key: the last known key <= key, circularly."""
+        c = self.known.prefix(np.asarray(keys, np.int64) + 1)
+        return self._known_by_rank(c - 1)  # c = 0 wraps to the last known key
+
+    def _cell_sizes(self, starts, ends):
+        """Number of valid keys in the circular ranges [start, end) (end == start: all valid keys)."""
+        pre = self.valid.prefix(np.concatenate([starts, ends]))
+        a, b = pre[: len(starts)], pre[len(starts):]
+        return np.where(ends > starts, b - a, self.num_valid - a + b)
+
+    def _cells(self, owners):
+        """For known keys: (previous known, next known, cell sizes w_prev, w_self, w_next)."""
+        r = self.known.prefix(owners)  # rank of each known key
+        n = len(owners)
+        pos = self._known_by_rank(np.concatenate([r - 1, r + 1, r + 2]))
+        prv, nxt, nxt2 = pos[:n], pos[n: 2 * n], pos[2 * n:]
+        w = self._cell_sizes(np.concatenate([prv, owners, nxt]), np.concatenate([owners, nxt, nxt2]))
+        return prv, nxt, w[:n], w[n: 2 * n], w[2 * n:]
+
+    def _cell_estimate(self, owners):
+        """p_hat of the unknown keys of each cell: cell-size weighted mean of the known priorities in J."""
+        prv, nxt, w_prv, w_self, w_nxt = self._cells(owners)
+        use_prv = (prv != owners).astype(np.float64)  # J holds distinct cells only (fewer than 3 known keys)
+        use_nxt = ((nxt != owners) & (nxt != prv)).astype(np.float64)
+        p = self.priority
+        num = w_self * p[owners] + use_prv * w_prv * p[prv] + use_nxt * w_nxt * p[nxt]
+        den = w_self + use_prv * w_prv + use_nxt * w_nxt
+        return num / den, w_self
+
+    def _refresh(self, keys) -> None:
+        """Recompute the masses of every cell whose mass may have changed after changes at `keys`."""
+        if self.num_known == 0 or len(keys) == 0:
+            return
+        owners = self._owner(keys)
+        r = self.known.prefix(owners)
+        ranks = np.unique(np.mod(r[:, None] + np.arange(-2, 3), self.num_known))
+        cells = self._known_by_rank(ranks)
+        est, w = self._cell_estimate(cells)
+        self.mass.set(cells, self.priority[cells] + (w - 1) * est)
+
+    # --- the four replay operations ---
+    def add(self, keys) -> None:
+        """Keys become valid with an unknown priority (lazy initialization)."""
+        keys = np.unique(np.asarray(keys, np.int64))
+        self.valid.set(keys, 1)
+        self._refresh(keys)
+
+    def remove(self, keys) -> None:
+        """Evict keys (their sequence is being overwritten); a known key's cell merges into the previous cell."""
+        keys = np.unique(np.asarray(keys, np.int64))
+        keys = keys[self.valid.get(keys) == 1]
+        was_known = keys[self.known.get(keys) == 1]
+        self.valid.set(keys, 0)
+        self.known.set(was_known, 0)
+        self.mass.set(was_known, 0.0)
+        self._refresh(keys)
+
+    def set_priority(self, keys, priorities) -> None:
+        """Assign priorities to keys just trained on (invalid keys, evicted meanwhile, are skipped)."""
+        keys = np.asarray(keys, np.int64)
+        priorities = np.asarray(priorities, np.float64)
+        keys, last = np.unique(keys[::-1], return_index=True)  # keep the last priority of a repeated key
+        priorities = priorities[::-1][last]
+        ok = self.valid.get(keys) == 1
+        keys, priorities = keys[ok], priorities[ok]
+        self.priority[keys] = priorities
+        self.known.set(keys, 1)
+        self._refresh(keys)
+
+    def estimate(self, keys):
+        """p_hat for each (valid) key: its priority if known, else its cell's estimate."""
+        keys = np.asarray(keys, np.int64)
+        if self.num_known == 0:
+            return np.full(keys.shape, np.nan)
+        est, _ = self._cell_estimate(self._owner(keys))
+        return np.where(self.known.get(keys) == 1, self.priority[keys], est)
+
+    def probability(self, keys):
+        """Sampling probability P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k (uniform while nothing is known)."""
+        n, total = self.num_valid, self.mass.total
+        if self.num_known == 0 or total <= 0:
+            return np.full(np.shape(keys), 1.0 / n)
+        return self.eps / n + (1 - self.eps) * self.estimate(keys) / total
+
+    def sample(self, batch: int, rng: np.random.Generator):
+        """Sample `batch` valid keys; returns (keys, their sampling probabilities)."""
+        n, total = self.num_valid, self.mass.total
+        if n == 0:
+            raise ValueError("cannot sample from an empty replay")
+        keys = self.valid.find(rng.integers(0, n, size=batch))  # uniform part
+        if self.num_known > 0 and total > 0:
+            prio = rng.random(batch) >= self.eps
+            m = int(prio.sum())
+            if m:
+                cell = self.mass.find(rng.random(m) * total)
+                bad = self.known.get(cell) == 0  # float round-off at a boundary: take the cell to the left
+                cell[bad] = self._owner(cell[bad])
+                _, w = self._cell_estimate(cell)
+                take_known = (w <= 1) | (rng.random(m) * self.mass.get(cell) < self.priority[cell])
+                offset = rng.integers(1, np.maximum(w, 2))  # one of the w - 1 unknown keys of the cell
+                other = self.valid.find(np.mod(self.valid.prefix(cell) + offset, n))
+                keys[prio] = np.where(take_known, cell, other)
+        return keys, self.probability(keys)
+
+    def state_dict(self):
+        return {"valid": self.valid.tree.copy(), "known": self.known.tree.copy(), "mass": self.mass.tree.copy(),
+                "priority": self.priority.copy()}
+
+    def load_state_dict(self, state):
+        self.valid.tree[:], self.known.tree[:], self.mass.tree[:] = state["valid"], state["known"], state["mass"]
+        self.priority[:] = state["priority"]
+
+
+class SequenceReplay:
+    """Per-actor ring segments of transitions, frames stored once as uint8; every start time is a sequence key.
+
+    Slot t of a segment holds the observation x_t, the LSTM state before x_t, the action a_t, its behaviour policy
+    mu(.|x_t), the reward r_t and flags. The sequence with key t is slots t .. t+T (T+1 observations); it is valid once
+    slot t+T is written and until slot t is overwritten.
+    """
+
+    FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state")
+
+    def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int,
+                 uniform_eps: float = 0.1, prioritized: bool = True):
+        self.seg_cap = capacity // num_segments
+        self.capacity = self.seg_cap * num_segments
+        self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
+        N = self.capacity
+        self.obs = np.zeros((N, 84, 84), np.uint8)
+        self.action = np.zeros(N, np.uint8)
+        self.reward = np.zeros(N, np.float32)
+        self.term = np.zeros(N, np.bool_)
+        self.pad = np.zeros(N, np.bool_)
+        self.first = np.zeros(N, np.bool_)
+        self.mu = np.zeros((N, num_actions), np.float32)
+        self.state = np.zeros((N, 4, lstm_size), np.float16)
+        self.written = np.zeros(num_segments, np.int64)  # slots ever written per segment
+        self.index = LazyPriorities(N, uniform_eps if prioritized else 1.0)
+
+    @staticmethod
+    def bytes_needed(capacity: int, num_actions: int, lstm_size: int) -> int:
+        per_slot = 84 * 84 + 1 + 4 + 3 + 4 * num_actions + 2 * 4 * lstm_size + 3 * 2 * 8 * 2 + 8
+        return capacity * per_slot  # (sum trees: 3 trees of 2 * 2^ceil(log2) 8-byte nodes, plus priorities)
+
+    def __len__(self):
+        return self.index.num_valid
+
+    def add(self, segment: int, chunk: dict) -> None:
+        """Append a chunk of slots to one segment: evict the keys being overwritten, write, add the new keys."""
+        m = len(chunk["action"])
+        assert m <= self.seg_cap - self.seq_len - 1, "chunk too large for the segment"
+        abs_t = self.written[segment] + np.arange(m)
+        slots = segment * self.seg_cap + abs_t % self.seg_cap
+        self.index.remove(slots[abs_t >= self.seg_cap])  # key of an overwritten slot
+        for name in self.FIELDS:
+            getattr(self, name)[slots] = chunk[name]
+        self.written[segment] += m
+        new = abs_t[abs_t >= self.seq_len] - self.seq_len  # sequence t .. t+T now complete
+        self.index.add(segment * self.seg_cap + new % self.seg_cap)
+
+    def sample(self, batch: int, rng: np.random.Generator, device):
+        keys, probs = self.index.sample(batch, rng)
+        seg, local = keys // self.seg_cap, keys % self.seg_cap
+        slots = seg[:, None] * self.seg_cap + (local[:, None] + np.arange(self.seq_len + 1)) % self.seg_cap
+        weights = 1.0 / (len(self) * probs)  # PER Eq. (2) with exponent beta = 1 (3.3)
+        weights = weights / weights.max()
+
+        def t(x, dtype=None):
+            return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        st = self.state[keys].astype(np.float32)
+        batch_ = Batch(t(self.obs[slots]), t(self.action[slots], torch.int64), t(self.reward[slots]),
+                       t(self.term[slots]), t(self.pad[slots]), t(self.first[slots]), t(self.mu[slots]),
+                       tuple(t(st[:, i]) for i in range(4)), t(weights, torch.float32))
+        return keys, batch_
+
+    def update_priorities(self, keys, priorities, exponent: float = 1.0) -> None:
+        if self.prioritized:
+            self.index.set_priority(keys, (np.asarray(priorities, np.float64) + 1e-6) ** exponent)
+
+    def state_dict(self):
+        d = {name: getattr(self, name) for name in self.FIELDS}
+        return {**d, "written": self.written, "index": self.index.state_dict()}
+
+    def load_state_dict(self, d):
+        for name in self.FIELDS:
+            getattr(self, name)[:] = d[name]
+        self.written[:] = d["written"]
+        self.index.load_state_dict(d["index"])
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (falls back to physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ACTOR PROCESS (module-level so spawn can pickle it)
+def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, out_queue, stop_event):
+    """Act with the latest shared weights (CPU, one thread), stream slots to the learner, respect the ratio."""
+    torch.set_num_threads(1)
+    seed = args.seed + 1000 * actor_id
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    video = f"videos/{args.run_name}" if args.capture_video and actor_id == 0 else None
+    env = make_env(args.env_id, seed, args, video_folder=video)
+    num_actions = env.action_space.n
+    net = ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
+                         args.policy_uniform_eps)
+    version = -1
+    obs, _ = env.reset(seed=seed)
+    state = net.initial_state(1)
+    first = True
+    buf = {k: [] for k in SequenceReplay.FIELDS}
+    env_steps_in_buf = 0
+    steps = 0
+
+    def put(slot_obs, a, r, term, pad, is_first, mu, st):
+        buf["obs"].append(slot_obs)
+        buf["action"].append(a)
+        buf["reward"].append(r)
+        buf["term"].append(term)
+        buf["pad"].append(pad)
+        buf["first"].append(is_first)
+        buf["mu"].append(mu)
+        buf["state"].append(st)
+
+    def flush():
+        nonlocal env_steps_in_buf
+        if buf["action"]:
+            data = {k: np.asarray(v) for k, v in buf.items()}
+            out_queue.put(("chunk", actor_id, env_steps_in_buf, data))
+            for v in buf.values():
+                v.clear()
+            env_steps_in_buf = 0
+
+    while not stop_event.is_set():
+        # enforce the acting:learning ratio (actors wait for the learner)
+        total = sum(actor_steps[:])
+        if total >= args.learning_starts and total - args.learning_starts > args.replay_ratio * learner_steps.value + args.ratio_slack:
+            flush()
+            time.sleep(0.002)
+            continue
+        if steps % args.actor_sync_every == 0 and weights_version.value != version:
+            version = weights_version.value
+            net.load_state_dict(shared_net.state_dict())
+        with torch.no_grad():
+            o = torch.from_numpy(obs).view(1, 1, 84, 84)
+            out = net(o, torch.zeros(1, 1, dtype=torch.bool), state)
+        mu = out.pi[0, 0].numpy().astype(np.float64)
+        mu /= mu.sum()
+        action = int(rng.choice(num_actions, p=mu))
+        st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
+        next_obs, reward, terminated, truncated, info = env.step(action)
+        put(obs[0], action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
+        steps += 1
+        env_steps_in_buf += 1
+        actor_steps[actor_id] = steps
+        if "episode" in info:
+            out_queue.put(("episode", actor_id, float(info["episode"]["r"]), int(info["episode"]["l"])))
+        if terminated or truncated:
+            if truncated and not terminated:  # the true last frame, to bootstrap from (no transition leaves it)
+                put(next_obs[0], 0, 0.0, False, True, False, np.full(num_actions, 1.0 / num_actions, np.float32),
+                    torch.cat(out.state, 0).numpy().astype(np.float16))
+            obs, _ = env.reset()
+            state = net.initial_state(1)
+            first = True
+        else:
+            obs, state, first = next_obs, out.state, False
+        if len(buf["action"]) >= args.actor_chunk:
+            flush()
+    flush()
+    env.close()
+
+
+def evaluate(net, args: Args, episodes: int, device, seed: int):
+    """Whole games (no life-loss ends), up to noop_max no-op starts, actions sampled from pi; real game scores."""
+    env = make_env(args.env_id, seed, args, evaluation=True)
+    rng = np.random.default_rng(seed)
+    returns = []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        state = net.initial_state(1, device)
+        while True:
+            with torch.no_grad():
+                out = net(torch.from_numpy(obs).view(1, 1, 84, 84).to(device), torch.zeros(1, 1, dtype=torch.bool,
+                          device=device), state)
+            p = out.pi[0, 0].cpu().numpy().astype(np.float64)
+            obs, _, terminated, truncated, info = env.step(int(rng.choice(len(p), p=p / p.sum())))
+            state = out.state
+            if "episode" in info:
+                returns.append(float(info["episode"]["r"]))
+            if terminated or truncated:
+                break
+    env.close()
+    return returns
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    validate_args(args)  # one-line errors before anything heavy starts
+    run_name = make_run_name(args.env_id, args.exp_name, args.seed)
+    args.run_name = run_name  # for the actors' video folder
+    probe = make_env(args.env_id, args.seed, args)
+    if not hasattr(probe.action_space, "n"):
+        raise SystemExit(f"error: {args.env_id} does not have a discrete action space")
+    num_actions = int(probe.action_space.n)
+    probe.close()
+    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size)
+    avail = available_memory_bytes()
+    print(f"replay memory: {args.replay_size:,} transitions need {need / 2**30:.2f} GiB "
+          f"({avail / 2**30:.1f} GiB available)", flush=True)
+    if need > args.memory_fraction * avail:
+        raise SystemExit(f"error: --replay-size {args.replay_size} needs {need / 2**30:.2f} GiB, more than "
+                         f"{args.memory_fraction:.0%} of the {avail / 2**30:.1f} GiB available: use a smaller --replay-size")
+    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
+                       wandb_entity=args.wandb_entity, progress=args.progress)
+
+    # TRY NOT TO MODIFY: seeding
+    seed_everything(args.seed, args.torch_deterministic)
+    device = select_device(args.cuda)
+    rng = np.random.default_rng(args.seed)
+
+    # SETUP: network, target network, optimizer, replay, shared weights, actors
+    def build():
+        return ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
+                              args.policy_uniform_eps)
+
+    net = build().to(device)
+    target_net = build().to(device)
+    target_net.load_state_dict(net.state_dict())
+    optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                 eps=args.adam_eps)
+    support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
+    replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
+                            args.replay_uniform_eps, args.prioritized)
+    global_step, learn_steps, episodes_done = 0, 0, 0
+    if args.resume:
+        try:
+            ckpt = load_checkpoint(args.resume, map_location=device)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise SystemExit(f"error: {e}")
+        net.load_state_dict(ckpt["model"])
+        target_net.load_state_dict(ckpt["target_model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
+        if ckpt.get("replay") is not None:
+            if ckpt["replay"]["obs"].shape[0] != replay.capacity:
+                raise SystemExit("error: the checkpoint's replay has another size than --replay-size/--num-actors")
+            replay.load_state_dict(ckpt["replay"])
+        set_rng_state(ckpt["rng"])
+        rng = ckpt["np_rng"]
+        print(f"resumed from {args.resume} at step {global_step:,} ({learn_steps:,} learning steps)", flush=True)
+
+    shared_net = build()
+    shared_net.load_state_dict(net.state_dict())
+    shared_net.share_memory()
+    ctx = torch.multiprocessing.get_context(args.start_method)
+    weights_version = ctx.Value("l", 0)
+    actor_steps = ctx.Array("l", args.num_actors)
+    learner_steps = ctx.Value("l", 0)
+    # on resume, actors count from the resumed step so the acting:learning ratio carries on
+    actor_steps[0] = global_step
+    learner_steps.value = learn_steps
+    data_queue = ctx.Queue(maxsize=8 * args.num_actors)
+    procs = ProcessGroup(ctx)
+    for i in range(args.num_actors):
+        procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, data_queue,
+                                 procs.stop_event), name=f"actor-{i}")
+
+    recent_returns = deque(maxlen=100)
+    start_time, start_step, last_log_step = time.time(), global_step, learn_steps
+    next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
+    stats_acc, learn_time = {}, 0.0
+
+    def make_checkpoint():
+        save_checkpoint(logger.dir / "checkpoint.pt", {
+            "model": net.state_dict(), "target_model": target_net.state_dict(), "optimizer": optimizer.state_dict(),
+            "global_step": global_step, "learn_steps": learn_steps, "episodes": episodes_done, "args": vars(args),
+            "rng": rng_state(), "np_rng": rng, "replay": replay.state_dict() if args.checkpoint_replay else None})
+
+    stop_reason, can_learn = "done", False
+    try:
+        while global_step < args.total_timesteps:
+            # COLLECT: drain what the actors sent
+            got = 0
+            while True:
+                try:
+                    msg = data_queue.get(timeout=0.05) if got == 0 and not can_learn else data_queue.get_nowait()
+                except queue.Empty:
+                    break
+                got += 1
+                if msg[0] == "chunk":
+                    _, actor_id, n_env, data = msg
+                    replay.add(actor_id, data)
+                    global_step += n_env
+                else:
+                    _, actor_id, ep_return, ep_len = msg
+                    episodes_done += 1
+                    recent_returns.append(ep_return)
+                    logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_len})
+                if got >= 4 * args.num_actors:
+                    break
+            # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
+            can_learn = (global_step >= args.learning_starts and len(replay) >= args.batch_size
+                         and learn_steps < (global_step - args.learning_starts) / args.replay_ratio)
+            if can_learn:
+                t0 = time.time()
+                keys, batch = replay.sample(args.batch_size, rng, device)
+                loss, priorities, stats = reactor_loss(net, target_net, batch, support, args)
+                optimizer.zero_grad()
+                loss.backward()
+                if args.max_grad_norm > 0:
+                    nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
+                optimizer.step()
+                replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent)
+                learn_steps += 1
+                shared_net.load_state_dict(net.state_dict())  # publish the weights to the actors
+                weights_version.value = learn_steps
+                learner_steps.value = learn_steps
+                if learn_steps % args.target_update_period == 0:
+                    target_net.load_state_dict(net.state_dict())
+                for k, v in stats.items():
+                    stats_acc[k] = stats_acc.get(k, 0.0) + v.detach()
+                learn_time += time.time() - t0
+                # LOG
+                if learn_steps % args.log_every == 0:
+                    n_logged = learn_steps - last_log_step
+                    metrics = {k: v / n_logged for k, v in stats_acc.items()}
+                    sps = (global_step - start_step) / (time.time() - start_time)
+                    idx = replay.index
+                    known = np.flatnonzero(idx.known.tree[idx.known.size: idx.known.size + idx.capacity])
+                    metrics.update({
+                        "charts/SPS": sps, "charts/learning_steps": learn_steps,
+                        "charts/learner_steps_per_s": n_logged / max(learn_time, 1e-9),
+                        "charts/acting_learning_ratio": (global_step - args.learning_starts) / max(learn_steps, 1),
+                        "losses/loss": loss.detach(), "replay/size": len(replay),
+                        "replay/known_fraction": idx.num_known / max(len(replay), 1),
+                        "replay/priority_mean": float(idx.priority[known].mean()) if len(known) else 0.0,
+                        "replay/priority_max": float(idx.priority[known].max()) if len(known) else 0.0,
+                        "replay/is_weight_mean": batch.weights.mean()})
+                    logger.log(global_step, metrics)
+                    logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None,
+                                    "value_loss", float(metrics["losses/value_loss"]),
+                                    f"learn {learn_steps:,} ({metrics['charts/learner_steps_per_s']:.1f}/s) "
+                                    f"rho {float(metrics['replay/rho_mean']):.2f}")
+                    stats_acc, learn_time, last_log_step = {}, 0.0, learn_steps
+            # CHECKPOINT
+            if next_checkpoint is not None and global_step >= next_checkpoint:
+                make_checkpoint()
+                next_checkpoint += args.checkpoint_every
+            procs.check()  # dead actor -> ActorDied with the reason
+    except KeyboardInterrupt:
+        stop_reason = "interrupted"
+        print("interrupted: stopping actors", flush=True)
+    except ActorDied as e:
+        stop_reason = f"actor died: {e}"
+        print(f"error: {e}\n{e.traceback}", flush=True)
+    finally:
+        procs.stop_event.set()
+        deadline = time.time() + 2.0
+        while time.time() < deadline:  # drain so that actors blocked on a full queue can exit
+            try:
+                data_queue.get(timeout=0.1)
+            except (queue.Empty, OSError, EOFError):
+                if all(not p.is_alive() for p in procs.procs):
+                    break
+        procs.stop()
+
+    if args.checkpoint_every and stop_reason == "done":
+        make_checkpoint()
+    # SAVE + EVALUATE
+    summary = {"global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
+               "stop_reason": stop_reason,
+               "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None}
+    if args.save_model and stop_reason == "done":
+        model_path = logger.dir / f"{args.exp_name}.model"
+        torch.save({"model": net.state_dict(), "args": vars(args)}, model_path)
+        print(f"model saved to {model_path}", flush=True)
+        returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
+        for i, r in enumerate(returns):
+            logger.log(global_step, {"eval/episodic_return": r})
+        summary.update({"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
+                        "eval_return_median": float(np.median(returns)), "eval_returns": returns})
+        print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
+    logger.summary(summary)
+    logger.close()
+    if stop_reason.startswith("actor died"):
+        raise SystemExit(1)

@@ -1,0 +1,277 @@
+"""Tests of reactor.py: each estimator and sampler against a deliberately slow textbook version written from the
+paper's equations (Gruslys et al. 2018), property tests, edge cases, and short subprocess smoke runs."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import reactor  # noqa: E402
+from reactor import (  # noqa: E402
+    LazyPriorities,
+    SequenceReplay,
+    SumTree,
+    beta_loo_policy_loss,
+    categorical_projection,
+    discounts_and_traces,
+    distributional_retrace_target,
+    retrace_returns,
+    tislr_policy_loss,
+)
+
+torch.set_default_dtype(torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# slow textbook versions
+def textbook_projection(atoms, probs, support):
+    """C51 Eq. (7): out_i = sum_j p_j clip(1 - |clip(x_j, vmin, vmax) - z_i| / dz, 0, 1), one loop per atom and bin."""
+    vmin, vmax = support[0], support[-1]
+    dz = (vmax - vmin) / (len(support) - 1)
+    out = np.zeros(len(support))
+    for x, p in zip(atoms, probs):
+        xc = min(max(x, vmin), vmax)
+        for i, z in enumerate(support):
+            out[i] += p * min(max(1.0 - abs(xc - z) / dz, 0.0), 1.0)
+    return out
+
+
+def textbook_retrace(rewards, discounts, c, pi, Q, actions):
+    """Eq. (3): Q^ret(x_t,a_t) = Q(x_t,a_t) + sum_{s=t}^{T-1} (prod_{u=t}^{s-1} gamma_u) (c_{t+1}...c_s) delta_s,
+    delta_s = r_s + gamma_s E_pi Q(x_{s+1}, .) - Q(x_s, a_s). One sequence: rewards, discounts [T]; c, actions [T+1]
+    (c[u] = trace at x_u); pi, Q [T+1, A]."""
+    T = len(rewards)
+    out = np.zeros(T)
+    for t in range(T):
+        total = Q[t, actions[t]]
+        for s in range(t, T):
+            disc = 1.0
+            for u in range(t, s):
+                disc *= discounts[u]
+            trace = 1.0
+            for u in range(t + 1, s + 1):
+                trace *= c[u]
+            delta = rewards[s] + discounts[s] * np.dot(pi[s + 1], Q[s + 1]) - Q[s, actions[s]]
+            total += disc * trace * delta
+        out[t] = total
+    return out
+
+
+def textbook_distributional_retrace(rewards, discounts, c, pi, q, actions, support):
+    """Paper 3.2 literally: q*(x_t,a_t) = sum_n sum_a alpha_{n,a} sum_j q_j(x_{t+n},a) h(z^n_j), with
+    alpha_{n,a} = (c_{t+1}..c_{t+n-1})(pi(a|x_{t+n}) - 1{a=a_{t+n}} c_{t+n}), c_T := 0. q [T+1, A, K]."""
+    T = len(rewards)
+    A = pi.shape[1]
+    c = c.copy()
+    c[T] = 0.0
+    out = np.zeros((T, len(support)))
+    for t in range(T):
+        atoms, probs = [], []
+        for n in range(1, T - t + 1):
+            g, disc = 0.0, 1.0
+            for s in range(t, t + n):
+                g += disc * rewards[s]
+                disc *= discounts[s]
+            trace = 1.0
+            for u in range(t + 1, t + n):
+                trace *= c[u]
+            for a in range(A):
+                alpha = trace * (pi[t + n, a] - (a == actions[t + n]) * c[t + n])
+                for j, z in enumerate(support):
+                    atoms.append(g + disc * z)
+                    probs.append(alpha * q[t + n, a, j])
+        out[t] = textbook_projection(atoms, probs, support)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# categorical projection
+def test_projection_matches_textbook_signed_weights_and_outside_atoms():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        K = int(rng.integers(2, 12))
+        vmin = rng.uniform(-5, 0)
+        support = np.linspace(vmin, vmin + rng.uniform(0.5, 10), K)
+        M = int(rng.integers(1, 20))
+        atoms = rng.uniform(support[0] - 3, support[-1] + 3, size=(3, M))  # many outside the support
+        probs = rng.normal(size=(3, M))  # signed weights
+        got = categorical_projection(torch.tensor(atoms), torch.tensor(probs), torch.tensor(support)).numpy()
+        for b in range(3):
+            np.testing.assert_allclose(got[b], textbook_projection(atoms[b], probs[b], support), atol=1e-10)
+            np.testing.assert_allclose(got[b].sum(), probs[b].sum(), atol=1e-10)  # mass is kept
+
+
+def test_projection_atoms_on_grid_points():
+    support = torch.linspace(-2, 2, 5)  # -2 -1 0 1 2
+    atoms = torch.tensor([[-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, -7.0]])
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.15, 0.05, 0.1, 0.1]])
+    got = categorical_projection(atoms, probs, support)[0].numpy()
+    np.testing.assert_allclose(got, [0.2, 0.2, 0.3, 0.15, 0.15], atol=1e-12)
+    # an atom halfway between two grid points splits evenly; linear in probs
+    got = categorical_projection(torch.tensor([0.5]), torch.tensor([-2.0]), support).numpy()
+    np.testing.assert_allclose(got, [0, 0, -1.0, -1.0, 0], atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Retrace (scalar and distributional)
+def random_sequence(rng, T, A, K, terminal_prob=0.0):
+    rewards = rng.uniform(-0.1, 0.1, size=T)
+    term = rng.random(T) < terminal_prob
+    discounts = 0.9 * (1 - term)
+    c = np.minimum(1.0, rng.uniform(0, 2, size=T + 1))
+    for t in range(T):  # trace cut after an episode end
+        if term[t]:
+            c[t + 1] = 0.0
+    logits = rng.normal(size=(T + 1, A))
+    pi = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    actions = rng.integers(0, A, size=T + 1)
+    q = rng.random((T + 1, A, K))
+    q[:, :, : K // 4] = 0.0  # no mass on the extreme atoms: nothing gets clipped
+    q[:, :, K - K // 4:] = 0.0
+    q /= q.sum(-1, keepdims=True)
+    return rewards, discounts, c, pi, q, actions
+
+
+def test_scalar_retrace_matches_textbook():
+    rng = np.random.default_rng(1)
+    for case in range(20):
+        T, A = int(rng.integers(1, 9)), int(rng.integers(2, 5))
+        rewards, discounts, c, pi, _, actions = random_sequence(rng, T, A, 4, terminal_prob=0.2 * (case % 2))
+        Q = rng.normal(size=(T + 1, A))
+        want = textbook_retrace(rewards, discounts, np.r_[c[:T], 0.0], pi, Q, actions)
+        got = retrace_returns(torch.tensor(rewards)[None], torch.tensor(discounts)[None], torch.tensor(c[1:])[None],
+                              torch.tensor((pi[1:] * Q[1:]).sum(1))[None],
+                              torch.tensor(Q[np.arange(1, T + 1), actions[1:]])[None])[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-10)
+
+
+def test_distributional_retrace_matches_textbook_mass_one_and_mean():
+    rng = np.random.default_rng(2)
+    K = 21
+    support = np.linspace(-10, 10, K)
+    for case in range(12):
+        T, A = int(rng.integers(1, 7)), int(rng.integers(2, 4))
+        rewards, discounts, c, pi, q, actions = random_sequence(rng, T, A, K, terminal_prob=0.25 * (case % 2))
+        got = distributional_retrace_target(
+            torch.tensor(rewards)[None], torch.tensor(discounts)[None], torch.tensor(c[1:])[None],
+            torch.tensor(pi[1:])[None], torch.tensor(q[1:])[None], torch.tensor(actions[1:])[None],
+            torch.tensor(support))[0].numpy()
+        want = textbook_distributional_retrace(rewards, discounts, c, pi, q, actions, support)
+        np.testing.assert_allclose(got, want, atol=1e-10)
+        np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-10)  # sum_{n,a} alpha_{n,a} = 1
+        # the mean equals scalar Retrace (Eq. (3)) on the expected Q when nothing is clipped
+        Q = (q * support).sum(-1)
+        Q[0] = rng.normal(size=A)  # Q(x_t,a_t) cancels: any value
+        scalar = textbook_retrace(rewards, discounts, np.r_[c[:T], 0.0], pi, Q, actions)
+        np.testing.assert_allclose((got * support).sum(-1), scalar, atol=1e-10)
+
+
+def test_distributional_target_can_be_signed_but_keeps_mass():
+    rng = np.random.default_rng(3)
+    B, T, A, K = 16, 8, 4, 11
+    support = torch.linspace(-10, 10, K)
+    q = torch.softmax(torch.tensor(rng.normal(size=(B, T, A, K))) * 3, -1)
+    pi = torch.softmax(torch.tensor(rng.normal(size=(B, T, A))), -1)
+    target = distributional_retrace_target(torch.tensor(rng.uniform(-1, 1, (B, T))), torch.full((B, T), 0.99),
+                                           torch.tensor(rng.uniform(0, 1, (B, T))), pi, q,
+                                           torch.tensor(rng.integers(0, A, (B, T))), support)
+    np.testing.assert_allclose(target.sum(-1).numpy(), 1.0, atol=1e-10)
+    assert (target < -1e-6).any(), "alpha has negative entries: some target bins should be negative"
+
+
+def test_trace_cutting_at_episode_end_and_bootstrap_on_truncation():
+    # slots 0..5; transition 2 terminates -> slot 3 starts a new episode
+    T, A, K = 5, 3, 11
+    rho = torch.ones(1, T + 1)
+    term = torch.zeros(1, T + 1, dtype=torch.bool)
+    pad = torch.zeros_like(term)
+    first = torch.zeros_like(term)
+    term[0, 2], first[0, 3] = True, True
+    disc, c_next, mask = discounts_and_traces(rho, term, pad, first, 0.9, 1.0)
+    np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.0, 0.9, 0.9])
+    np.testing.assert_allclose(c_next[0].numpy(), [1, 1, 0, 1, 1])
+    np.testing.assert_allclose(mask[0].numpy(), 1.0)
+    rng = np.random.default_rng(4)
+    support = torch.linspace(-10, 10, K)
+    rewards = torch.tensor(rng.uniform(-1, 1, (1, T)))
+    pi = torch.softmax(torch.tensor(rng.normal(size=(1, T, A))), -1)
+    q = torch.softmax(torch.tensor(rng.normal(size=(1, T, A, K))), -1)
+    a = torch.tensor(rng.integers(0, A, (1, T)))
+    target = distributional_retrace_target(rewards, disc, c_next, pi, q, a, support)
+    # nothing after the episode end reaches t <= 2: change everything after it
+    rewards2, q2, pi2 = rewards.clone(), q.clone(), pi.clone()
+    rewards2[0, 3:] = 0.7
+    q2[0, 2:] = torch.softmax(torch.tensor(rng.normal(size=(T - 2, A, K))), -1)
+    pi2[0, 2:] = 1.0 / A
+    target2 = distributional_retrace_target(rewards2, disc, c_next, pi2, q2, a, support)
+    np.testing.assert_allclose(target[0, :3].numpy(), target2[0, :3].numpy(), atol=1e-12)
+    # at the terminal transition the target is the projected point mass at r_2
+    np.testing.assert_allclose(target[0, 2].numpy(), categorical_projection(rewards[0, 2:3], torch.ones(1), support))
+    # truncation at transition 2: slot 3 is the true last frame (pad), slot 4 starts a new episode
+    term[0, 2], first[0, 3] = False, False
+    pad[0, 3], first[0, 4] = True, True
+    disc, c_next, mask = discounts_and_traces(rho, term, pad, first, 0.9, 1.0)
+    np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.9, 0.0, 0.9])  # bootstrap on truncation
+    np.testing.assert_allclose(c_next[0].numpy(), [1, 1, 0, 0, 1])
+    np.testing.assert_allclose(mask[0].numpy(), [1, 1, 1, 0, 1])
+    target = distributional_retrace_target(rewards, disc, c_next, pi, q, a, support)
+    boot = (pi[0, 2, :, None] * q[0, 2]).sum(0)  # r_2 + gamma E_pi q(x_3)
+    np.testing.assert_allclose(target[0, 2].numpy(), categorical_projection(rewards[0, 2] + 0.9 * support, boot,
+                                                                             support).numpy(), atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# beta-LOO and TISLR
+def test_beta_loo_gradient_equals_hand_derived_form():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        A = int(rng.integers(2, 6))
+        eps = 0.05
+        theta = torch.tensor(rng.normal(size=A), requires_grad=True)
+        sm = torch.softmax(theta, -1)
+        pi = (1 - eps) * sm + eps / A
+        q = torch.tensor(rng.normal(size=A))
+        act = int(rng.integers(A))
+        R = float(rng.normal())
+        mu_a = float(rng.uniform(0.05, 1.0))
+        c = float(rng.choice([1.0, 3.0, 100.0]))
+        loss = beta_loo_policy_loss(pi[None], q[None], torch.tensor([act]), torch.tensor([R]), torch.tensor([mu_a]), c)
+        loss.sum().backward()
+        # Eq. (10) by hand: G = beta (R - Q(A)) dpi(A) + sum_a Q(a) dpi(a), dpi_a/dtheta_b = (1-eps) s_a (1{a=b} - s_b)
+        s = sm.detach().numpy()
+        beta = min(c, 1.0 / mu_a)
+        coef = q.numpy().copy()
+        coef[act] += beta * (R - q[act].item())
+        jac = (1 - eps) * (np.diag(s) - np.outer(s, s))  # [a, b]
+        np.testing.assert_allclose(theta.grad.numpy(), -(coef @ jac), atol=1e-12)
+
+
+def test_beta_loo_with_c1_is_loo_and_tislr_gradient():
+    # c = 1 gives beta = 1 for any mu(A) (Eq. (9)); TISLR's gradient by hand
+    A = 3
+    theta = torch.tensor([0.2, -0.4, 0.9], requires_grad=True)
+    pi = torch.softmax(theta, -1)
+    q, R = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5])
+    l1 = beta_loo_policy_loss(pi[None], q[None], torch.tensor([1]), R, torch.tensor([0.01]), 1.0)
+    l2 = beta_loo_policy_loss(pi[None], q[None], torch.tensor([1]), R, torch.tensor([0.9]), 1.0)
+    assert torch.allclose(l1, l2)
+    mu = torch.tensor([0.05, 0.9, 0.05])
+    c = 2.0
+    loss = tislr_policy_loss(pi[None], q[None], torch.tensor([1]), R, mu[None], c)
+    g, = torch.autograd.grad(loss.sum(), theta)
+    p = pi.detach().numpy()
+    rho = p / mu.numpy()
+    v = (p * q.numpy()).sum()
+    dlog = np.eye(A) - p[None, :]  # d log pi_a / d theta_b
+    want = min(c, rho[1]) * (0.5 - v) * dlog[1]
+    for a in range(A):
+        want = want + max(rho[a] - c, 0) * mu[a].item() * (q[a].item() - v) * dlog[a]
+    np.testing.assert_allclose(g.numpy(), -want, atol=1e-6)
