@@ -275,3 +275,183 @@ def test_beta_loo_with_c1_is_loo_and_tislr_gradient():
     for a in range(A):
         want = want + max(rho[a] - c, 0) * mu[a].item() * (q[a].item() - v) * dlog[a]
     np.testing.assert_allclose(g.numpy(), -want, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prioritized sequence replay with lazy initialization
+def brute_force_probabilities(valid, known, priority, eps):
+    """Paper 3.3 estimator by brute force for our partition: cell of known key s_i = s_i and the valid keys after it
+    up to the next known key (circular); J(t) = the cell of t and its two neighbour cells (distinct);
+    p_hat_t = sum_{J} |I_j| p_j / sum_{J} |I_j|; P(t) = eps / n + (1 - eps) p_hat_t / sum p_hat."""
+    N = len(valid)
+    keys = [t for t in range(N) if valid[t]]
+    n = len(keys)
+    ks = [t for t in range(N) if known[t]]
+    if not ks:
+        return {t: 1.0 / n for t in keys}, {}
+    owner = {}
+    for t in keys:
+        cands = [s for s in ks if s <= t]
+        owner[t] = cands[-1] if cands else ks[-1]
+    size = {s: sum(1 for t in keys if owner[t] == s) for s in ks}
+    p_hat = {}
+    for t in keys:
+        if known[t]:
+            p_hat[t] = priority[t]
+            continue
+        i = ks.index(owner[t])
+        J = {ks[(i - 1) % len(ks)], ks[i], ks[(i + 1) % len(ks)]}
+        p_hat[t] = sum(size[s] * priority[s] for s in J) / sum(size[s] for s in J)
+    total = sum(p_hat.values())
+    return {t: eps / n + (1 - eps) * p_hat[t] / total for t in keys}, p_hat
+
+
+def test_sum_tree_prefix_and_find():
+    rng = np.random.default_rng(6)
+    tree = SumTree(37, np.int64)
+    leaves = rng.integers(0, 2, size=37)
+    tree.set(np.arange(37), leaves)
+    np.testing.assert_array_equal(tree.prefix(np.arange(38)), np.r_[0, np.cumsum(leaves)])
+    np.testing.assert_array_equal(tree.find(np.arange(leaves.sum())), np.flatnonzero(leaves))
+
+
+def test_lazy_priority_estimates_equal_brute_force():
+    rng = np.random.default_rng(7)
+    for case in range(15):
+        N = int(rng.integers(3, 50))
+        eps = float(rng.choice([0.0, 0.1, 0.5]))
+        lp = LazyPriorities(N, eps)
+        valid = np.zeros(N, bool)
+        known = np.zeros(N, bool)
+        prio = np.zeros(N)
+        for step in range(40):  # random interleaving of the four operations, checked after each one
+            op = rng.integers(4)
+            if op == 0:
+                ks = rng.choice(N, size=int(rng.integers(1, 4)), replace=False)
+                lp.add(ks)
+                valid[ks] = True
+            elif op == 1 and valid.any():
+                ks = rng.choice(np.flatnonzero(valid), size=int(rng.integers(1, 3)))
+                p = rng.uniform(0.01, 2.0, size=len(ks))
+                lp.set_priority(ks, p)
+                for k_, p_ in zip(ks, p):
+                    prio[k_], known[k_] = p_, True
+            elif op == 2 and valid.any():
+                ks = rng.choice(np.flatnonzero(valid), size=int(rng.integers(1, 3)))
+                lp.remove(ks)
+                valid[ks] = known[ks] = False
+            if not valid.any():
+                continue
+            want, p_hat = brute_force_probabilities(valid, known, prio, eps)
+            keys = np.array(sorted(want))
+            np.testing.assert_allclose(lp.probability(keys), [want[k] for k in keys], rtol=1e-10)
+            if p_hat:
+                np.testing.assert_allclose(lp.estimate(keys), [p_hat[k] for k in keys], rtol=1e-10)
+                np.testing.assert_allclose(lp.mass.total, sum(p_hat.values()), rtol=1e-10)
+            assert lp.num_valid == valid.sum() and lp.num_known == known.sum()
+
+
+def chi_square_ok(counts, probs):
+    """Pearson chi-square against a Wilson-Hilferty approximation of the 0.999 quantile (no scipy here)."""
+    n = counts.sum()
+    expected = probs * n
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = len(probs) - 1
+    z = 3.09
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+def test_lazy_priority_sampling_frequencies_chi_square():
+    rng = np.random.default_rng(8)
+    N = 60
+    lp = LazyPriorities(N, 0.2)
+    valid = rng.random(N) < 0.8
+    lp.add(np.flatnonzero(valid))
+    ks = rng.choice(np.flatnonzero(valid), size=8, replace=False)
+    p = rng.uniform(0.1, 3.0, size=8)
+    lp.set_priority(ks, p)
+    known = np.zeros(N, bool)
+    known[ks] = True
+    prio = np.zeros(N)
+    prio[ks] = p
+    want, _ = brute_force_probabilities(valid, known, prio, 0.2)
+    keys = np.array(sorted(want))
+    samples = np.concatenate([lp.sample(1000, rng)[0] for _ in range(60)])
+    counts = np.array([(samples == k).sum() for k in keys])
+    assert counts.sum() == len(samples), "sampled an invalid key"
+    stat, crit = chi_square_ok(counts, np.array([want[k] for k in keys]))
+    assert stat < crit, (stat, crit)
+    # the probability returned with each sample is the brute-force one
+    s, probs = lp.sample(50, rng)
+    np.testing.assert_allclose(probs, [want[k] for k in s], rtol=1e-10)
+
+
+def test_lazy_priorities_empty_and_uniform_until_known():
+    lp = LazyPriorities(10, 0.1)
+    with pytest.raises(ValueError):
+        lp.sample(4, np.random.default_rng(0))
+    lp.add([2, 3, 4])
+    keys, probs = lp.sample(100, np.random.default_rng(0))
+    assert set(keys) <= {2, 3, 4} and np.allclose(probs, 1 / 3)
+    lp.set_priority([3], [2.0])  # one known key: every unknown key's estimate is its priority
+    np.testing.assert_allclose(lp.estimate([2, 3, 4]), 2.0)
+    lp.remove([3])
+    assert lp.num_known == 0 and lp.mass.total == 0.0
+
+
+def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
+    """Slots whose frame encodes their absolute time (so gathers can be checked)."""
+    t = np.arange(start, start + m)
+    obs = np.zeros((m, 84, 84), np.uint8)
+    obs[:, 0, 0] = t % 256
+    obs[:, 0, 1] = t // 256
+    return {"obs": obs, "action": (t % A).astype(np.uint8), "reward": t.astype(np.float32),
+            "term": np.isin(t, term_at), "pad": np.zeros(m, bool), "first": np.isin(t, first_at),
+            "mu": np.full((m, A), 1 / A, np.float32), "state": np.full((m, 4, H), 0.5, np.float16)}
+
+
+def test_sequence_replay_keys_eviction_and_gathers():
+    T, seg = 4, 20
+    rp = SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=0.1)
+    rp.add(0, fill_chunk(0, 3))
+    assert len(rp) == 0  # no complete sequence of T + 1 = 5 slots yet
+    rp.add(0, fill_chunk(3, 3))
+    assert len(rp) == 2  # keys 0 and 1 (slots 0..4 and 1..5)
+    rp.add(1, fill_chunk(0, 10))
+    assert len(rp) == 2 + 6
+    # frames are stored once: one uint8 frame per slot
+    assert rp.obs.shape == (2 * seg, 84, 84) and rp.obs.dtype == np.uint8
+    # wrap segment 0 around: slots 0..5 are overwritten by times 20..25
+    written = 6
+    rng = np.random.default_rng(0)
+    rp.update_priorities(np.array([0, 1]), np.array([1.0, 2.0]))
+    assert rp.index.num_known == 2
+    for _ in range(4):
+        rp.add(0, fill_chunk(written, 5))
+        written += 5
+    # times 0..25 written in segment 0; live slots hold times 6..25; valid keys: times 6..21
+    valid0 = np.flatnonzero(rp.index.valid.get(np.arange(seg)))
+    assert sorted(valid0.tolist()) == sorted([t % seg for t in range(6, 22)])
+    assert rp.index.num_known == 0  # the keys that had priorities were evicted
+    # every sampled sequence is T + 1 consecutive times of one actor
+    for _ in range(20):
+        keys, batch = rp.sample(4, rng, "cpu")
+        times = batch.obs[:, :, 0, 0].long() + 256 * batch.obs[:, :, 0, 1].long()
+        assert (times[:, 1:] - times[:, :-1] == 1).all()
+        np.testing.assert_array_equal(batch.rewards.numpy(), times.numpy().astype(np.float32))
+        assert batch.obs.shape == (4, T + 1, 84, 84) and batch.weights.max() == 1.0
+
+
+def test_sequence_replay_episode_boundaries_in_batches():
+    T = 4
+    rp = SequenceReplay(40, 1, T, 3, 4, uniform_eps=1.0)
+    rp.add(0, fill_chunk(0, 12, first_at=(0, 6), term_at=(5,)))
+    keys, batch = rp.sample(32, np.random.default_rng(1), "cpu")
+    times = (batch.obs[:, :, 0, 0].long()).numpy()
+    np.testing.assert_array_equal(batch.first.numpy(), np.isin(times, [0, 6]))
+    np.testing.assert_array_equal(batch.term.numpy(), times == 5)
+    # the discount and the traces are cut right after the termination in every sequence that holds it
+    disc, c_next, _ = discounts_and_traces(torch.ones(32, T + 1), batch.term, batch.pad, batch.first, 0.99, 1.0)
+    assert ((disc == 0) == torch.tensor(times[:, :T] == 5)).all()
+    assert ((c_next == 0) == torch.tensor(times[:, :T] == 5)).all()
