@@ -1,0 +1,1000 @@
+# docs and results: README.md#clear-impala
+"""CLEAR: Continual Learning with Experience And Replay (Rolnick, Ahuja, Schwarz, Lillicrap, Wayne 2019,
+https://arxiv.org/abs/1811.11682) on an IMPALA actor-learner (Espeholt et al. 2018, https://arxiv.org/abs/1802.01561),
+one self-contained file.
+
+Paper parts implemented here
+----------------------------
+- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread each) act with a CPU copy of the
+  policy that the learner refreshes through shared memory; each actor owns one preallocated shared-memory slot that
+  holds a (new unroll, replay unroll) pair; only slot indices travel through queues. As in App. A.1, an actor waits
+  until the learner has read its last pair before it creates the next one, so no actor puts two pairs in one batch.
+- V-trace targets and policy-gradient advantages: `vtrace_from_importance_weights`  (IMPALA Eq. (1); CLEAR Sec. 3
+  "v_s := ..."); losses `impala_losses`  (CLEAR Sec. 3: L_value, L_policy-gradient, L_entropy).
+- Per-actor reservoir replay of whole unrolls: `ReservoirBuffer`  (CLEAR App. A.3: "each unroll associated with a
+  random number between 0 and 1 ... threshold rises"; capacity in frames split equally over actors).
+- New/replay mixing per pair: `select_pairs`  (CLEAR App. A.1 "Learner": the learner takes the new or the replay unroll
+  of each pair; `--replay-ratio` 0 / 0.25 / 0.5 / 1 = plain IMPALA / 75-25 / 50-50 / 100% replay, Sec. 4.3).
+- Behavioural cloning on replay unrolls only: `policy_cloning_loss` = KL(mu || pi_theta) and `value_cloning_loss`
+  = ||V_theta - V_replay||^2  (CLEAR Sec. 3, weights 0.01 / 0.005 from App. A.4), time-aligned by `align_unroll`.
+- Task sequences with a learner-counted switch point for all actors: `task_for_actor`  (CLEAR App. A.6); modes
+  `sequential`, `simultaneous`, `separate` (one network per task) for Fig. 1.
+- Evaluation by always-on test-actor pools, one pool per task, no buffer, never feeding the learner: `test_actor_loop`
+  (CLEAR App. A.5); final cumulative reward per task (App. C, Figs. 8/13) in summary.json: `cumulative_returns`;
+  per-task plot and cumulative-sum plot: `plot_task_returns`.
+
+Defaults and their source
+-------------------------
+- unroll_length T = 20, batch_size B = 32, gamma = 0.99, grad-norm clip 40, RMSProp momentum 0, alpha 0.99,
+  eps 0.01, lr 6e-4 annealed linearly to 0 (IMPALA Table G.1, Atari). The lr anneals over the WHOLE run (all tasks
+  and cycles), not per task (continual_rl resets it per task, notes P9).
+- rho_bar = c_bar = rho_bar_pg = 1 (IMPALA Sec. 5.2.2 / Sec. 4.2; torchbeast defaults).
+- pg / value / entropy weights 1 / 0.5 / 0.005 (CLEAR App. A.4 "1, 0.5, and ~0.005"); policy / value cloning weights
+  0.01 / 0.005 (CLEAR App. A.4).
+- replay_ratio = 0.5 (CLEAR Sec. 3 "50-50 mixture"); buffer = half of all training frames (CLEAR App. A.3 "capped at
+  half the number of environment frames on which the network is trained") unless `--buffer-frames` is given.
+- Loss reductions are SUMS over time and batch, as in scalable_agent/torchbeast (the published weights assume them);
+  the value loss is 0.5 * 1/2 * sum (v_s - V)^2 as in scalable_agent `compute_baseline_loss` (paper is silent on 1/2).
+- Atari: the paper's 6-game sequence with the full 18-action space (CLEAR Sec. 4.6 / P&C), 84x84 grey, frame-skip 4,
+  frame-stack 4, 30 no-ops, reward clip [-1, 1], a lost life ends the learning episode (IMPALA Table G.1), no sticky
+  actions (IMPALA used none; `--sticky-action-prob` to change). MiniGrid: 7x7 egocentric view, Discrete(7) shared.
+- Networks: Nature CNN (IMPALA "shallow", monobeast AtariNet, no LSTM), IMPALA ResNet 16/32/32 + FC 256 (IMPALA
+  "deep"), and a small 3-conv CNN for the 7x7x3 MiniGrid view (not in the paper: our choice, rl-starter-files style).
+
+Units: a "frame" / "step" everywhere in this file is one agent step (one stored observation; Atari = 4 ALE frames).
+`--steps-per-task`, `--buffer-frames` and the x-axis (`global_step`) all count agent steps of NEW experience generated
+by the training actors (replay unrolls and test actors do not count, as in minerl_agent / continual_rl).
+
+Gymnasium autoreset mode
+------------------------
+None: every actor drives one plain gymnasium env and calls reset() itself after terminated or truncated, so the true
+final observation of a time-limit truncation is available to the actor (it stores V_mu of it, see below).
+
+Episode ends: termination vs truncation
+---------------------------------------
+`done` (terminated or truncated) cuts the V-trace recursion (discount 0), so no value leaks from the next episode
+(pytorch/rl #4209). On a time-limit truncation the value of the true last observation is still bootstrapped: the
+actor stores `final_value = V_mu(x_final)`, and the learner folds it into the reward (`r + gamma * final_value`,
+discount 0), which gives exactly the target r_t + gamma V(x_{t+1}) of the truncated step.
+
+Differences from the paper
+--------------------------
+- Feed-forward networks only (no LSTM, no last-reward/last-action inputs); the paper's DMLab/Atari nets are IMPALA's.
+- The truncation bootstrap uses the ACTOR's value of the final observation (V_mu, stale for old replay unrolls), since
+  recomputing it on the learner would mean storing a second frame per truncation. IMPALA/monobeast instead treat a
+  truncation as a termination.
+- RMSProp: PyTorch adds eps OUTSIDE the square root (theta -= lr g / (sqrt(v) + eps)) and starts v at 0; TensorFlow's
+  RMSProp (IMPALA) adds it inside (sqrt(v + eps)) and starts v at 1. We keep torchbeast's choice (torch RMSprop,
+  eps = 0.01), which is not numerically the TF optimizer.
+- The paper trains on 100s of millions of frames with 100s of actors; here everything is scaled down to CPU budgets.
+- Test actors SAMPLE from pi (like the training actors); the paper does not say sampled or greedy.
+- Replay buffers are not saved in checkpoints: `--resume` restores model(s), optimizer(s), lr schedule, step counter,
+  task position and RNG; the actors' buffers restart empty (the paper never resumes).
+
+Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
+common/processes.py.
+"""
+import collections
+import json
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.logger import RunLogger, make_run_name
+from common.processes import ActorDied, ProcessGroup
+
+ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
+    "ALE/SpaceInvaders-v5", "ALE/Krull-v5", "ALE/BeamRider-v5", "ALE/Hero-v5", "ALE/StarGunner-v5", "ALE/MsPacman-v5")
+
+
+@dataclass
+class Args:
+    # --- common to all four scripts (keep this block identical) ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment (actor i uses seed + 1000 * i)"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA for the learner when available (falls back to CPU)"""
+    track: bool = False
+    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
+    wandb_project_name: str = "replay-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the first actor/eval env into videos/{run_name}"""
+    save_model: bool = False
+    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
+    checkpoint_every: int = 0
+    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
+    resume: str | None = None
+    """path to a checkpoint.pt to resume from"""
+    progress: bool = True
+    """print a compact progress line"""
+    start_method: str = "spawn"
+    """multiprocessing start method for actor processes: spawn | forkserver"""
+
+    # --- algorithm specific arguments ---
+    env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
+    """the task sequence (all Atari or all MiniGrid); the paper's Atari run: `--env-ids` with the 6 games of ATARI_6_GAMES"""
+    steps_per_task: int = 200_000
+    """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
+    num_cycles: int = 2
+    """how many times the whole task sequence is repeated (total steps = steps_per_task * len(env_ids) * num_cycles)"""
+    mode: str = "sequential"
+    """sequential (one task at a time, all actors switch together) | simultaneous (actor i on task i % K) | separate
+    (like simultaneous but one network per task) (CLEAR Sec. 4.1, Fig. 1)"""
+    num_actors: int = 32
+    """training actor processes; must be >= batch_size (each actor puts at most one pair in a batch, CLEAR App. A.1)"""
+    num_test_actors: int = 1
+    """test actors PER TASK: always on their own task, current weights, no buffer, never feed the learner (App. A.5)"""
+    batch_size: int = 32
+    """B: unrolls per learner batch (IMPALA Table G.1)"""
+    unroll_length: int = 20
+    """T: agent steps per unroll (IMPALA Table G.1)"""
+    replay_ratio: float = 0.5
+    """fraction of each batch taken from the replay halves of the pairs: 0 = IMPALA, 0.25 = 75-25, 0.5 = 50-50 (CLEAR
+    default), 1 = 100% replay (CLEAR Sec. 4.3)"""
+    buffer_frames: int = -1
+    """total replay capacity in frames (agent steps), split equally over the actors (CLEAR App. A.3); -1 = half of all
+    training frames (the paper's default); 0 = no buffer (requires --replay-ratio 0)"""
+    behavior_cloning: bool = True
+    """add the policy- and value-cloning losses on replay unrolls (CLEAR Sec. 3); --no-behavior-cloning for the ablation"""
+    policy_cloning_cost: float = 0.01
+    """weight of L_policy-cloning = KL(mu || pi_theta) (CLEAR App. A.4)"""
+    value_cloning_cost: float = 0.005
+    """weight of L_value-cloning = ||V_theta - V_replay||^2 (CLEAR App. A.4)"""
+    gamma: float = 0.99
+    """discount gamma (IMPALA Table G.1)"""
+    pg_cost: float = 1.0
+    """weight of L_policy-gradient (CLEAR App. A.4)"""
+    baseline_cost: float = 0.5
+    """weight of L_value (CLEAR App. A.4)"""
+    entropy_cost: float = 0.005
+    """weight of L_entropy (CLEAR App. A.4 "~0.005"; IMPALA Atari uses 0.01)"""
+    clip_rho_threshold: float = 1.0
+    """rho_bar: clip of the importance weights in the V-trace TD errors (IMPALA Sec. 4.1)"""
+    clip_pg_rho_threshold: float = 1.0
+    """rho_bar_pg: clip of the importance weight in the policy-gradient advantage (IMPALA Sec. 4.2)"""
+    learning_rate: float = 6e-4
+    """RMSProp learning rate, annealed linearly to 0 over the whole run (IMPALA Table G.1)"""
+    rmsprop_alpha: float = 0.99
+    """RMSProp decay (torchbeast)"""
+    rmsprop_eps: float = 0.01
+    """RMSProp epsilon, added OUTSIDE the sqrt in PyTorch (TF/IMPALA: inside); torchbeast uses 0.01 as is"""
+    rmsprop_momentum: float = 0.0
+    """RMSProp momentum (IMPALA Table G.1)"""
+    max_grad_norm: float = 40.0
+    """global gradient-norm clip (IMPALA Table G.1)"""
+    torso: str = "auto"
+    """network torso: nature (Nature CNN, IMPALA shallow) | resnet (IMPALA deep ResNet) | minigrid (small CNN for
+    the 7x7x3 view) | auto (nature for Atari, minigrid for MiniGrid)"""
+    sticky_action_prob: float = 0.0
+    """Atari sticky-action probability (IMPALA/CLEAR used none)"""
+    max_episode_frames: int = 108_000
+    """Atari episode cap in emulator frames (truncation, bootstrapped)"""
+    minigrid_max_steps: int | None = None
+    """override MiniGrid's episode limit (truncation, bootstrapped)"""
+    test_actor_max_sps: float = 0.0
+    """cap on each test actor's agent steps per second (0 = as fast as it can; a cap keeps CPU for training on small
+    machines; not in the paper, whose test actors have their own machines)"""
+    log_every_seconds: float = 5.0
+    """how often the learner writes metrics and the progress line"""
+
+
+def validate_args(args: Args) -> None:
+    """Fail at start-up with one clear line (raise SystemExit(f"error: ...")) on bad flags."""
+    def fail(msg):
+        raise SystemExit(f"error: {msg}")
+
+    if not args.env_ids:
+        fail("--env-ids needs at least one task")
+    if args.mode not in ("sequential", "simultaneous", "separate"):
+        fail(f"--mode must be sequential, simultaneous or separate, not {args.mode!r}")
+    if args.start_method not in ("spawn", "forkserver"):
+        fail(f"--start-method must be spawn or forkserver (fork is unsafe with torch threads), not {args.start_method!r}")
+    if args.torso not in ("auto", "nature", "resnet", "minigrid"):
+        fail(f"--torso must be auto, nature, resnet or minigrid, not {args.torso!r}")
+    for name in ("steps_per_task", "num_cycles", "num_actors", "batch_size", "unroll_length"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_test_actors < 0:
+        fail("--num-test-actors must be >= 0")
+    if not 0.0 <= args.replay_ratio <= 1.0:
+        fail(f"--replay-ratio must be in [0, 1], got {args.replay_ratio}")
+    k = len(args.env_ids)
+    if args.mode == "separate":
+        if args.num_actors < k * args.batch_size:
+            fail(f"--mode separate needs --num-actors >= len(env_ids) * batch-size = {k * args.batch_size} "
+                 f"(each network's batch comes from its own task's actors, one pair per actor)")
+    elif args.num_actors < args.batch_size:
+        fail(f"--num-actors ({args.num_actors}) must be >= --batch-size ({args.batch_size}): each actor contributes "
+             f"at most one pair to a batch (CLEAR App. A.1)")
+    if args.mode == "simultaneous" and args.num_actors < k:
+        fail(f"--mode simultaneous needs --num-actors >= number of tasks ({k})")
+    if args.buffer_frames == 0 and args.replay_ratio > 0:
+        fail("--buffer-frames 0 (no replay buffer) needs --replay-ratio 0")
+    if args.buffer_frames > 0 and args.buffer_frames < args.num_actors * args.unroll_length:
+        fail(f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
+             f"({args.num_actors} actors x {args.unroll_length} steps)")
+
+
+def total_steps(args: Args) -> int:
+    return args.steps_per_task * len(args.env_ids) * args.num_cycles
+
+
+def buffer_capacity_per_actor(args: Args) -> int:
+    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
+    if args.replay_ratio == 0 and args.buffer_frames <= 0:
+        return 0  # plain IMPALA: no buffer at all
+    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
+    return max(1, frames // (args.num_actors * args.unroll_length))
+
+
+# ENVIRONMENTS
+def env_kind(env_id: str) -> str:
+    from common.atari_env import ATARI_ENV_IDS
+    if env_id in ATARI_ENV_IDS:
+        return "atari"
+    from common.minigrid_env import resolve_minigrid_id
+    try:
+        resolve_minigrid_id(env_id)
+        return "minigrid"
+    except ValueError:
+        pass
+    raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5) or MiniGrid ids "
+                     f"(e.g. MiniGrid-DoorKey-5x5-v0)")
+
+
+def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, video_folder: str | None = None):
+    """One gymnasium env; info["episode"]["r"] holds the real return on the step an episode (Atari: game) ends."""
+    import gymnasium as gym
+    if env_kind(env_id) == "atari":
+        # full 18-action space so one policy head serves every game (IMPALA multi-task, CLEAR Sec. 4.6);
+        # a lost life ends the learning episode but not the game (IMPALA Table G.1, notes P8)
+        return make_atari_env_full(env_id, seed, args, capture_video, video_folder)
+    from common.minigrid_env import make_minigrid_env
+    env = make_minigrid_env(env_id, fully_observable=False, max_steps=args.minigrid_max_steps,
+                            render_mode="rgb_array" if capture_video else None)
+    if capture_video:
+        env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda i: i % 20 == 0)
+    env = gym.wrappers.RecordEpisodeStatistics(env)  # info["episode"]["r"] on terminated or truncated
+    env.action_space.seed(seed)
+    return env
+
+
+def make_atari_env_full(env_id, seed, args, capture_video, video_folder):
+    from common.atari_env import make_atari_env
+    return make_atari_env(env_id, seed, full_action_space=True, terminal_on_life_loss=True, clip_rewards=True,
+                          sticky_action_prob=args.sticky_action_prob, max_episode_frames=args.max_episode_frames,
+                          capture_video=capture_video, video_folder=video_folder)
+
+
+def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
+    """Build every task once at start-up: same kind, same observation shape, same action count, or a one-line error."""
+    shapes, actions, kinds = set(), set(), set()
+    for env_id in args.env_ids:
+        try:
+            kinds.add(env_kind(env_id))
+            env = make_env(env_id, args.seed, args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if not hasattr(env.action_space, "n") or env.observation_space.dtype != np.uint8:
+            raise SystemExit(f"error: {env_id} is not a discrete-action uint8-image env")
+        shapes.add(tuple(env.observation_space.shape))
+        actions.add(int(env.action_space.n))
+        env.close()
+    if len(kinds) > 1:
+        raise SystemExit("error: --env-ids mixes Atari and MiniGrid tasks; one network cannot read both observations")
+    if len(shapes) > 1 or len(actions) > 1:
+        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions}; "
+                         f"the shared policy/value heads need one of each")
+    return shapes.pop(), actions.pop(), kinds.pop()
+
+
+# NETWORK
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+class ConvSequence(nn.Module):
+    """IMPALA ResNet stage: conv 3x3, max-pool 3x3/2, two residual blocks (IMPALA Fig. 3 right)."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
+
+    def forward(self, x):
+        x = F.max_pool2d(self.conv(x), 3, stride=2, padding=1)
+        return self.res1(self.res0(x))
+
+
+def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    if torso == "nature":  # Mnih et al. 2015 / IMPALA "shallow" / monobeast AtariNet (no LSTM)
+        c = obs_shape[0]
+        net = nn.Sequential(
+            layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+        hidden = 512
+    elif torso == "resnet":  # IMPALA "deep": channels 16/32/32, FC 256
+        c = obs_shape[0]
+        stages, ch = [], c
+        for out in (16, 32, 32):
+            stages.append(ConvSequence(ch, out))
+            ch = out
+        net = nn.Sequential(*stages, nn.Flatten(), nn.ReLU())
+        hidden = 256
+    else:  # minigrid: the 7x7x3 egocentric view (object, colour, state indices), our choice
+        c = obs_shape[-1]
+        net = nn.Sequential(
+            layer_init(nn.Conv2d(c, 16, 2)), nn.ReLU(), layer_init(nn.Conv2d(16, 32, 2)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 2)), nn.ReLU(), nn.Flatten())
+        hidden = 256
+    with torch.no_grad():
+        n_flat = net(torch.zeros(1, *torso_input_shape(torso, obs_shape))).shape[1]
+    return nn.Sequential(net, layer_init(nn.Linear(n_flat, hidden)), nn.ReLU()), hidden
+
+
+def torso_input_shape(torso, obs_shape):
+    return (obs_shape[-1], *obs_shape[:-1]) if torso == "minigrid" else obs_shape
+
+
+class Agent(nn.Module):
+    """Shared torso, one policy head over the full action space and one value head shared by all tasks."""
+
+    def __init__(self, obs_shape, num_actions, torso):
+        super().__init__()
+        self.torso_name = torso
+        self.torso, hidden = make_torso(torso, obs_shape)
+        self.policy = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.baseline = layer_init(nn.Linear(hidden, 1), std=1.0)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs: uint8 [N, *obs_shape] -> (logits [N, A], value [N])."""
+        x = obs.float()
+        if self.torso_name == "minigrid":
+            x = x.permute(0, 3, 1, 2) / 10.0  # MiniGrid indices are <= 10
+        else:
+            x = x / 255.0
+        h = self.torso(x)
+        return self.policy(h), self.baseline(h).squeeze(-1)
+
+
+# ALGORITHM PIECES
+class VTraceReturns(NamedTuple):
+    vs: torch.Tensor
+    pg_advantages: torch.Tensor
+
+
+@torch.no_grad()
+def vtrace_from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
+                                   clip_pg_rho_threshold=1.0) -> VTraceReturns:
+    """V-trace targets v_s and policy-gradient advantages, time-major [T, B] (IMPALA Eq. (1), CLEAR Sec. 3).
+
+    log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t); discounts[t] = gamma * (1 - done_t) (0 cuts the trace at an
+    episode end, so no value of the next episode leaks in); values[t] = V(x_t); bootstrap_value = V(x_T).
+    A None clip threshold means no clipping.
+    """
+    if bootstrap_value.shape != values.shape[1:]:
+        raise ValueError(f"bootstrap_value shape {tuple(bootstrap_value.shape)} must be values.shape[1:] "
+                         f"{tuple(values.shape[1:])}")
+    rhos = torch.exp(log_rhos)
+    clipped_rhos = rhos if clip_rho_threshold is None else torch.clamp(rhos, max=clip_rho_threshold)  # rho_t
+    cs = torch.clamp(rhos, max=1.0)  # c_i = min(c_bar, pi/mu), c_bar = 1 (IMPALA Sec. 4.1, torchbeast)
+    values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
+    deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)  # delta_t V = rho_t (r_t + g V_{t+1} - V_t)
+    # Eq. (1) as the backward recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))  (IMPALA Remark 1)
+    acc = torch.zeros_like(bootstrap_value)
+    vs_minus_v = []
+    for t in reversed(range(log_rhos.shape[0])):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v.append(acc)
+    vs = torch.stack(vs_minus_v[::-1]) + values
+    vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
+    clipped_pg_rhos = rhos if clip_pg_rho_threshold is None else torch.clamp(rhos, max=clip_pg_rho_threshold)
+    pg_advantages = clipped_pg_rhos * (rewards + discounts * vs_t_plus_1 - values)  # rho_s (r_s + g v_{s+1} - V(x_s))
+    return VTraceReturns(vs=vs, pg_advantages=pg_advantages)
+
+
+UNROLL_FIELDS = ("obs", "action", "reward", "done", "truncated", "final_value", "logits", "baseline")
+
+
+def unroll_specs(obs_shape, num_actions, T) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Row r = 0..T of an unroll holds x_r and what produced it: (x_r, a_{r-1}, r_{r-1}, done_{r-1}, truncated_{r-1},
+    V_mu(final obs of a truncated episode), mu(.|x_{r-1}) logits, V_mu(x_{r-1})); row 0 repeats the previous unroll's
+    row T (monobeast's layout). Frames are uint8."""
+    R = T + 1
+    return {"obs": ((R, *obs_shape), np.uint8), "action": ((R,), np.int64), "reward": ((R,), np.float32),
+            "done": ((R,), np.bool_), "truncated": ((R,), np.bool_), "final_value": ((R,), np.float32),
+            "logits": ((R, num_actions), np.float32), "baseline": ((R,), np.float32)}
+
+
+class ReservoirBuffer:
+    """One actor's replay memory of whole unrolls, filled by reservoir sampling (CLEAR App. A.3, Isele & Cosgun 2018).
+
+    Each unroll gets a random key u ~ U(0, 1); the buffer keeps the `capacity` largest keys seen so far, i.e. the
+    threshold (smallest kept key) rises over time, and at any time the buffer is a uniform sample without replacement
+    of all unrolls offered. An unroll is stored or discarded as a whole. Actions are stored as int16."""
+
+    def __init__(self, capacity, obs_shape, num_actions, T, rng: np.random.Generator):
+        self.capacity, self.rng = capacity, rng
+        self.data = {}
+        for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items():
+            dtype = np.int16 if k == "action" else dtype
+            self.data[k] = np.zeros((capacity, *shape), dtype=dtype)  # lazily committed by the OS as it fills
+        self.task = np.zeros(capacity, dtype=np.int16)
+        self.keys = np.full(capacity, -1.0)  # -1: empty row
+        self.size = 0
+        self.num_seen = 0
+
+    @staticmethod
+    def bytes_per_unroll(obs_shape, num_actions, T) -> int:
+        specs = unroll_specs(obs_shape, num_actions, T)
+        n = sum(int(np.prod(s)) * (2 if k == "action" else np.dtype(d).itemsize) for k, (s, d) in specs.items())
+        return n + 2 + 8  # task id + key
+
+    def add(self, unroll: dict, task: int) -> int:
+        """Offer one unroll; returns the row it went to, or -1 if it was discarded."""
+        self.num_seen += 1
+        key = self.rng.random()
+        if self.size < self.capacity:
+            row = self.size
+            self.size += 1
+        else:
+            row = int(np.argmin(self.keys))  # the current threshold
+            if key <= self.keys[row]:
+                return -1
+        for k, v in unroll.items():
+            self.data[k][row] = v
+        self.task[row] = task
+        self.keys[row] = key
+        return row
+
+    def sample(self) -> int:
+        """A uniformly random stored row (the replay half of the next pair)."""
+        return int(self.rng.integers(self.size))
+
+
+def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1).
+
+    Exactly floor(ratio * B) or ceil(ratio * B) replay unrolls (stochastic rounding, so the expected fraction is the
+    ratio), at random positions among the pairs that hold a valid replay unroll."""
+    B = len(replay_valid)
+    which = np.zeros(B, dtype=np.int64)
+    if replay_ratio <= 0:
+        return which
+    target = replay_ratio * B
+    n = int(np.floor(target)) + int(rng.random() < target - np.floor(target))
+    candidates = np.flatnonzero(replay_valid)
+    n = min(n, len(candidates))
+    which[rng.choice(candidates, size=n, replace=False)] = 1
+    return which
+
+
+class AlignedUnroll(NamedTuple):
+    """Learner outputs and stored data lined up on the same time index t = 0..T-1 (the state x_t)."""
+    target_logits: torch.Tensor  # pi(.|x_t)           [T, B, A]
+    values: torch.Tensor         # V_theta(x_t)        [T, B]
+    bootstrap_value: torch.Tensor  # V_theta(x_T)      [B]
+    behaviour_logits: torch.Tensor  # mu(.|x_t)        [T, B, A]
+    behaviour_values: torch.Tensor  # V_mu(x_t)        [T, B]
+    actions: torch.Tensor        # a_t
+    rewards: torch.Tensor        # r_t
+    done: torch.Tensor           # episode ended by a_t (terminated or truncated)
+    truncated: torch.Tensor      # ended by a time limit
+    final_value: torch.Tensor    # V_mu(x_final) of a truncated episode
+
+
+def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
+    """Learner outputs on rows 0..T against stored rows 1..T (monobeast's shift). Stored row t+1 holds mu(.|x_t) and
+    V_mu(x_t), so BOTH V-trace and behavioural cloning compare the learner's outputs at row t with the stored behaviour
+    at row t+1 (continual_rl compares row t with row t and is one step off, notes P1)."""
+    return AlignedUnroll(
+        target_logits=logits_all[:-1], values=values_all[:-1], bootstrap_value=values_all[-1],
+        behaviour_logits=batch["logits"][1:], behaviour_values=batch["baseline"][1:], actions=batch["action"][1:],
+        rewards=batch["reward"][1:], done=batch["done"][1:], truncated=batch["truncated"][1:],
+        final_value=batch["final_value"][1:])
+
+
+def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
+    """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed over
+    time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
+    log_mu = F.log_softmax(behaviour_logits, dim=-1)
+    log_pi = F.log_softmax(target_logits, dim=-1)
+    kl = (log_mu.exp() * (log_mu - log_pi)).sum(-1)  # [T, B]
+    return (kl * replay_mask).sum()
+
+
+def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
+    """CLEAR Sec. 3: L_value-cloning = ||V_theta(h_s) - V_replay(h_s)||_2^2, summed over time and replay columns only."""
+    return (((values - behaviour_values) ** 2) * replay_mask).sum()
+
+
+def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_threshold):
+    """V-trace losses (CLEAR Sec. 3) on an aligned batch; returns (pg_loss, value_loss, entropy_loss, vtrace returns).
+    Sums over [T, B] as in scalable_agent/torchbeast."""
+    log_pi = F.log_softmax(u.target_logits, dim=-1)
+    log_mu = F.log_softmax(u.behaviour_logits, dim=-1)
+    a = u.actions.unsqueeze(-1)
+    target_logp = log_pi.gather(-1, a).squeeze(-1)
+    behaviour_logp = log_mu.gather(-1, a).squeeze(-1)
+    discounts = gamma * (~u.done).float()  # an episode end (either kind) cuts the trace
+    rewards = u.rewards + gamma * u.truncated.float() * u.final_value  # truncation: bootstrap from the true last obs
+    vt = vtrace_from_importance_weights(
+        (target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(), u.bootstrap_value.detach(),
+        clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold)
+    pg_loss = -(target_logp * vt.pg_advantages).sum()  # L_policy-gradient = -rho_s log pi(a_s|h_s)(r_s + g v_{s+1} - V)
+    value_loss = 0.5 * ((vt.vs - u.values) ** 2).sum()  # L_value = (V_theta(h_s) - v_s)^2 (x 1/2 as scalable_agent)
+    entropy_loss = (log_pi.exp() * log_pi).sum()  # L_entropy = sum_a pi log pi (minimising it raises the entropy)
+    return pg_loss, value_loss, entropy_loss, vt
+
+
+def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
+    """Total CLEAR loss on one batch (V-trace losses on all unrolls, cloning on replay unrolls only). Returns
+    (loss, dict of detached components)."""
+    u = align_unroll(logits_all, values_all, batch)
+    pg_loss, value_loss, entropy_loss, _ = impala_losses(u, args.gamma, args.clip_rho_threshold,
+                                                         args.clip_pg_rho_threshold)
+    pc_loss = policy_cloning_loss(u.target_logits, u.behaviour_logits, replay_mask)
+    vc_loss = value_cloning_loss(u.values, u.behaviour_values, replay_mask)
+    loss = args.pg_cost * pg_loss + args.baseline_cost * value_loss + args.entropy_cost * entropy_loss
+    if args.behavior_cloning:
+        loss = loss + args.policy_cloning_cost * pc_loss + args.value_cloning_cost * vc_loss
+    parts = {"losses/pg_loss": pg_loss, "losses/value_loss": value_loss, "losses/entropy": -entropy_loss / u.actions.numel(),
+             "losses/policy_cloning_loss": pc_loss, "losses/value_cloning_loss": vc_loss, "losses/total_loss": loss}
+    return loss, {k: v.detach() for k, v in parts.items()}
+
+
+def task_for_actor(actor_id: int, step: int, args: Args) -> int:
+    """The task an actor plays when it starts an unroll at learner-counted step `step` (CLEAR App. A.6: all actors
+    switch at the same designated step). sequential: task (step // steps_per_task) mod K (last task after the end);
+    simultaneous / separate: actor i always plays task i mod K."""
+    k = len(args.env_ids)
+    if args.mode == "sequential":
+        return min(step // args.steps_per_task, k * args.num_cycles - 1) % k
+    return actor_id % k
+
+
+def net_for_task(task: int, args: Args) -> int:
+    return task if args.mode == "separate" else 0
+
+
+def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int) -> dict[int, float]:
+    """Final cumulative reward per task (CLEAR App. C): the mean of all test-actor episode returns on the task over the
+    whole run, (1/t) sum_{s<t} r_s at the last t."""
+    out = {}
+    for task in range(num_tasks):
+        r = [ret for _, tk, ret in records if tk == task]
+        out[task] = float(np.mean(r)) if r else float("nan")
+    return out
+
+
+def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
+    """Per-task test returns against training steps (current sequential task shaded) and the cumulative-mean version
+    (CLEAR Figs. 1-6 and App. C)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for cumulative in (False, True):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for task, env_id in enumerate(env_ids):
+            pts = sorted((s, r) for s, tk, r in records if tk == task)
+            if not pts:
+                continue
+            steps, rets = np.array(pts).T
+            if cumulative:
+                y = np.cumsum(rets) / np.arange(1, len(rets) + 1)
+            else:
+                w = max(1, len(rets) // 50)
+                y = np.convolve(rets, np.ones(w) / w, mode="same") if w > 1 else rets
+            line, = ax.plot(steps, y, label=env_id, lw=1)
+            if args.mode == "sequential":
+                for visit in range(args.num_cycles):
+                    start = (visit * len(env_ids) + task) * args.steps_per_task
+                    ax.axvspan(start, start + args.steps_per_task, color=line.get_color(), alpha=0.08)
+        ax.set_xlabel("training steps (agent steps, all tasks)")
+        ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (moving mean)")
+        ax.set_title(f"{args.exp_name} ({args.mode}, replay {args.replay_ratio}); shaded: task being trained")
+        ax.legend(fontsize=7)
+        path = f"{path_prefix}{'_cumulative' if cumulative else ''}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def memory_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+# ACTOR PROCESSES (module-level so spawn can pickle them)
+def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
+               global_step, policy_version, frames_done, stop, stats_queue):
+    """One training actor: act for T steps with the latest weights, store the unroll in its reservoir, sample a replay
+    unroll, publish the (new, replay) pair in its slot, then wait until the learner has read it (CLEAR App. A.1)."""
+    seed = args.seed + 1000 * actor_id
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    T = args.unroll_length
+    capacity = buffer_capacity_per_actor(args)
+    buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, rng) if capacity > 0 else None
+    model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
+    new = {k: slots[k][actor_id, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory
+    rep = {k: slots[k][actor_id, 1].numpy() for k in UNROLL_FIELDS}
+    task, env, episode = -1, None, 0
+    while not stop.is_set():
+        if not slot_free[actor_id].wait(timeout=0.2):  # the learner has not read our last pair yet
+            continue
+        slot_free[actor_id].clear()
+        start_step = global_step.value
+        new_task = task_for_actor(actor_id, start_step, args)
+        if new_task != task:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
+            if env is not None:
+                env.close()
+            task = new_task
+            env = make_env(args.env_ids[task], seed, args,
+                           capture_video=args.capture_video and actor_id == 0 and task == 0,
+                           video_folder=f"videos/{args.exp_name}_actor0")
+            obs, _ = env.reset(seed=seed + episode)
+            for k in UNROLL_FIELDS:
+                new[k][0] = 0
+            new["obs"][0] = obs
+        else:
+            for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row
+                new[k][0] = new[k][T]
+        version = policy_version.value
+        model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
+        for t in range(T):
+            with torch.no_grad():
+                logits, value = model(torch.from_numpy(new["obs"][t]).unsqueeze(0))
+                action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
+            obs, reward, terminated, truncated, info = env.step(action)
+            final_value = 0.0
+            if truncated and not terminated:  # time limit: keep V_mu of the true last observation for the bootstrap
+                with torch.no_grad():
+                    final_value = float(model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))[1])
+            if "episode" in info:
+                stats_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
+            if terminated or truncated:
+                episode += 1
+                obs, _ = env.reset()
+            r = t + 1
+            new["obs"][r] = obs
+            new["action"][r] = action
+            new["reward"][r] = reward
+            new["done"][r] = terminated or truncated
+            new["truncated"][r] = truncated and not terminated
+            new["final_value"][r] = final_value
+            new["logits"][r] = logits[0].numpy()
+            new["baseline"][r] = float(value[0])
+        replay_valid, replay_task = 0, -1
+        if buffer is not None:
+            buffer.add(new, task)  # CLEAR App. A.1: insert the new unroll (reservoir) then sample a replay unroll
+            row = buffer.sample()
+            for k in UNROLL_FIELDS:
+                rep[k][:] = buffer.data[k][row]
+            replay_valid, replay_task = 1, int(buffer.task[row])
+        meta[actor_id] = torch.tensor([task, start_step, version, replay_valid, replay_task,
+                                       buffer.size if buffer else 0])
+        with frames_done.get_lock():
+            frames_done.value += T
+        full_queues[net_for_task(task, args)].put(actor_id)
+    if env is not None:
+        env.close()
+
+
+def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, stop, eval_queue):
+    """A test actor (CLEAR App. A.5): plays its own task forever with the current weights; no buffer, never feeds the
+    learner; reports each finished episode's return."""
+    seed = args.seed + 1000 * (args.num_actors + test_id) + 17
+    torch.manual_seed(seed)
+    env = make_env(args.env_ids[task], seed, args)
+    model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
+    obs, _ = env.reset(seed=seed)
+    t, t0 = 0, time.time()
+    while not stop.is_set():
+        if args.test_actor_max_sps > 0 and t > args.test_actor_max_sps * (time.time() - t0):
+            time.sleep(0.01)
+            continue
+        if t % args.unroll_length == 0:  # refresh the weights as often as a training actor does
+            model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
+        with torch.no_grad():
+            logits, _ = model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))
+            action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
+        obs, _, terminated, truncated, info = env.step(action)
+        t += 1
+        if "episode" in info:
+            eval_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
+        if terminated or truncated:
+            obs, _ = env.reset()
+    env.close()
+
+
+def resolve_torso(args: Args, obs_shape) -> str:
+    if args.torso != "auto":
+        return args.torso
+    return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
+
+
+def drain(q, limit=10_000):
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return out
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    validate_args(args)           # one-line errors before anything heavy starts
+    obs_shape, num_actions, kind = probe_envs(args)
+    torso = resolve_torso(args, obs_shape)
+    if torso == "minigrid" and kind != "minigrid":
+        raise SystemExit("error: --torso minigrid needs MiniGrid tasks")
+    if torso in ("nature", "resnet") and kind != "atari":
+        raise SystemExit(f"error: --torso {torso} expects 84x84 Atari frames; use --torso minigrid for MiniGrid")
+    K = len(args.env_ids)
+    T, B = args.unroll_length, args.batch_size
+    num_nets = K if args.mode == "separate" else 1
+    TOTAL = total_steps(args)
+
+    # MEMORY: report per stored frame, refuse what cannot fit (issue: robustness and memory)
+    capacity = buffer_capacity_per_actor(args)
+    per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
+    frame_bytes = int(np.prod(obs_shape))
+    buffer_bytes = capacity * args.num_actors * per_unroll
+    slot_bytes = 2 * args.num_actors * per_unroll
+    print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames; "
+          f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + {(per_unroll - T * frame_bytes) / T:.0f} "
+          f"B per-unroll overhead incl. row 0) = {buffer_bytes / 2**30:.3f} GiB")
+    avail = memory_available_bytes()
+    if buffer_bytes + slot_bytes > 0.9 * avail:
+        raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
+                         f"{avail / 2**30:.1f} GiB of RAM is available; lower --buffer-frames")
+
+    run_name = make_run_name("+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks",
+                             args.exp_name, args.seed)
+    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
+                       wandb_entity=args.wandb_entity, progress=args.progress)
+
+    # TRY NOT TO MODIFY: seeding
+    seed_everything(args.seed, args.torch_deterministic)
+    device = select_device(args.cuda)
+    if device.type == "cpu":  # leave the cores to the actor processes (one thread each)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - args.num_actors - K * args.num_test_actors))
+
+    # SETUP: networks (one per task in separate mode), shared CPU copies for the actors, optimizers, lr schedules
+    models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
+    shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
+    for m, s in zip(models, shared_models):
+        s.load_state_dict(m.state_dict())
+        s.share_memory()
+    updates_per_net = max(1, TOTAL // (T * B * num_nets))
+    optimizers = [torch.optim.RMSprop(m.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                      eps=args.rmsprop_eps, momentum=args.rmsprop_momentum) for m in models]
+    # anneal linearly to 0 over the WHOLE run (all tasks, all cycles), not per task
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: max(0.0, 1.0 - n / updates_per_net))
+                  for o in optimizers]
+    global_step_value, learner_steps = 0, [0] * num_nets
+    eval_records: list[tuple[int, int, float]] = []  # (global_step, task, return)
+    if args.resume:
+        ckpt = load_checkpoint(args.resume)
+        if ckpt["args"]["env_ids"] != args.env_ids or ckpt["args"]["mode"] != args.mode:
+            raise SystemExit("error: --resume checkpoint was made with other --env-ids or --mode")
+        for i in range(num_nets):
+            models[i].load_state_dict(ckpt["models"][i])
+            shared_models[i].load_state_dict(ckpt["models"][i])
+            optimizers[i].load_state_dict(ckpt["optimizers"][i])
+            schedulers[i].load_state_dict(ckpt["schedulers"][i])
+        global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
+        eval_records = [tuple(r) for r in ckpt["eval_records"]]
+        set_rng_state(ckpt["rng"])
+        print(f"resumed from {args.resume} at step {global_step_value} (task {task_for_actor(0, global_step_value, args)})")
+
+    # SETUP: shared-memory slots, one (new, replay) pair per actor; only indices travel through queues
+    ctx = torch.multiprocessing.get_context(args.start_method)
+    if args.start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.atari_env"])
+    specs = unroll_specs(obs_shape, num_actions, T)
+    slots = {k: torch.from_numpy(np.zeros((args.num_actors, 2, *shape), dtype=dtype)).share_memory_()
+             for k, (shape, dtype) in specs.items()}
+    meta = torch.zeros(args.num_actors, 6, dtype=torch.int64).share_memory_()  # task, start, version, valid, rtask, fill
+    full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
+    slot_free = [ctx.Event() for _ in range(args.num_actors)]
+    for e in slot_free:
+        e.set()
+    global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
+    policy_version = ctx.Value("q", sum(learner_steps), lock=False)
+    frames_done = ctx.Value("q", 0)
+    stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
+    procs = ProcessGroup(ctx)
+    stop = procs.stop_event  # actors return when it is set
+    exit_code = 0
+    rng = np.random.default_rng(args.seed)
+    task_mismatch, stale_after_switch = 0, collections.Counter()
+    try:
+        for i in range(args.num_actors):
+            procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues,
+                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue),
+                        name=f"actor-{i}")
+        for task in range(K):
+            for j in range(args.num_test_actors):
+                procs.start(test_actor_loop, (task * args.num_test_actors + j, task, args, obs_shape, num_actions,
+                                              shared_models, stop, eval_queue), name=f"test-{task}-{j}")
+        start_time, start_step = time.time(), global_step_value
+        last_log, last_log_step, last_frames, last_ckpt = start_time, global_step_value, 0, global_step_value
+        train_returns, window = collections.deque(maxlen=100), collections.defaultdict(lambda: collections.deque(maxlen=20))
+        metrics_acc = collections.defaultdict(float)
+        n_acc = 0
+        learn_time = 0.0
+        while global_step.value < TOTAL:
+            # COLLECT: B pairs, one per actor, from the queue of the network to train next
+            net = (sum(learner_steps) % num_nets)
+            idx = []
+            while len(idx) < B:
+                try:
+                    idx.append(full_queues[net].get() if not full_queues[net].empty() else None)
+                except (EOFError, OSError):
+                    idx.append(None)
+                if idx[-1] is None:
+                    idx.pop()
+                    procs.check()  # a dead actor stops the run with its traceback
+                    time.sleep(0.002)
+            t_learn = time.time()
+            idx_t = torch.tensor(idx)
+            m = meta[idx_t].clone()
+            which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
+            batch = {k: v[idx_t, which].transpose(0, 1).contiguous() for k, v in slots.items()}  # [T+1, B, ...]
+            # task-switch bookkeeping: every unroll must be on the task its start step designates
+            for a_id, row in zip(idx, m.tolist()):
+                task_mismatch += int(row[0] != task_for_actor(a_id, row[1], args))
+                if args.mode == "sequential" and row[0] != task_for_actor(a_id, global_step.value, args):
+                    stale_after_switch[global_step.value // args.steps_per_task] += 1
+            global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
+            for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step
+                slot_free[a_id].set()
+
+            # LEARN
+            model, optimizer = models[net], optimizers[net]
+            obs = batch["obs"].to(device)
+            logits_all, values_all = model(obs.reshape(-1, *obs_shape))
+            logits_all = logits_all.view(T + 1, B, num_actions)
+            values_all = values_all.view(T + 1, B)
+            dev_batch = {k: v.to(device) for k, v in batch.items() if k != "obs"}
+            replay_mask = which.float().to(device)
+            loss, parts = clear_loss(logits_all, values_all, dev_batch, replay_mask, args)
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            schedulers[net].step()
+            shared_models[net].load_state_dict(model.state_dict())
+            learner_steps[net] += 1
+            policy_version.value += 1
+            learn_time += time.time() - t_learn
+            for k, v in parts.items():
+                metrics_acc[k] += float(v)
+            metrics_acc["losses/grad_norm"] += float(grad_norm)
+            metrics_acc["charts/replay_fraction"] += float(which.float().mean())
+            metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
+            metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
+            n_acc += 1
+
+            # LOG
+            gs = global_step.value
+            for task, ret, length in drain(stats_queue):
+                train_returns.append(ret)
+                logger.log(gs, {"charts/episodic_return": ret, "charts/episodic_length": length,
+                                f"train/{args.env_ids[task].replace('/', '_')}/episodic_return": ret})
+            for task, ret, length in drain(eval_queue):
+                eval_records.append((gs, task, ret))
+                window[task].append(ret)
+                name = args.env_ids[task].replace("/", "_")
+                logger.log(gs, {f"eval/{name}/episodic_return": ret, f"eval/{name}/episodic_length": length})
+            now = time.time()
+            if now - last_log >= args.log_every_seconds or gs >= TOTAL:
+                frames = frames_done.value
+                out = {k: v / n_acc for k, v in metrics_acc.items()}
+                out.update({
+                    "charts/SPS": int((gs - start_step) / (now - start_time)),
+                    "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
+                    "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
+                    "charts/learning_rate": schedulers[net].get_last_lr()[0],
+                    "charts/task": task_for_actor(0, gs, args),
+                    "charts/task_mismatch": task_mismatch,
+                })
+                logger.log(gs, out)
+                evals = " ".join(f"{np.mean(window[k]):.2f}" if window[k] else "-" for k in range(K))
+                logger.progress(gs, out["charts/SPS"], episodic_return=np.mean(train_returns) if train_returns else None,
+                                loss_name="total_loss", loss=out["losses/total_loss"],
+                                extra=f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{evals}]")
+                metrics_acc.clear()
+                n_acc, learn_time = 0, 0.0
+                last_log, last_log_step, last_frames = now, gs, frames
+
+            # CHECKPOINT
+            if args.checkpoint_every and (gs - last_ckpt >= args.checkpoint_every or gs >= TOTAL):
+                last_ckpt = gs
+                save_checkpoint(logger.dir / "checkpoint.pt", {
+                    "args": vars(args), "models": [x.state_dict() for x in models],
+                    "optimizers": [o.state_dict() for o in optimizers], "schedulers": [s.state_dict() for s in schedulers],
+                    "global_step": gs, "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
+            procs.check()
+    except KeyboardInterrupt:
+        print("interrupted: stopping actors")
+        exit_code = 130
+    except ActorDied as e:
+        print(getattr(e, "traceback", "") or "")
+        print(f"error: {e}")
+        exit_code = 1
+    finally:
+        stop.set()
+        procs.stop()
+
+    # SAVE + SUMMARY
+    for task, ret, length in drain(eval_queue):
+        eval_records.append((global_step.value, task, ret))
+    cum = cumulative_returns(eval_records, K)
+    summary = {
+        "global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
+        "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
+        "final_cumulative_return": {args.env_ids[k]: cum[k] for k in range(K)},
+        "final_return_last20": {args.env_ids[k]: (float(np.mean([r for _, t, r in eval_records if t == k][-20:]))
+                                                  if any(t == k for _, t, _ in eval_records) else float("nan"))
+                                for k in range(K)},
+        "num_eval_episodes": {args.env_ids[k]: sum(1 for _, t, _ in eval_records if t == k) for k in range(K)},
+        "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch),
+        "exit_code": exit_code,
+    }
+    with open(logger.dir / "eval_records.json", "w") as f:
+        json.dump(eval_records, f)
+    try:
+        summary["plots"] = plot_task_returns(eval_records, args.env_ids, args, str(logger.dir / "task_returns"))
+    except Exception as e:  # a plotting failure must not lose the summary
+        print(f"warning: plot failed: {e}")
+    if args.save_model:
+        path = logger.dir / f"{args.exp_name}.model"
+        torch.save({"models": [x.state_dict() for x in models], "args": vars(args)}, path)
+        print(f"model saved to {path}")
+    logger.summary(summary)
+    logger.close()
+    print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
+    if exit_code:
+        raise SystemExit(exit_code)

@@ -1,0 +1,417 @@
+"""Tests for clear_impala.py: V-trace against a slow textbook implementation of IMPALA Eq. (1), reservoir sampling
+uniformity (chi-square), pair selection, behavioural-cloning losses (zero when equal, time alignment), task switching,
+start-up errors, and a subprocess smoke run + save/resume round trip of a two-task MiniGrid sequence."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import clear_impala as ci
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "clear_impala.py")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# V-trace
+# ----------------------------------------------------------------------------------------------------------------
+def textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, clip_rho, clip_pg_rho):
+    """Deliberately slow, straight from IMPALA Eq. (1) with per-step discounts gamma_t:
+    v_s = V(x_s) + sum_{t=s}^{T-1} (prod_{i=s}^{t-1} gamma_i c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t)),
+    pg_adv_s = rho_pg_s (r_s + gamma_s v_{s+1} - V(x_s)), with V(x_T) = v_T = bootstrap."""
+    T, B = log_rhos.shape
+    rhos = np.exp(log_rhos)
+    vs = np.zeros((T, B))
+    adv = np.zeros((T, B))
+    for b in range(B):
+        v_next = lambda t: values[t + 1, b] if t + 1 < T else bootstrap[b]  # noqa: E731
+        for s in range(T):
+            total = values[s, b]
+            for t in range(s, T):
+                prod = 1.0
+                for i in range(s, t):
+                    prod *= discounts[i, b] * min(1.0, rhos[i, b])
+                rho_t = rhos[t, b] if clip_rho is None else min(clip_rho, rhos[t, b])
+                total += prod * rho_t * (rewards[t, b] + discounts[t, b] * v_next(t) - values[t, b])
+            vs[s, b] = total
+        for s in range(T):
+            vs_next = vs[s + 1, b] if s + 1 < T else bootstrap[b]
+            rho_pg = rhos[s, b] if clip_pg_rho is None else min(clip_pg_rho, rhos[s, b])
+            adv[s, b] = rho_pg * (rewards[s, b] + discounts[s, b] * vs_next - values[s, b])
+    return vs, adv
+
+
+@pytest.mark.parametrize("clips", [(1.0, 1.0), (3.7, 2.2), (None, None)])
+def test_vtrace_matches_textbook(clips):
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        T, B = rng.integers(1, 9), rng.integers(1, 5)
+        log_rhos = rng.normal(0, 1.5, (T, B))
+        discounts = 0.99 * (rng.random((T, B)) > 0.25)  # episode ends inside the unroll
+        rewards = rng.normal(0, 2, (T, B))
+        values = rng.normal(0, 2, (T, B))
+        bootstrap = rng.normal(0, 2, B)
+        out = ci.vtrace_from_importance_weights(*(torch.tensor(x) for x in (log_rhos, discounts, rewards, values,
+                                                                          bootstrap)),
+                                                clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1])
+        vs, adv = textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, *clips)
+        np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-6, atol=1e-6, err_msg=f"case {case}")
+        np.testing.assert_allclose(out.pg_advantages.numpy(), adv, rtol=1e-6, atol=1e-6, err_msg=f"case {case}")
+
+
+def test_vtrace_torchbeast_fixed_inputs():
+    """torchbeast/scalable_agent's test inputs (rho in [0.08, 12.2), clips 3.7 / 2.2) against the textbook."""
+    for B in (1, 5):
+        T = 5
+        n = B * T
+        log_rhos = 5 * (np.arange(n, dtype=np.float64).reshape(T, B) / n - 0.5)
+        discounts = np.stack([np.full(B, 0.9) / (np.arange(B) + 1)] * T)
+        rewards = np.arange(n, dtype=np.float64).reshape(T, B)
+        values = np.arange(n, dtype=np.float64).reshape(T, B) / B
+        bootstrap = np.arange(B, dtype=np.float64) + 1
+        out = ci.vtrace_from_importance_weights(*(torch.tensor(x) for x in (log_rhos, discounts, rewards, values,
+                                                                          bootstrap)), 3.7, 2.2)
+        vs, adv = textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, 3.7, 2.2)
+        np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(out.pg_advantages.numpy(), adv, rtol=1e-6, atol=1e-5)
+
+
+def test_vtrace_rlax_reference_numbers():
+    """rlax's published expectations (discount 0 at t=0 of batch 0), converted to time-major."""
+    bl = np.array([[[8.9, 0.7], [5.0, 1.0], [0.6, 0.1], [-0.9, -0.1]], [[0.3, -5.0], [1.0, -8.0], [0.3, 1.7], [4.7, 3.3]]])
+    tl = np.array([[[0.4, 0.5], [9.2, 8.8], [0.7, 4.4], [7.9, 1.4]], [[1.0, 0.9], [1.0, -1.0], [-4.3, 8.7], [0.8, 0.3]]])
+    actions = np.array([[0, 1, 0, 0], [1, 0, 0, 1]])
+    rewards = np.array([[-1.3, -1.3, 2.3, 42.0], [1.3, 5.3, -3.3, -5.0]])
+    discounts = np.array([[0.0, 0.89, 0.85, 0.99], [0.88, 1.0, 0.83, 0.95]])
+    values = np.array([[2.1, 1.1, -3.1, 0.0], [3.1, 0.1, -1.1, 7.4]])
+    bootstrap = np.array([8.4, -1.2])
+    logp = lambda lg: np.take_along_axis(lg - np.log(np.exp(lg).sum(-1, keepdims=True)), actions[..., None], -1)[..., 0]  # noqa
+    log_rhos = logp(tl) - logp(bl)
+    out = ci.vtrace_from_importance_weights(*(torch.tensor(x.T if x.ndim == 2 else x) for x in (
+        log_rhos, discounts, rewards, values, bootstrap)))
+    exp_td = np.array([[-1.6155143, -3.4973226, 1.8670533, 50.316002], [1.4662437, 3.6116405, -8.3327293e-5, -13.54]])
+    exp_pg = np.array([[-1.6155143, -3.4973226, 1.8670534, 50.316002], [1.4662433, 3.6116405, -8.3369283e-5, -13.54]])
+    np.testing.assert_allclose((out.vs.numpy() - values.T).T, exp_td, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(out.pg_advantages.numpy().T, exp_pg, rtol=1e-3, atol=1e-5)
+
+
+def test_vtrace_no_value_leaks_across_episode_end():
+    rng = np.random.default_rng(1)
+    T, B, k = 10, 3, 4  # the episode ends with the action at t = k
+    args = [torch.tensor(rng.normal(size=(T, B))) for _ in range(4)] + [torch.tensor(rng.normal(size=B))]
+    args[1] = torch.full((T, B), 0.99, dtype=torch.float64)
+    args[1][k] = 0.0
+    a = ci.vtrace_from_importance_weights(*args)
+    changed = [x.clone() for x in args]
+    changed[2][k + 1:] += 100.0  # rewards of the next episode
+    changed[3][k + 1:] -= 50.0  # values of the next episode
+    changed[4] += 7.0  # bootstrap
+    b = ci.vtrace_from_importance_weights(*changed)
+    np.testing.assert_allclose(a.vs[: k + 1].numpy(), b.vs[: k + 1].numpy())
+    np.testing.assert_allclose(a.pg_advantages[: k + 1].numpy(), b.pg_advantages[: k + 1].numpy())
+    assert not np.allclose(a.vs[k + 1:].numpy(), b.vs[k + 1:].numpy())  # the test can fail
+
+
+def test_vtrace_rejects_bad_bootstrap_shape():
+    with pytest.raises(ValueError):
+        ci.vtrace_from_importance_weights(torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2),
+                                          torch.zeros(5, 2))
+
+
+def make_aligned(T, B, A, **over):
+    z = lambda *s: torch.zeros(*s)  # noqa: E731
+    fields = dict(target_logits=z(T, B, A), values=z(T, B), bootstrap_value=z(B), behaviour_logits=z(T, B, A),
+                  behaviour_values=z(T, B), actions=torch.zeros(T, B, dtype=torch.int64), rewards=z(T, B),
+                  done=torch.zeros(T, B, dtype=torch.bool), truncated=torch.zeros(T, B, dtype=torch.bool),
+                  final_value=z(T, B))
+    fields.update(over)
+    return ci.AlignedUnroll(**fields)
+
+
+def test_truncation_bootstraps_from_final_value_and_termination_does_not():
+    T, B, A, k = 6, 2, 3, 2
+    values = torch.arange(T * B, dtype=torch.float32).view(T, B)
+    rewards = torch.ones(T, B)
+    done = torch.zeros(T, B, dtype=torch.bool)
+    done[k] = True
+    truncated = torch.zeros(T, B, dtype=torch.bool)
+    truncated[k, 0] = True  # column 0: time limit; column 1: real termination
+    final_value = torch.full((T, B), 5.0)
+    u = make_aligned(T, B, A, values=values, rewards=rewards, done=done, truncated=truncated, final_value=final_value,
+                     bootstrap_value=torch.full((B,), 3.0))
+    _, _, _, vt = ci.impala_losses(u, 0.9, 1.0, 1.0)  # on-policy: rho = c = 1
+    assert vt.vs[k, 0] == pytest.approx(1.0 + 0.9 * 5.0)  # r + gamma V(x_final), the next episode not used
+    assert vt.vs[k, 1] == pytest.approx(1.0)  # termination: r only
+    assert vt.pg_advantages[k, 0] == pytest.approx(1.0 + 0.9 * 5.0 - float(values[k, 0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reservoir buffer
+# ----------------------------------------------------------------------------------------------------------------
+def unroll_with_id(i, T=3, obs_shape=(2, 2), A=2):
+    return {k: np.full(shape, i % 100, dtype=dtype) for k, (shape, dtype) in ci.unroll_specs(obs_shape, A, T).items()}
+
+
+def chi2_upper(df, z=3.29):
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.9995)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_reservoir_keeps_a_uniform_sample():
+    cap, n_unrolls, reps = 8, 40, 1500
+    counts = np.zeros(n_unrolls)
+    rng = np.random.default_rng(0)
+    unrolls = [unroll_with_id(i) for i in range(n_unrolls)]
+    for _ in range(reps):
+        buf = ci.ReservoirBuffer(cap, (2, 2), 2, 3, rng)
+        for i in range(n_unrolls):
+            buf.add(unrolls[i], task=0)
+        assert buf.size == cap and buf.num_seen == n_unrolls
+        counts[buf.data["reward"][:, 0].astype(int)] += 1
+    expected = reps * cap / n_unrolls
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < chi2_upper(n_unrolls - 1), f"inclusion counts not uniform: chi2 {chi2:.1f}"
+    # and it CAN fail: a FIFO ring (keeps the last cap unrolls) is far from uniform
+    fifo = np.zeros(n_unrolls)
+    fifo[-cap:] = reps
+    assert ((fifo - expected) ** 2 / expected).sum() > chi2_upper(n_unrolls - 1)
+
+
+def test_reservoir_stores_whole_unrolls_only():
+    rng = np.random.default_rng(1)
+    buf = ci.ReservoirBuffer(5, (3, 3), 4, 6, rng)
+    for i in range(200):
+        row = buf.add(unroll_with_id(i, T=6, obs_shape=(3, 3), A=4), task=i % 3)
+        if row >= 0:
+            assert buf.task[row] == i % 3
+    for row in range(buf.size):  # every field of every time step of a stored row comes from the same unroll
+        ids = {int(np.unique(buf.data[k][row].astype(np.int64)).item()) for k in ci.UNROLL_FIELDS if k not in ("done", "truncated")}
+        assert len(ids) == 1
+    assert buf.data["obs"].dtype == np.uint8
+    assert all(0 <= buf.sample() < buf.size for _ in range(100))
+
+
+def test_reservoir_fills_before_replacing():
+    buf = ci.ReservoirBuffer(4, (1,), 2, 2, np.random.default_rng(2))
+    rows = [buf.add(unroll_with_id(i, T=2, obs_shape=(1,)), 0) for i in range(4)]
+    assert rows == [0, 1, 2, 3]
+    assert buf.size == 4
+    assert (buf.keys >= 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pair selection (--replay-ratio)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.3, 1.0])
+def test_select_pairs_honours_replay_ratio(ratio):
+    rng = np.random.default_rng(0)
+    B = 32
+    fracs = []
+    for _ in range(2000):
+        which = ci.select_pairs(np.ones(B, dtype=bool), ratio, rng)
+        assert set(np.unique(which)) <= {0, 1}
+        assert math.floor(ratio * B) <= which.sum() <= math.ceil(ratio * B)
+        fracs.append(which.mean())
+    assert np.mean(fracs) == pytest.approx(ratio, abs=2e-3)
+
+
+def test_select_pairs_never_takes_invalid_replay():
+    rng = np.random.default_rng(0)
+    valid = np.array([True, False, True, False])
+    for _ in range(200):
+        which = ci.select_pairs(valid, 1.0, rng)
+        assert (which[~valid] == 0).all() and (which[valid] == 1).all()
+    assert ci.select_pairs(np.zeros(4, bool), 0.5, rng).sum() == 0
+
+
+def test_select_pairs_spreads_positions():
+    rng = np.random.default_rng(3)
+    hits = sum(ci.select_pairs(np.ones(8, bool), 0.25, rng) for _ in range(4000))
+    assert hits.min() > 0.8 * hits.mean()  # every pair position gets replay
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Behavioural cloning
+# ----------------------------------------------------------------------------------------------------------------
+def test_cloning_losses_zero_when_policy_equals_behaviour():
+    g = torch.Generator().manual_seed(0)
+    logits, values = torch.randn(5, 4, 6, generator=g), torch.randn(5, 4, generator=g)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert ci.policy_cloning_loss(logits, logits.clone(), mask).abs() < 1e-6
+    assert ci.value_cloning_loss(values, values.clone(), mask) == 0
+    other = torch.randn(5, 4, 6, generator=g)
+    assert ci.policy_cloning_loss(other, logits, mask) > 0.1
+    assert ci.value_cloning_loss(values + 1, values, mask) == pytest.approx(5 * 3)
+    # KL(mu || pi), not KL(pi || mu)
+    mu, pi = torch.log_softmax(logits, -1), torch.log_softmax(other, -1)
+    kl = (mu.exp() * (mu - pi)).sum(-1)
+    assert ci.policy_cloning_loss(other, logits, mask) == pytest.approx(float((kl * mask).sum()), rel=1e-5)
+
+
+def test_cloning_only_on_replay_columns():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
+    assert ci.policy_cloning_loss(a, b, torch.zeros(3)) == 0
+    assert ci.value_cloning_loss(a[..., 0], b[..., 0], torch.zeros(3)) == 0
+
+
+def act_like_an_actor(model, T, B, obs_shape, seed=0):
+    """Build a stored batch the way actor_loop writes it: row t+1 holds mu(.|x_t), V_mu(x_t), a_t, ..."""
+    g = torch.Generator().manual_seed(seed)
+    specs = ci.unroll_specs(obs_shape, 7, T)
+    batch = {k: torch.zeros((shape[0], B, *shape[1:]), dtype=getattr(torch, np.dtype(d).name if d != np.bool_ else "bool"))
+             for k, (shape, d) in specs.items()}
+    batch["obs"] = torch.randint(0, 11, (T + 1, B, *obs_shape), generator=g, dtype=torch.uint8)
+    with torch.no_grad():
+        logits, values = model(batch["obs"].reshape(-1, *obs_shape))
+    logits, values = logits.view(T + 1, B, -1), values.view(T + 1, B)
+    batch["logits"][1:] = logits[:-1]
+    batch["baseline"][1:] = values[:-1]
+    batch["action"][1:] = torch.randint(0, 7, (T, B), generator=g)
+    batch["reward"][1:] = torch.rand(T, B, generator=g)
+    return batch
+
+
+def test_cloning_is_time_aligned_with_learner_outputs():
+    torch.manual_seed(0)
+    T, B, obs_shape = 5, 3, (7, 7, 3)
+    model = ci.Agent(obs_shape, 7, "minigrid")
+    with torch.no_grad():
+        model.policy.weight.mul_(300.0)  # a peaked policy, so that a one-step misalignment shows
+    batch = act_like_an_actor(model, T, B, obs_shape)
+    logits_all, values_all = model(batch["obs"].reshape(-1, *obs_shape))
+    logits_all, values_all = logits_all.view(T + 1, B, 7), values_all.view(T + 1, B)
+    args = ci.Args()
+    _, parts = ci.clear_loss(logits_all, values_all, {k: v for k, v in batch.items() if k != "obs"}, torch.ones(B), args)
+    assert parts["losses/policy_cloning_loss"].abs() < 1e-5
+    assert parts["losses/value_cloning_loss"].abs() < 1e-8
+    # the same policy scored on-policy: rho = 1 everywhere (the V-trace log-rhos use the same alignment)
+    u = ci.align_unroll(logits_all, values_all, batch)
+    assert torch.allclose(u.target_logits, u.behaviour_logits, atol=1e-6)
+    # continual_rl's off-by-one (stored rows 0..T vs learner rows 0..T) is NOT zero: the test can fail
+    off = ci.policy_cloning_loss(logits_all[1:], batch["logits"][1:], torch.ones(B))
+    assert off > 0.1
+    assert ci.value_cloning_loss(values_all[1:], batch["baseline"][1:], torch.ones(B)) > 1e-3
+
+
+def test_behaviour_cloning_flag_changes_total_loss_only_via_cloning():
+    torch.manual_seed(0)
+    T, B, obs_shape = 4, 2, (7, 7, 3)
+    actor, learner = ci.Agent(obs_shape, 7, "minigrid"), ci.Agent(obs_shape, 7, "minigrid")
+    batch = act_like_an_actor(actor, T, B, obs_shape)
+    lg, v = learner(batch["obs"].reshape(-1, *obs_shape))
+    lg, v = lg.view(T + 1, B, 7), v.view(T + 1, B)
+    rest = {k: x for k, x in batch.items() if k != "obs"}
+    on, p_on = ci.clear_loss(lg, v, rest, torch.tensor([1.0, 0.0]), ci.Args())
+    off, _ = ci.clear_loss(lg, v, rest, torch.tensor([1.0, 0.0]), ci.Args(behavior_cloning=False))
+    extra = 0.01 * p_on["losses/policy_cloning_loss"] + 0.005 * p_on["losses/value_cloning_loss"]
+    assert (on - off).item() == pytest.approx(extra.item(), rel=1e-4, abs=1e-6)
+    assert float(extra) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tasks, flags
+# ----------------------------------------------------------------------------------------------------------------
+def test_task_switch_at_designated_step_for_all_actors():
+    args = ci.Args(env_ids=["a", "b", "c"], steps_per_task=1000, num_cycles=2)
+    for actor in range(5):
+        assert [ci.task_for_actor(actor, s, args) for s in (0, 999, 1000, 1999, 2000, 2999, 3000, 5999, 6000, 9999)] \
+            == [0, 0, 1, 1, 2, 2, 0, 2, 2, 2]
+    sim = ci.Args(env_ids=["a", "b", "c"], mode="simultaneous")
+    assert [ci.task_for_actor(i, s, sim) for i in range(4) for s in (0, 10**6)] == [0, 0, 1, 1, 2, 2, 0, 0]
+    assert ci.net_for_task(2, ci.Args(mode="separate")) == 2 and ci.net_for_task(2, sim) == 0
+
+
+def test_buffer_capacity_split_over_actors():
+    args = ci.Args(env_ids=["a", "b"], steps_per_task=100_000, num_cycles=2, num_actors=10, unroll_length=20)
+    assert ci.buffer_capacity_per_actor(args) == 200_000 // (10 * 20)  # half the training frames by default
+    args.buffer_frames = 40_000
+    assert ci.buffer_capacity_per_actor(args) == 200
+    assert ci.buffer_capacity_per_actor(ci.Args(replay_ratio=0.0)) == 0
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(num_actors=4, batch_size=8), "--num-actors"),
+    (dict(replay_ratio=1.5), "--replay-ratio"),
+    (dict(mode="bogus"), "--mode"),
+    (dict(buffer_frames=0), "--buffer-frames 0"),
+    (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
+    (dict(start_method="fork"), "--start-method"),
+])
+def test_validate_args_one_line_errors(over, msg):
+    with pytest.raises(SystemExit) as e:
+        ci.validate_args(ci.Args(**over))
+    assert str(e.value).startswith("error:") and msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cumulative_returns():
+    recs = [(10, 0, 1.0), (20, 0, 3.0), (20, 1, 5.0)]
+    assert ci.cumulative_returns(recs, 3)[0] == 2.0 and ci.cumulative_returns(recs, 3)[1] == 5.0
+    assert math.isnan(ci.cumulative_returns(recs, 3)[2])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Subprocess runs
+# ----------------------------------------------------------------------------------------------------------------
+def run_script(tmp_path, *flags, timeout=80):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_env_id_fails_with_one_line(tmp_path):
+    r = run_script(tmp_path, "--env-ids", "MiniGrid-Empty-5x5-v0", "NoSuchEnv-v9", "--num-actors", "2",
+                   "--batch-size", "2", timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].startswith("error: unknown env id 'NoSuchEnv-v9'")
+    assert "Traceback" not in r.stderr
+
+
+TINY = ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--steps-per-task", "240", "--num-actors", "2",
+        "--batch-size", "2", "--unroll-length", "20", "--num-test-actors", "1", "--test-actor-max-sps", "300",
+        "--start-method", "forkserver", "--no-progress", "--log-every-seconds", "0.5", "--no-cuda"]
+
+
+def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
+    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 480
+    assert summary["task_mismatch"] == 0  # every unroll was played on the task its start step designates
+    assert set(summary["final_cumulative_return"]) == {"MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"}
+    assert all(n > 0 for n in summary["num_eval_episodes"].values()), summary  # test actors of BOTH tasks reported
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    names = set().union(*metrics)
+    for name in ("losses/pg_loss", "losses/value_loss", "losses/entropy", "losses/policy_cloning_loss",
+                 "losses/value_cloning_loss", "charts/learner_SPS", "charts/actor_SPS", "charts/replay_fraction",
+                 "charts/buffer_fill", "charts/policy_lag", "charts/SPS"):
+        assert name in names, name
+    assert any(n.startswith("eval/MiniGrid-LavaGapS5-v0/") for n in names)
+    tasks = [m["charts/task"] for m in metrics if "charts/task" in m]
+    assert tasks[0] == 0 and tasks[-1] == 1
+    for p in summary["plots"]:
+        assert (tmp_path / p).exists()
+    # SAVE/RESUME: the checkpoint holds the final weights, optimizer state, schedule and step
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    saved = torch.load(run_dir / "clear_impala.model", weights_only=False)
+    assert ckpt["global_step"] == 480
+    for k, v in saved["models"][0].items():
+        assert torch.equal(v, ckpt["models"][0][k]), k
+    assert ckpt["optimizers"][0]["state"] and ckpt["schedulers"][0]["last_epoch"] == 12
+    r2 = run_script(tmp_path, *TINY, "--num-cycles", "2", "--resume", str(run_dir / "checkpoint.pt"),
+                    "--exp-name", "resumed")
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-3000:]
+    assert "resumed from" in r2.stdout and "at step 480 (task 0)" in r2.stdout
+    (run2,) = (tmp_path / "runs").glob("*resumed*")
+    s2 = json.loads((run2 / "summary.json").read_text())
+    assert s2["global_step"] == 960 and s2["task_mismatch"] == 0
+    n1, n2 = sum(summary["num_eval_episodes"].values()), sum(s2["num_eval_episodes"].values())
+    assert n2 >= n1  # the evaluation history continues
+    m2 = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
+    assert min(m["global_step"] for m in m2 if "charts/SPS" in m) > 480
