@@ -383,12 +383,12 @@ def compute_gae(rewards, values, next_value, terminated, dones, final_values, ga
     T = rewards.shape[0]
     next_values = torch.cat([values[1:], next_value[None]], 0)
     # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
-    boot = torch.where(dones, final_values, next_values) * (1.0 - terminated.float())
+    boot = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
     deltas = rewards + gamma * boot - values
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[0])
     for t in reversed(range(T)):
-        last = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].float()) * last  # Eq. (2) recursion
+        last = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].to(rewards.dtype)) * last  # Eq. (2) recursion
         advantages[t] = last
     return advantages, deltas
 
@@ -496,14 +496,12 @@ def score_distribution(scores, seen, transform="rank", temperature=0.1):
 def staleness_distribution(staleness, seen):
     """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over seen levels; uniform over seen if all are 0."""
     seen = np.asarray(seen, dtype=bool)
-    p = np.zeros(len(seen))
-    idx = np.flatnonzero(seen)
-    if idx.size == 0:
-        return p
-    st = np.asarray(staleness, dtype=np.float64)[idx]
+    st = np.where(seen, np.asarray(staleness, dtype=np.float64), 0.0)
     z = st.sum()
-    p[idx] = st / z if z > 0 else 1.0 / idx.size
-    return p
+    if z > 0:
+        return st / z
+    n = seen.sum()
+    return seen / n if n else np.zeros(len(seen))
 
 
 def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
@@ -590,7 +588,8 @@ class LevelSampler:
         self.num_samples += 1  # c <- c + 1
         self.staleness += 1.0
         if self.rng.random() < self.replay_decision_prob():  # d ~ P_D
-            slot = int(self.rng.choice(len(self.seeds), p=self.replay_probs()))  # l ~ P_replay
+            cdf = np.cumsum(self.replay_probs())  # l ~ P_replay (inverse CDF; zero-mass slots are never drawn)
+            slot = min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), len(cdf) - 1)
             self.num_replays += 1
             seed = int(self.seeds[slot])
         else:
@@ -801,8 +800,7 @@ if __name__ == "__main__":
     batch_size = N * T
     minibatch_size = batch_size // args.num_minibatches
     envs = make_env(args, N, seed=args.seed)
-    eval_envs = {k: make_env(args, args.num_eval_envs, seed=args.seed + 1 + j, num_workers=1)
-                 for j, k in enumerate(("train", "test"))}  # fmt: skip
+    eval_envs = None  # one evaluation env (one worker) for train and test levels, created at the first evaluation
     obs_shape = envs.single_observation_space.shape
     num_actions = int(envs.single_action_space.n)
     agent = make_agent(args, obs_shape, num_actions).to(device)
@@ -849,10 +847,13 @@ if __name__ == "__main__":
     sps_steps, sps_time = 0, 0.0
 
     def run_eval(num_episodes):
+        global eval_envs
+        if eval_envs is None:
+            eval_envs = make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
         agent.eval()
         out = {}
         for kind in ("train", "test"):
-            rets = evaluate(agent, eval_envs[kind], lambda k=kind: eval_level(k), num_episodes, device)
+            rets = evaluate(agent, eval_envs, lambda k=kind: eval_level(k), num_episodes, device)
             out[f"eval/{kind}_return"] = float(rets.mean())
             norm = normalized_return(args.env_id, args.distribution_mode, rets.mean())
             if norm is not None:
@@ -1011,7 +1012,7 @@ if __name__ == "__main__":
             plot_curriculum(curriculum, logger.dir / "curriculum.png")
     if args.plr_strategy != "random":
         summary.update({k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()})
-    for e in eval_envs.values():
-        e.close()
+    if eval_envs is not None:
+        eval_envs.close()
     logger.summary(summary)
     logger.close()

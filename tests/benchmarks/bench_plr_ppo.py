@@ -1,0 +1,145 @@
+"""Benchmark for plr_ppo.py (not collected by pytest).
+
+1. PLR bookkeeping overhead: the training script run with --plr-strategy value_l1 and with random (uniform levels),
+   same config, alternating A/B/A/B in this one invocation; reports training SPS and the share of wall time spent in
+   the sampler (charts/plr_seconds: score computation, update_with_rollouts, after_update).
+2. Sampler micro-benchmark: update_with_rollouts on a 64 x 256 rollout plus one sample() per finished episode, at
+   200 levels (Procgen) and with a 10,000-level buffer (unbounded mode) and 10,000 bounded levels.
+3. Environment-only SPS (random actions, with the sampler choosing the levels) beside training SPS.
+
+Usage (from the repo root):
+  python tests/benchmarks/bench_plr_ppo.py                      # all three, Procgen bigfish, small budget
+  python tests/benchmarks/bench_plr_ppo.py --env-id MultiRoom-N4-Random --total-timesteps 32768 --repeats 2
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from plr_ppo import LevelSampler, step_scores  # noqa: E402
+
+
+def bench_sampler(num_levels, unbounded, N=64, T=256, mean_episode_len=100, reps=5, seed=0):
+    """Seconds per rollout for update_with_rollouts + the sample() calls of its finished episodes."""
+    rng = np.random.default_rng(seed)
+    levels = None if unbounded else np.arange(num_levels)
+    s = LevelSampler(levels, N, buffer_size=num_levels if unbounded else 0, staleness_coef=0.1,
+                     replay_schedule="fixed" if unbounded else "proportionate", replay_prob=0.95, seed=seed)  # fmt: skip
+    # start from a full sampler (every level seen and scored) so replays, the expensive path, happen
+    if unbounded:
+        s.seeds[:] = rng.choice(2**31 - 1, size=num_levels, replace=False)
+        s.slot_of = {int(x): i for i, x in enumerate(s.seeds)}
+    s.seen[:], s.scored[:], s.num_seen = True, True, num_levels
+    s.scores[:], s.staleness[:] = rng.random(num_levels), rng.integers(0, 1000, num_levels)
+    cur = np.array([s.sample(i) for i in range(N)])
+    times_update, times_sample, n_eps = [], [], []
+    for rep in range(reps + 2):
+        dones = rng.random((T, N)) < 1.0 / mean_episode_len
+        lv = np.zeros((T, N), np.int64)
+        t_sample = 0.0
+        for t in range(T):
+            lv[t] = cur
+            for i in np.flatnonzero(dones[t]):
+                t0 = time.perf_counter()
+                cur[i] = s.sample(int(i))
+                t_sample += time.perf_counter() - t0
+        adv = rng.normal(size=(T, N)).astype(np.float32)
+        t0 = time.perf_counter()
+        s.update_with_rollouts(step_scores("value_l1", adv, None), dones, lv)
+        s.after_update()
+        t_update = time.perf_counter() - t0
+        if rep >= 2:
+            times_update.append(t_update)
+            times_sample.append(t_sample)
+            n_eps.append(int(dones.sum()))
+    return {
+        "levels": num_levels, "mode": "unbounded buffer" if unbounded else "bounded", "num_seen": int(s.num_seen),
+        "episodes_per_rollout": float(np.mean(n_eps)), "update_ms": 1e3 * float(np.median(times_update)),
+        "sample_ms_total": 1e3 * float(np.median(times_sample)),
+        "sample_us_each": 1e6 * float(np.sum(times_sample) / max(1, np.sum(n_eps))),
+    }  # fmt: skip
+
+
+def bench_env(env_id, num_envs, steps, num_train_levels):
+    """Environment-only SPS with random actions and the PLR sampler choosing each new level."""
+    import plr_ppo
+
+    args = plr_ppo.resolve_defaults(plr_ppo.Args(env_id=env_id, num_envs=num_envs, num_train_levels=num_train_levels))
+    envs = plr_ppo.make_env(args, num_envs, seed=0)
+    sampler = plr_ppo.make_sampler(args, seed=0)
+    envs.reset([sampler.sample(i) for i in range(num_envs)])
+    n = int(envs.single_action_space.n)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        envs.step(rng.integers(n, size=num_envs), next_level=sampler.sample)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        envs.step(rng.integers(n, size=num_envs), next_level=sampler.sample)
+    sps = steps * num_envs / (time.perf_counter() - t0)
+    envs.close()
+    return sps
+
+
+def run_training(env_id, strategy, total, num_envs, num_steps, extra):
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "plr_ppo.py"), "--no-progress", "--env-id", env_id, "--plr-strategy", strategy,
+               "--total-timesteps", str(total), "--num-envs", str(num_envs), "--num-steps", str(num_steps),
+               "--eval-every", "0", "--final-eval-episodes", "0", *extra]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True, text=True)
+        (run,) = (Path(tmp) / "runs").iterdir()
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = [x for x in lines if "charts/SPS" in x][1:]  # drop the first update (warm-up)
+        wall = sum(x["charts/collect_seconds"] for x in rows)
+        plr = sum(x["charts/plr_seconds"] for x in rows)
+        return {"sps": rows[-1]["charts/SPS"], "plr_seconds": plr, "updates": len(rows), "collect_seconds": wall}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--env-id", default="bigfish")
+    p.add_argument("--total-timesteps", type=int, default=5 * 64 * 64)
+    p.add_argument("--num-envs", type=int, default=64)
+    p.add_argument("--num-steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--env-steps", type=int, default=200)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: train,sampler,env")
+    p.add_argument("--extra", default="", help="extra flags for plr_ppo.py, space separated")
+    a = p.parse_args()
+    skip = set(a.skip.split(",")) - {""}
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    if "sampler" not in skip:
+        print("\n## sampler: update_with_rollouts + sample() per 64x256 rollout (value_l1, rank, rho=0.1)")
+        for levels, unbounded in ((200, False), (10_000, False), (10_000, True)):
+            r = bench_sampler(levels, unbounded)
+            print(f"{r['mode']:>17} {levels:>6} levels (seen {r['num_seen']:>5}): update {r['update_ms']:.2f} ms, "
+                  f"{r['episodes_per_rollout']:.0f} samples {r['sample_ms_total']:.2f} ms ({r['sample_us_each']:.0f} us each)")  # fmt: skip
+    if "env" not in skip:
+        print(f"\n## env-only SPS ({a.env_id}, {a.num_envs} envs, random actions, sampler picks levels)")
+        print(f"env-only SPS: {bench_env(a.env_id, a.num_envs, a.env_steps, -1):.0f}")
+    if "train" not in skip:
+        print(f"\n## training SPS, value_l1 vs random ({a.env_id}, {a.num_envs}x{a.num_steps}, {a.total_timesteps} steps, A/B x {a.repeats})")
+        res = {"value_l1": [], "random": []}
+        for _ in range(a.repeats):
+            for strategy in res:
+                r = run_training(a.env_id, strategy, a.total_timesteps, a.num_envs, a.num_steps, a.extra.split())
+                res[strategy].append(r)
+                print(f"{strategy:>9}: SPS {r['sps']:.0f}, sampler time {r['plr_seconds']:.3f} s over {r['updates']} updates")
+        sps = {k: float(np.mean([r["sps"] for r in v])) for k, v in res.items()}
+        share = np.mean([r["plr_seconds"] / (r["updates"] * a.num_envs * a.num_steps / r["sps"]) for r in res["value_l1"]])
+        print(f"mean SPS value_l1 {sps['value_l1']:.0f}, random {sps['random']:.0f} "
+              f"(ratio {sps['value_l1'] / sps['random']:.3f}); sampler share of value_l1 wall time {100 * share:.2f}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+"""Tests for plr_ppo.py: PLR's distributions and level sampler against slow textbook versions written from the paper's
+equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, replay-decision
+frequencies, level plumbing through the vector adapters, CLI errors and tiny end-to-end runs (subprocess)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import plr_ppo
+from plr_ppo import (
+    Args,
+    LevelSampler,
+    compute_gae,
+    replay_distribution,
+    resolve_defaults,
+    score_distribution,
+    staleness_distribution,
+    step_scores,
+    validate_args,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "plr_ppo.py")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Textbook implementations (deliberately slow loops in the paper's notation)
+# ---------------------------------------------------------------------------------------------------------------
+def textbook_replay_distribution(S, C, c, seen, transform, beta, rho):
+    """Eq. (1) with Eq. (3) and Eq. (4): loops over Λ_seen; C_i = timestamps, c = episode count."""
+    L = len(S)
+    seen_idx = [i for i in range(L) if seen[i]]
+    P_S, P_C = np.zeros(L), np.zeros(L)
+    if not seen_idx:
+        return np.zeros(L)
+    h = {}
+    for i in seen_idx:
+        if transform == "rank":  # rank among seen scores sorted in descending order; ties by index
+            rank = 1 + sum(1 for j in seen_idx if S[j] > S[i] or (S[j] == S[i] and j < i))
+            h[i] = 1.0 / rank
+        elif transform == "power":
+            h[i] = max(S[i], 0.0)
+    if transform == "greedy":
+        best = max(seen_idx, key=lambda i: (S[i], -i))
+        P_S[best] = 1.0
+    else:
+        z = sum(h[j] ** (1.0 / beta) for j in seen_idx)
+        for i in seen_idx:  # all-zero weights: uniform over Λ_seen (our documented fallback)
+            P_S[i] = h[i] ** (1.0 / beta) / z if z > 0 else 1.0 / len(seen_idx)
+    zc = sum(c - C[j] for j in seen_idx)
+    for i in seen_idx:
+        P_C[i] = (c - C[i]) / zc if zc > 0 else 1.0 / len(seen_idx)
+    return np.array([(1 - rho) * P_S[i] + rho * P_C[i] for i in range(L)])
+
+
+def textbook_scores(rollouts, num_levels, alpha=1.0, flush_each_update=False):
+    """Algorithm 4: per actor, the trajectory τ of the current episode grows across rollouts; at d_t the level's
+    score is the mean per-step score over the whole episode (S~ stitching). With flush_each_update (authors' code),
+    the partial τ is committed at the end of each rollout and τ restarts."""
+    S = np.zeros(num_levels)
+    scored = np.zeros(num_levels, bool)
+    tau = {}
+
+    def commit(level, value):
+        S[level] = value if not scored[level] else (1 - alpha) * S[level] + alpha * value
+        scored[level] = True
+
+    for scores, dones, levels in rollouts:
+        T, N = scores.shape
+        for a in range(N):  # actor-major commit order, as the sampler (and the authors' code)
+            for t in range(T):
+                tau.setdefault(a, []).append((levels[t, a], scores[t, a]))
+                if dones[t, a]:
+                    commit(levels[t, a], np.mean([s for _, s in tau[a]]))
+                    tau[a] = []
+            if flush_each_update and tau.get(a):
+                commit(tau[a][-1][0], np.mean([s for _, s in tau[a]]))
+                tau[a] = []
+    return S, scored
+
+
+def textbook_gae(rewards, values, next_value, terminated, truncated, final_values, gamma, lam):
+    """A_t = Σ_{k=t}^{end} (γλ)^{k-t} δ_k with δ_k = r_k + γ V(s_{k+1}) - V(s_k), V(s_{end+1}) = 0 on termination,
+    V(final obs) on truncation, V(s_T) at the rollout's end."""
+    T, N = rewards.shape
+    A = np.zeros((T, N))
+    delta = np.zeros((T, N))
+    for n in range(N):
+        for k in range(T):
+            if terminated[k, n]:
+                v_next = 0.0
+            elif truncated[k, n]:
+                v_next = final_values[k, n]
+            else:
+                v_next = values[k + 1, n] if k + 1 < T else next_value[n]
+            delta[k, n] = rewards[k, n] + gamma * v_next - values[k, n]
+        for t in range(T):
+            total = 0.0
+            for k in range(t, T):
+                total += (gamma * lam) ** (k - t) * delta[k, n]
+                if terminated[k, n] or truncated[k, n]:
+                    break
+            A[t, n] = total
+    return A, delta
+
+
+def random_rollouts(rng, num_rollouts, T, N, levels_per_actor, p_done=0.15):
+    """Synthetic rollouts where actor a plays only levels of its own set (so commit order is unambiguous)."""
+    out, cur = [], [int(rng.integers(levels_per_actor)) + a * levels_per_actor for a in range(N)]
+    for _ in range(num_rollouts):
+        scores = rng.normal(size=(T, N))
+        dones = rng.random((T, N)) < p_done
+        levels = np.zeros((T, N), np.int64)
+        for a in range(N):
+            for t in range(T):
+                levels[t, a] = cur[a]
+                if dones[t, a]:
+                    cur[a] = int(rng.integers(levels_per_actor)) + a * levels_per_actor
+        out.append((scores, dones, levels))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# replay_distribution: Eqs. (1), (3), (4)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transform", ["rank", "power", "greedy"])
+def test_replay_distribution_matches_textbook(transform):
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        L = int(rng.integers(1, 30))
+        S = rng.random(L) * rng.choice([0.1, 1.0, 10.0])
+        if case % 5 == 0:
+            S = np.round(S, 1)  # ties
+        c = int(rng.integers(1, 100))
+        C = rng.integers(0, c + 1, size=L)
+        seen = rng.random(L) < 0.7
+        beta = float(rng.choice([0.1, 0.3, 1.0, 2.0]))
+        rho = float(rng.choice([0.0, 0.1, 0.3, 1.0, rng.random()]))
+        got = replay_distribution(S, c - C, seen, transform, beta, rho)
+        want = textbook_replay_distribution(S, C, c, seen, transform, beta, rho)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=f"case {case}")
+
+
+def test_replay_distribution_properties():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        L = int(rng.integers(2, 50))
+        S, st = rng.normal(size=L), rng.integers(0, 20, size=L).astype(float)
+        seen = rng.random(L) < 0.6
+        seen[rng.integers(L)] = True
+        for transform in ("rank", "power", "greedy"):
+            p = replay_distribution(S, st, seen, transform, 0.3, 0.2)
+            assert abs(p.sum() - 1) < 1e-9 and (p >= 0).all()  # sums to 1
+            assert (p[~seen] == 0).all()  # unseen gets 0
+        # ρ = 1 is pure staleness, Eq. (4)
+        np.testing.assert_allclose(replay_distribution(S, st, seen, "rank", 0.1, 1.0), staleness_distribution(st, seen))
+        # rank is invariant to monotone rescaling of the scores
+        np.testing.assert_allclose(
+            replay_distribution(S, st, seen, "rank", 0.5, 0.3), replay_distribution(np.exp(3 * S) + 7, st, seen, "rank", 0.5, 0.3)
+        )
+    # β -> 0 concentrates on the argmax (rank and power)
+    S = np.array([0.3, 2.0, 1.0, 1.9])
+    seen = np.ones(4, bool)
+    for transform in ("rank", "power"):
+        p = score_distribution(S, seen, transform, 1e-3)
+        assert p[1] > 0.999, (transform, p)
+    # large β flattens rank prioritization toward uniform
+    assert np.ptp(score_distribution(S, seen, "rank", 1e4)) < 1e-3
+    # nothing seen: all zeros; all-zero power scores: uniform over seen
+    assert (replay_distribution(S, np.ones(4), np.zeros(4, bool)) == 0).all()
+    np.testing.assert_allclose(score_distribution(np.zeros(4), np.array([1, 1, 0, 1], bool), "power", 0.1), [1 / 3, 1 / 3, 0, 1 / 3])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scores: hand-computed cases
+# ---------------------------------------------------------------------------------------------------------------
+def test_policy_scores_uniform_onehot_and_handworked():
+    uniform = np.zeros((1, 1, 7))
+    assert step_scores("policy_entropy", None, None, uniform)[0, 0] == pytest.approx(1.0)
+    assert step_scores("least_confidence", None, None, uniform)[0, 0] == pytest.approx(1 - 1 / 7)
+    assert step_scores("min_margin", None, None, uniform)[0, 0] == pytest.approx(1.0)
+    onehot = np.array([[[100.0, 0, 0, 0, 0, 0, 0]]])
+    for s in ("policy_entropy", "least_confidence", "min_margin"):
+        assert step_scores(s, None, None, onehot)[0, 0] == pytest.approx(0.0, abs=1e-6)
+    p = np.array([0.7, 0.2, 0.1])
+    logits = np.log(p)[None, None]
+    assert step_scores("policy_entropy", None, None, logits)[0, 0] == pytest.approx(-(p * np.log(p)).sum() / np.log(3))
+    assert step_scores("least_confidence", None, None, logits)[0, 0] == pytest.approx(0.3)
+    assert step_scores("min_margin", None, None, logits)[0, 0] == pytest.approx(0.5)
+
+
+def _hand_rollout(truncate_at_1):
+    """γ = λ = 0.5; r = [1, 0, 0, 2], V = [0.5, 1, 0.5, 1], episode ends at t = 1, V(s_T) = 2."""
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [2.0]])
+    values = torch.tensor([[0.5], [1.0], [0.5], [1.0]])
+    dones = torch.tensor([[False], [True], [False], [False]])
+    terminated = dones.clone() if not truncate_at_1 else torch.zeros_like(dones)
+    final_values = torch.tensor([[0.0], [4.0], [0.0], [0.0]])  # V(final obs) = 4 of the truncated episode
+    return compute_gae(rewards, values, torch.tensor([2.0]), terminated, dones, final_values, 0.5, 0.5), dones
+
+
+def test_gae_and_td_scores_hand_computed_with_stitching():
+    (adv, delta), dones = _hand_rollout(truncate_at_1=False)
+    # δ = [1 + .5*1 - .5, 0 + 0 - 1, 0 + .5*1 - .5, 2 + .5*2 - 1] ; A_t = δ_t + .25 A_{t+1} within the episode
+    np.testing.assert_allclose(delta[:, 0], [1.0, -1.0, 0.0, 2.0])
+    np.testing.assert_allclose(adv[:, 0], [0.75, -1.0, 0.5, 2.0])
+    levels = np.array([[3], [3], [5], [5]])
+    s = LevelSampler(np.arange(10), 1, strategy="value_l1")
+    s.update_with_rollouts(step_scores("value_l1", adv.numpy(), delta.numpy()), dones.numpy(), levels)
+    assert s.scores[3] == pytest.approx((0.75 + 1.0) / 2)  # finished episode, Eq. (2)
+    assert s.partial_steps[0] == 2 and s.partial_score[0] == pytest.approx((0.5 + 2.0) / 2)  # S~ of level 5
+    # the episode on level 5 continues in the next rollout: |A| = [0.5, 0.25], then it ends
+    s.update_with_rollouts(np.array([[0.5], [0.25]]), np.array([[False], [True]]), np.array([[5], [5]]))
+    assert s.scores[5] == pytest.approx((0.5 + 2.0 + 0.5 + 0.25) / 4)  # stitched over the whole episode
+    assert s.partial_steps[0] == 0
+    # signed GAE and one-step TD
+    t = LevelSampler(np.arange(10), 1, strategy="one_step_td")
+    t.update_with_rollouts(step_scores("one_step_td", adv.numpy(), delta.numpy()), dones.numpy(), levels)
+    assert t.scores[3] == pytest.approx(1.0)
+    g = LevelSampler(np.arange(10), 1, strategy="gae")
+    g.update_with_rollouts(step_scores("gae", adv.numpy(), delta.numpy()), dones.numpy(), levels)
+    assert g.scores[3] == pytest.approx((0.75 - 1.0) / 2)
+    # time-limit truncation at t = 1 bootstraps from V(final obs) = 4: δ_1 = .5*4 - 1 = 1, A_0 = 1 + .25 = 1.25
+    (adv_tr, delta_tr), _ = _hand_rollout(truncate_at_1=True)
+    np.testing.assert_allclose(delta_tr[:, 0], [1.0, 1.0, 0.0, 2.0])
+    np.testing.assert_allclose(adv_tr[:, 0], [1.25, 1.0, 0.5, 2.0])
+
+
+def test_commit_after_update_mode_flushes_partials():
+    s = LevelSampler(np.arange(10), 1, commit="update")
+    s.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
+    assert not s.scored[4]
+    s.after_update()  # authors' code: the partial score becomes the level's score
+    assert s.scored[4] and s.scores[4] == pytest.approx(2.0) and s.partial_steps[0] == 0
+    s.update_with_rollouts(np.array([[5.0], [7.0]]), np.array([[True], [False]]), np.array([[4], [8]]))
+    assert s.scores[4] == pytest.approx(5.0)  # only the tail after the flush
+    e = LevelSampler(np.arange(10), 1, commit="episode")
+    e.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
+    e.after_update()
+    assert not e.scored[4]
+
+
+@pytest.mark.parametrize("alpha,flush", [(1.0, False), (0.5, False), (1.0, True), (0.3, True)])
+def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
+    rng = np.random.default_rng(int(alpha * 10) + flush)
+    for case in range(20):
+        T, N, per = int(rng.integers(1, 12)), int(rng.integers(1, 6)), 4
+        rollouts = random_rollouts(rng, int(rng.integers(1, 6)), T, N, per, p_done=float(rng.choice([0.05, 0.2, 0.6])))
+        s = LevelSampler(np.arange(N * per), N, score_alpha=alpha, commit="update" if flush else "episode")
+        for scores, dones, levels in rollouts:
+            s.update_with_rollouts(scores, dones, levels)
+            s.after_update()
+        S, scored = textbook_scores(rollouts, N * per, alpha=alpha, flush_each_update=flush)
+        np.testing.assert_array_equal(s.scored, scored)
+        np.testing.assert_allclose(s.scores, S, rtol=1e-10, atol=1e-12, err_msg=f"case {case}")
+
+
+def test_compute_gae_matches_textbook():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        T, N = int(rng.integers(1, 20)), int(rng.integers(1, 5))
+        r, v = rng.normal(size=(T, N)), rng.normal(size=(T, N))
+        nv, fv = rng.normal(size=N), rng.normal(size=(T, N))
+        ends = rng.random((T, N)) < 0.3
+        trunc = ends & (rng.random((T, N)) < 0.5)
+        term = ends & ~trunc
+        gamma, lam = float(rng.uniform(0.5, 1)), float(rng.uniform(0, 1))
+        f = lambda x: torch.as_tensor(x)  # noqa: E731
+        A, d = compute_gae(f(r), f(v), f(nv), f(term), f(ends), f(fv), gamma, lam)
+        A_ref, d_ref = textbook_gae(r, v, nv, term, trunc, fv, gamma, lam)
+        np.testing.assert_allclose(A.numpy(), A_ref, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(d.numpy(), d_ref, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling: P_D, P_new, P_replay, staleness, unbounded buffer, state round-trip
+# ---------------------------------------------------------------------------------------------------------------
+def _binomial_ok(k, n, p, z=5.0):
+    return abs(k - n * p) <= z * np.sqrt(n * p * (1 - p)) + 1
+
+
+def test_replay_decision_frequencies_and_unseen_uniform():
+    s = LevelSampler(np.arange(100), 1, seed=1)
+    n, replays, new_counts = 10000, 0, np.zeros(100, int)
+    for trial in range(n):  # 30 of 100 levels seen; one sampleNextLevel call per trial
+        s.seen[:] = False
+        s.seen[:30], s.num_seen, s.num_replays = True, 30, 0
+        lvl = s.sample(0)
+        if s.num_replays:
+            replays += 1
+            assert lvl < 30
+        else:
+            new_counts[lvl] += 1
+    assert _binomial_ok(replays, n, 0.3), replays  # P_D(replay) = |Λ_seen| / |Λ_train|
+    assert new_counts[:30].sum() == 0
+    m = new_counts.sum()
+    for k in new_counts[30:]:  # P_new uniform over the 70 unseen levels
+        assert _binomial_ok(k, m, 1 / 70)
+    # fixed schedule and min fill
+    f = LevelSampler(np.arange(100), 1, replay_schedule="fixed", replay_prob=0.8, min_fill=0.2)
+    f.seen[:10], f.num_seen = True, 10
+    assert f.replay_decision_prob() == 0.0
+    f.seen[:40], f.num_seen = True, 40
+    assert f.replay_decision_prob() == 0.8
+    f.seen[:], f.num_seen = True, 100
+    assert f.replay_decision_prob() == 1.0
+
+
+def test_replay_sampling_follows_replay_distribution():
+    rng = np.random.default_rng(4)
+    s = LevelSampler(np.arange(8), 1, transform="power", temperature=1.0, staleness_coef=0.0, seed=5)
+    s.seen[:], s.num_seen = True, 8
+    s.scores[:] = rng.random(8)
+    p = replay_distribution(s.scores, s.staleness, s.seen, "power", 1.0, 0.0)
+    n = 8000
+    counts = np.bincount([s.sample(0) for _ in range(n)], minlength=8)
+    for k, pk in zip(counts, p):
+        assert _binomial_ok(k, n, pk)
+
+
+def test_staleness_is_episode_count_minus_timestamp():
+    s = LevelSampler(np.arange(20), 3, staleness_coef=0.5, seed=2)
+    C = np.zeros(20)
+    for c in range(1, 200):
+        lvl = s.sample(c % 3)
+        C[lvl] = c  # timestamp C_i <- c
+        seen = s.seen
+        np.testing.assert_allclose(s.staleness[seen], (c - C)[seen])
+        if c % 7 == 0:  # scores change between samples
+            s.scores[seen] = rng_scores = np.random.default_rng(c).random(seen.sum())
+            s._p_s = None
+            assert rng_scores.size == seen.sum()
+    np.testing.assert_allclose(
+        s.replay_probs(), replay_distribution(s.scores, s.staleness, s.seen, "rank", 0.1, 0.5), rtol=1e-12
+    )
+
+
+def test_unbounded_top_m_buffer():
+    s = LevelSampler(None, 2, buffer_size=3, replay_schedule="fixed", replay_prob=0.5, seed=0)
+    assert s.replay_decision_prob() == 0.0
+    lv = [s.sample(0), s.sample(1)]
+    assert all(x not in s.slot_of for x in lv) and len(s.staged) == 2  # staged, not yet in the buffer
+    # finish one episode per actor: both enter the buffer
+    s.update_with_rollouts(np.array([[1.0, 2.0]]), np.array([[True, True]]), np.array([lv]))
+    assert s.num_seen == 2 and s.replay_decision_prob() == 0.5
+    extra = 10**6
+    s.update_with_rollouts(np.array([[0.5]]), np.array([[True]]), np.array([[extra]]))
+    assert s.num_seen == 3 and extra in s.slot_of
+    # full: a new level replaces l_min = argmin P_replay only if S(l_min) < its score
+    lmin = int(s.seeds[np.argmin(s.replay_probs())])
+    s.update_with_rollouts(np.array([[0.1]]), np.array([[True]]), np.array([[extra + 1]]))
+    assert extra + 1 not in s.slot_of
+    s.update_with_rollouts(np.array([[5.0]]), np.array([[True]]), np.array([[extra + 2]]))
+    assert extra + 2 in s.slot_of and lmin not in s.slot_of and s.num_seen == 3
+    assert sorted(s.slot_of.values()) == [0, 1, 2]
+    # new seeds avoid the buffer
+    for _ in range(50):
+        s.sample(0)
+    assert len(set(s.seeds.tolist())) == 3
+
+
+def test_sampler_state_round_trip_continues_identically():
+    rng = np.random.default_rng(7)
+    a = LevelSampler(np.arange(50), 4, staleness_coef=0.3, seed=11)
+    for scores, dones, levels in random_rollouts(rng, 3, 16, 4, 12):
+        for i in range(4):
+            a.sample(i)
+        a.update_with_rollouts(scores, dones, levels)
+    b = LevelSampler(np.arange(50), 4, staleness_coef=0.3, seed=999)
+    b.load_state_dict(a.state_dict())
+    more = random_rollouts(rng, 2, 16, 4, 12)
+    for sampler in (a, b):
+        sampler.trace = [sampler.sample(i % 4) for i in range(40)]
+        for scores, dones, levels in more:
+            sampler.update_with_rollouts(scores, dones, levels)
+    assert a.trace == b.trace
+    for k in LevelSampler._ARRAYS:
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
+
+
+def test_random_strategy_is_uniform_over_train_levels():
+    s = LevelSampler(np.arange(5, 10), 1, strategy="random", seed=0)
+    counts = np.bincount([s.sample(0) for _ in range(5000)], minlength=10)
+    assert counts[:5].sum() == 0 and all(_binomial_ok(k, 5000, 0.2) for k in counts[5:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Level plumbing through the vector adapters
+# ---------------------------------------------------------------------------------------------------------------
+def _check_plumbing(envs, max_steps, min_ends=2):
+    chosen = iter(range(100, 100_000, 7))
+    returned = {}
+
+    def next_level(i):
+        returned[i] = next(chosen)
+        return returned[i]
+
+    envs.reset([1, 2])
+    prev, ends = np.array([1, 2]), 0
+    for _ in range(max_steps):
+        returned.clear()
+        _, _, term, trunc, info = envs.step(np.zeros(2, int), next_level=next_level)
+        np.testing.assert_array_equal(info["level_seed"], prev)  # transitions are played on the current level
+        done = term | trunc
+        assert set(returned) == set(np.flatnonzero(done).tolist())
+        for i, lvl in returned.items():  # after an episode end each env is on the level the sampler returned
+            assert info["next_level_seed"][i] == lvl and envs.levels[i] == lvl
+        prev = info["next_level_seed"]
+        ends += int(done.sum())
+        if ends >= min_ends:
+            break
+    assert ends >= min_ends
+
+
+def test_level_plumbing_minigrid_and_procgen():
+    from common.minigrid_env import MiniGridVecEnv
+    from common.procgen_env import ProcgenVecEnv
+
+    mg = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 2, num_workers=1, max_steps=3)
+    try:
+        _check_plumbing(mg, 20, min_ends=6)
+    finally:
+        mg.close()
+    pg = ProcgenVecEnv("bigfish", 2, num_threads=0)
+    try:
+        _check_plumbing(pg, 600)
+    finally:
+        pg.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI validation and end-to-end runs
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (dict(env_id="nope"), "unknown MiniGrid env id"),
+        (dict(plr_strategy="tdd"), "unknown --plr-strategy"),
+        (dict(plr_temperature=0.0), "--plr-temperature"),
+        (dict(plr_staleness_coef=1.5), "--plr-staleness-coef"),
+        (dict(num_train_levels=2**31), "--num-train-levels"),
+        (dict(plr_transform="softmax"), "unknown --plr-transform"),
+        (dict(num_train_levels=0), "needs --plr-replay-schedule fixed"),
+        (dict(num_envs=3, num_steps=5, num_minibatches=2), "divisible"),
+    ],
+)
+def test_validate_args_one_line(flags, needle):
+    args = resolve_defaults(Args(**flags))
+    with pytest.raises(SystemExit) as e:
+        validate_args(args)
+    msg = str(e.value)
+    assert msg.startswith("error: ") and needle in msg and "\n" not in msg
+
+
+def _run(tmp_path, *flags, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_cli_bad_flag_fails_with_one_line(tmp_path):
+    out = _run(tmp_path, "--env-id", "bigfish", "--plr-staleness-coef", "2")
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == ["error: --plr-staleness-coef (ρ) must be in [0, 1], got 2.0"]
+
+
+def _runs(tmp_path):
+    return sorted((tmp_path / "runs").iterdir())
+
+
+def test_smoke_procgen(tmp_path):
+    out = _run(tmp_path, "--env-id", "bigfish", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
+               "--num-minibatches", "2", "--num-train-levels", "5", "--eval-every", "2", "--eval-episodes", "1",
+               "--final-eval-episodes", "1", "--num-eval-envs", "1", "--plr-commit", "update")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = _runs(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 64 and "final_test_normalized_return" in summary
+    assert 1 <= summary["plr_num_seen_levels"] <= 5
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("plr/replay_entropy" in x for x in lines) and any("eval/generalization_gap" in x for x in lines)
+
+
+def test_smoke_minigrid_save_and_resume(tmp_path):
+    common = ["--env-id", "MultiRoom-N4-Random", "--num-envs", "4", "--num-steps", "32", "--num-minibatches", "2",
+              "--num-train-levels", "20", "--eval-every", "0", "--final-eval-episodes", "2", "--num-eval-envs", "2",
+              "--num-workers", "1", "--checkpoint-every", "128"]  # fmt: skip
+    out = _run(tmp_path, *common, "--total-timesteps", "256", "--save-model")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = _runs(tmp_path)
+    assert (run / "plr_ppo.model").exists() and (run / "curriculum.png").exists()
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(k.startswith("plr/mass_rooms=") for k in lines[0])
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 256 and ckpt["sampler"]["num_samples"] >= 4
+    out2 = _run(tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "384", "--checkpoint-every", "128")
+    assert out2.returncode == 0, out2.stderr[-2000:]
+    assert "resumed from" in out2.stdout
+    new_run = [r for r in _runs(tmp_path) if r != run][0]
+    ckpt2 = torch.load(new_run / "checkpoint.pt", weights_only=False)
+    assert ckpt2["global_step"] == 384 and ckpt2["update"] == ckpt["update"] + 1
+    assert ckpt2["sampler"]["num_samples"] >= ckpt["sampler"]["num_samples"]
+    np.testing.assert_array_equal(ckpt2["sampler"]["seeds"], ckpt["sampler"]["seeds"])
