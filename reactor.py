@@ -494,7 +494,7 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         "losses/retrace_return": (returns * mask).sum() / n,
         "replay/rho_mean": (rho[:, :T] * mask).sum() / n,
         "replay/trace_mean": (c_next * mask).sum() / n,
-        "replay/trace_cut_fraction": ((c_next < 1.0).float() * mask).sum() / n,
+        "replay/trace_cut_fraction": ((c_next < 0.99).float() * mask).sum() / n,  # traces c < 0.99 (incl. episode ends)
     }
     return loss, priorities, stats
 
@@ -790,8 +790,11 @@ def available_memory_bytes() -> int:
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
-def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, out_queue, stop_event):
-    """Act with the latest shared weights (CPU, one thread), stream slots to the learner, respect the ratio."""
+def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, out_queue,
+               stop_event):
+    """Act with the latest shared weights (CPU, one thread), stream slots to the learner, respect the ratio.
+
+    ratio_base = (env step, learning step) from which the acting:learning ratio is counted."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
@@ -807,7 +810,8 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     first = True
     buf = {k: [] for k in SequenceReplay.FIELDS}
     env_steps_in_buf = 0
-    steps = 0
+    steps = actor_steps[actor_id]  # actor 0 starts from the resumed global step
+    base_env, base_learn = ratio_base
 
     def put(slot_obs, a, r, term, pad, is_first, mu, st):
         buf["obs"].append(slot_obs)
@@ -831,7 +835,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     while not stop_event.is_set():
         # enforce the acting:learning ratio (actors wait for the learner)
         total = sum(actor_steps[:])
-        if total >= args.learning_starts and total - args.learning_starts > args.replay_ratio * learner_steps.value + args.ratio_slack:
+        if total >= base_env and total - base_env > args.replay_ratio * (learner_steps.value - base_learn) + args.ratio_slack:
             flush()
             time.sleep(0.002)
             continue
@@ -942,6 +946,7 @@ if __name__ == "__main__":
             if ckpt["replay"]["obs"].shape[0] != replay.capacity:
                 raise SystemExit("error: the checkpoint's replay has another size than --replay-size/--num-actors")
             replay.load_state_dict(ckpt["replay"])
+            print(f"replay restored: {len(replay):,} sequences, {replay.index.num_known:,} with a priority", flush=True)
         set_rng_state(ckpt["rng"])
         rng = ckpt["np_rng"]
         print(f"resumed from {args.resume} at step {global_step:,} ({learn_steps:,} learning steps)", flush=True)
@@ -956,11 +961,15 @@ if __name__ == "__main__":
     # on resume, actors count from the resumed step so the acting:learning ratio carries on
     actor_steps[0] = global_step
     learner_steps.value = learn_steps
+    # the acting:learning ratio counts from (env step, learning step) = ratio_base; resuming without the replay
+    # refills learning_starts steps first
+    resumed_without_replay = bool(args.resume) and len(replay) == 0
+    ratio_base = (global_step + args.learning_starts, learn_steps) if resumed_without_replay else (args.learning_starts, 0)
     data_queue = ctx.Queue(maxsize=8 * args.num_actors)
     procs = ProcessGroup(ctx)
     for i in range(args.num_actors):
-        procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, data_queue,
-                                 procs.stop_event), name=f"actor-{i}")
+        procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
+                                 data_queue, procs.stop_event), name=f"actor-{i}")
 
     recent_returns = deque(maxlen=100)
     start_time, start_step, last_log_step = time.time(), global_step, learn_steps
@@ -996,8 +1005,8 @@ if __name__ == "__main__":
                 if got >= 4 * args.num_actors:
                     break
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
-            can_learn = (global_step >= args.learning_starts and len(replay) >= args.batch_size
-                         and learn_steps < (global_step - args.learning_starts) / args.replay_ratio)
+            can_learn = (global_step >= ratio_base[0] and len(replay) >= args.batch_size
+                         and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio)
             if can_learn:
                 t0 = time.time()
                 keys, batch = replay.sample(args.batch_size, rng, device)
@@ -1027,7 +1036,7 @@ if __name__ == "__main__":
                     metrics.update({
                         "charts/SPS": sps, "charts/learning_steps": learn_steps,
                         "charts/learner_steps_per_s": n_logged / max(learn_time, 1e-9),
-                        "charts/acting_learning_ratio": (global_step - args.learning_starts) / max(learn_steps, 1),
+                        "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
                         "losses/loss": loss.detach(), "replay/size": len(replay),
                         "replay/known_fraction": idx.num_known / max(len(replay), 1),
                         "replay/priority_mean": float(idx.priority[known].mean()) if len(known) else 0.0,
@@ -1074,9 +1083,10 @@ if __name__ == "__main__":
         returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
         for i, r in enumerate(returns):
             logger.log(global_step, {"eval/episodic_return": r})
-        summary.update({"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
-                        "eval_return_median": float(np.median(returns)), "eval_returns": returns})
-        print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
+        if returns:
+            summary.update({"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
+                            "eval_return_median": float(np.median(returns)), "eval_returns": returns})
+            print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
     logger.summary(summary)
     logger.close()
     if stop_reason.startswith("actor died"):

@@ -455,3 +455,133 @@ def test_sequence_replay_episode_boundaries_in_batches():
     disc, c_next, _ = discounts_and_traces(torch.ones(32, T + 1), batch.term, batch.pad, batch.first, 0.99, 1.0)
     assert ((disc == 0) == torch.tensor(times[:, :T] == 5)).all()
     assert ((c_next == 0) == torch.tensor(times[:, :T] == 5)).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# network and loss
+def make_batch(B, T, A, H, rng, pad_at=None):
+    term = torch.zeros(B, T + 1, dtype=torch.bool)
+    pad = torch.zeros_like(term)
+    first = torch.zeros_like(term)
+    term[0, 3], first[0, 4] = True, True
+    if pad_at is not None:
+        pad[1, pad_at], first[1, pad_at + 1] = True, True
+    mu = torch.softmax(torch.tensor(rng.normal(size=(B, T + 1, A)), dtype=torch.float32), -1)
+    return reactor.Batch(torch.randint(0, 255, (B, T + 1, 84, 84), dtype=torch.uint8),
+                         torch.tensor(rng.integers(0, A, (B, T + 1))), torch.randn(B, T + 1, dtype=torch.float32),
+                         term, pad, first, mu, tuple(torch.zeros(B, H, dtype=torch.float32) for _ in range(4)),
+                         torch.ones(B, dtype=torch.float32))
+
+
+@pytest.fixture
+def float32():
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(torch.float64)
+
+
+def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
+    A, K, H = 4, 11, 16
+    net = reactor.ReactorNetwork(A, K, H, crelu=True, policy_uniform_eps=0.1)
+    obs = torch.randint(0, 255, (2, 5, 84, 84), dtype=torch.uint8)
+    first = torch.zeros(2, 5, dtype=torch.bool)
+    out = net(obs, first, net.initial_state(2))
+    assert out.q.shape == (2, 5, A, K) and out.pi.shape == (2, 5, A)
+    torch.testing.assert_close(out.pi.sum(-1), torch.ones(2, 5))
+    assert (out.pi >= 0.1 / A - 1e-7).all()  # fixed uniform mix
+    # policy-LSTM gradients do not reach the torso; Q gradients do
+    out.pi[..., 0].sum().backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in net.torso.parameters())
+    assert net.pi_lstm.weight_ih.grad.abs().sum() > 0
+    net.zero_grad()
+    out = net(obs, first, net.initial_state(2))
+    out.q.sum().backward()
+    assert net.torso[0].weight.grad.abs().sum() > 0
+    assert net.pi_lstm.weight_ih.grad is None or net.pi_lstm.weight_ih.grad.abs().sum() == 0
+    # a "first" flag resets the LSTM state: the outputs from there on equal a fresh unroll
+    first[:, 2] = True
+    with torch.no_grad():
+        full = net(obs, first, tuple(torch.randn(2, H) for _ in range(4)))
+        tail = net(obs[:, 2:], first[:, 2:], net.initial_state(2))
+    torch.testing.assert_close(full.q[:, 2:], tail.q)
+    torch.testing.assert_close(full.pi[:, 2:], tail.pi)
+    # ND head and plain ReLU
+    nd = reactor.ReactorNetwork(A, K, H, crelu=False, distributional=False)
+    assert nd(obs, first, nd.initial_state(2)).q.shape == (2, 5, A)
+
+
+@pytest.mark.parametrize("distributional,pg", [(True, "beta-loo"), (False, "beta-loo"), (True, "tislr")])
+def test_reactor_loss_runs_and_priorities(float32, distributional, pg):
+    A, K, H, B, T = 3, 11, 16, 3, 6
+    args = reactor.Args(distributional=distributional, policy_gradient=pg, num_atoms=K, lstm_size=H)
+    net = reactor.ReactorNetwork(A, K, H, distributional=distributional)
+    target = reactor.ReactorNetwork(A, K, H, distributional=distributional)
+    batch = make_batch(B, T, A, H, np.random.default_rng(0), pad_at=2)
+    support = torch.linspace(-10, 10, K)
+    loss, prio, stats = reactor.reactor_loss(net, target, batch, support, args)
+    loss.backward()
+    assert torch.isfinite(loss) and prio.shape == (B,) and (prio >= 0).all()
+    if distributional:
+        assert (prio <= 1 + 1e-6).all()  # mean total variation
+    assert all(torch.isfinite(v) for v in stats.values())
+    assert net.torso[0].weight.grad.abs().sum() > 0 and net.pi_logits.weight.grad.abs().sum() > 0
+    # a pad slot carries no loss: changing its reward and action changes nothing
+    batch2 = batch._replace(rewards=batch.rewards.clone(), actions=batch.actions.clone())
+    batch2.rewards[1, 2] += 5.0
+    batch2.actions[1, 2] = (batch2.actions[1, 2] + 1) % A
+    loss2, _, _ = reactor.reactor_loss(net, target, batch2, support, args)
+    torch.testing.assert_close(loss, loss2)
+
+
+def test_evaluate_plays_whole_games(float32):
+    args = reactor.Args(env_id="ALE/Breakout-v5", lstm_size=16)
+    net = reactor.ReactorNetwork(4, 51, 16)
+    returns = reactor.evaluate(net, args, 1, "cpu", seed=3)
+    assert len(returns) == 1 and returns[0] >= 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script: bad input, smoke run with 2 actors, save/resume round-trip
+SCRIPT = str(REPO / "reactor.py")
+
+
+def run_script(tmp_path, *flags, timeout=150):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_input_fails_with_one_line(tmp_path):
+    r = run_script(tmp_path, "--env-id", "CartPole-v1")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:") and "Traceback" not in r.stderr
+    r = run_script(tmp_path, "--replay-size", str(10**10))
+    assert r.returncode != 0 and "error: --replay-size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_smoke_two_actors_and_resume_round_trip(tmp_path):
+    common = ["--num-actors", "2", "--replay-size", "1200", "--learning-starts", "100", "--replay-ratio", "60",
+              "--ratio-slack", "32", "--log-every", "1", "--lstm-size", "32", "--num-atoms", "11", "--no-progress",
+              "--sequence-length", "8", "--batch-size", "2",
+              "--no-cuda"]
+    r = run_script(tmp_path, *common, "--total-timesteps", "260", "--checkpoint-every", "200", "--checkpoint-replay")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run1,) = list((tmp_path / "runs").iterdir())
+    summary = json.loads((run1 / "summary.json").read_text())
+    assert summary["stop_reason"] == "done" and summary["global_step"] >= 260 and summary["learning_steps"] >= 1
+    metrics = [json.loads(line) for line in (run1 / "metrics.jsonl").read_text().splitlines()]
+    logged = set().union(*metrics)
+    for name in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "charts/SPS", "replay/rho_mean",
+                 "replay/size", "replay/priority_mean", "charts/acting_learning_ratio", "replay/trace_cut_fraction"):
+        assert name in logged, name
+    ckpt = torch.load(run1 / "checkpoint.pt", weights_only=False)
+    assert ckpt["replay"] is not None and ckpt["learn_steps"] == summary["learning_steps"]
+    # resume from it (with the replay) and run on; the model is saved at the end
+    r = run_script(tmp_path, *common, "--total-timesteps", "360", "--resume", str(run1 / "checkpoint.pt"),
+                   "--save-model", "--eval-episodes", "0", "--checkpoint-every", "1000")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from {run1 / 'checkpoint.pt'} at step {ckpt['global_step']:,}" in r.stdout
+    assert "replay restored" in r.stdout
+    run2 = [p for p in (tmp_path / "runs").iterdir() if p != run1][0]
+    summary2 = json.loads((run2 / "summary.json").read_text())
+    assert summary2["global_step"] >= 360 and summary2["learning_steps"] > ckpt["learn_steps"]
+    assert (run2 / "reactor.model").exists()
