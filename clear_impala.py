@@ -78,6 +78,7 @@ import collections
 import json
 import os
 import queue
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -622,7 +623,8 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
         ax.set_xlabel("training steps (agent steps, all tasks)")
         ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (moving mean)")
         ax.set_title(f"{args.exp_name} ({args.mode}, replay {args.replay_ratio}); shaded: task being trained")
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
         path = f"{path_prefix}{'_cumulative' if cumulative else ''}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=90)
@@ -751,6 +753,10 @@ def resolve_torso(args: Args, obs_shape) -> str:
     return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
 
 
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def drain(q, limit=10_000):
     out = []
     for _ in range(limit):
@@ -762,6 +768,9 @@ def drain(q, limit=10_000):
 
 
 if __name__ == "__main__":
+    # Ctrl-C and SIGTERM stop the run cleanly even when the shell started us with SIGINT ignored (background jobs)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     args = tyro.cli(Args)
     validate_args(args)           # one-line errors before anything heavy starts
     obs_shape, num_actions, kind = probe_envs(args)

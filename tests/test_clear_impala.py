@@ -364,12 +364,14 @@ def run_script(tmp_path, *flags, timeout=80):
                           timeout=timeout)
 
 
-def test_bad_env_id_fails_with_one_line(tmp_path):
-    r = run_script(tmp_path, "--env-ids", "MiniGrid-Empty-5x5-v0", "NoSuchEnv-v9", "--num-actors", "2",
-                   "--batch-size", "2", timeout=60)
-    assert r.returncode != 0
-    assert r.stderr.strip().splitlines()[-1].startswith("error: unknown env id 'NoSuchEnv-v9'")
-    assert "Traceback" not in r.stderr
+def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
+    with pytest.raises(SystemExit) as e:
+        ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "NoSuchEnv-v9"]))
+    assert str(e.value).startswith("error: unknown env id 'NoSuchEnv-v9'") and "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "ALE/Pong-v5"]))
+    assert str(e.value).startswith("error: --env-ids mixes Atari and MiniGrid")
+    assert ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])) == ((7, 7, 3), 7, "minigrid")
 
 
 TINY = ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--steps-per-task", "240", "--num-actors", "2",

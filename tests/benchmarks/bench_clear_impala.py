@@ -1,0 +1,172 @@
+"""Benchmarks for clear_impala.py (not collected by pytest).
+
+1. learner: in one process, the learner's work per batch (pair selection, gather of the chosen halves from the
+   shared slots, forward, V-trace + cloning losses, backward, RMSProp step, weight publish) and the actor's CLEAR
+   work per unroll (reservoir insert, replay sampling, copy of the replay half into the slot), timed for
+   --replay-ratio 0.5 and 0 interleaved, so that both see the same machine load. Learner SPS = B*T / learner time.
+   The "CLEAR overhead" is the extra learner time plus the actor-side replay work of the B unrolls of a batch.
+2. actors: end-to-end run of the script (N actors, batch N) for --seconds, charts/actor_SPS from its metrics.jsonl,
+   against N processes that only step the same env with random actions (env-only SPS).
+
+  python tests/benchmarks/bench_clear_impala.py learner --config atari
+  python tests/benchmarks/bench_clear_impala.py learner --config minigrid
+  python tests/benchmarks/bench_clear_impala.py actors --env-id MiniGrid-DoorKey-5x5-v0 --num-procs 2 --seconds 40
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import clear_impala as ci  # noqa: E402
+
+CONFIGS = {
+    "atari": dict(obs_shape=(4, 84, 84), num_actions=18, torso="nature"),
+    "atari-resnet": dict(obs_shape=(4, 84, 84), num_actions=18, torso="resnet"),
+    "minigrid": dict(obs_shape=(7, 7, 3), num_actions=7, torso="minigrid"),
+}
+
+
+def bench_learner(cfg, B, T, iters, device, threads):
+    torch.set_num_threads(threads)
+    obs_shape, A = cfg["obs_shape"], cfg["num_actions"]
+    rng = np.random.default_rng(0)
+    specs = ci.unroll_specs(obs_shape, A, T)
+    N = B  # one slot per actor, num_actors = batch_size
+    slots = {k: torch.from_numpy(np.zeros((N, 2, *s), dtype=d)).share_memory_() for k, (s, d) in specs.items()}
+    slots["obs"].random_(0, 255)
+    slots["action"].random_(0, A)
+    model = ci.Agent(obs_shape, A, cfg["torso"]).to(device)
+    shared = ci.Agent(obs_shape, A, cfg["torso"]).share_memory()
+    opt = torch.optim.RMSprop(model.parameters(), lr=6e-4, alpha=0.99, eps=0.01)
+    buffer = ci.ReservoirBuffer(2000, obs_shape, A, T, rng)  # one actor's memory (capacity does not change the cost)
+    new = {k: slots[k][0, 0].numpy() for k in ci.UNROLL_FIELDS}
+    rep = {k: slots[k][0, 1].numpy() for k in ci.UNROLL_FIELDS}
+    for _ in range(200):
+        buffer.add(new, 0)
+
+    def learner_step(ratio):
+        args = ci.Args(replay_ratio=ratio)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        idx = torch.arange(B)
+        which = torch.from_numpy(ci.select_pairs(np.ones(B, bool), ratio, rng))
+        batch = {k: v[idx, which].transpose(0, 1).contiguous() for k, v in slots.items()}
+        lg, v = model(batch["obs"].to(device).reshape(-1, *obs_shape))
+        rest = {k: x.to(device) for k, x in batch.items() if k != "obs"}
+        loss, parts = ci.clear_loss(lg.view(T + 1, B, A), v.view(T + 1, B), rest, which.float().to(device), args)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 40.0)
+        opt.step()
+        shared.load_state_dict(model.state_dict())
+        float(parts["losses/total_loss"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def actor_replay_work():
+        t0 = time.perf_counter()
+        buffer.add(new, 0)
+        row = buffer.sample()
+        for k in ci.UNROLL_FIELDS:
+            rep[k][:] = buffer.data[k][row]
+        return time.perf_counter() - t0
+
+    for r in (0.5, 0.0):  # warm-up
+        learner_step(r)
+    times = {0.5: [], 0.0: []}
+    actor = []
+    for i in range(iters):
+        for r in ((0.5, 0.0) if i % 2 == 0 else (0.0, 0.5)):
+            times[r].append(learner_step(r))
+        actor.extend(actor_replay_work() for _ in range(B))
+    med = {r: float(np.median(v)) for r, v in times.items()}
+    actor_per_batch = float(np.median(actor)) * B
+    out = {
+        "config": cfg, "B": B, "T": T, "device": str(device), "threads": threads, "iters": iters,
+        "learner_SPS_replay_0.5": B * T / med[0.5], "learner_SPS_replay_0": B * T / med[0.0],
+        "learner_overhead_pct": 100 * (med[0.5] / med[0.0] - 1),
+        "actor_replay_work_ms_per_unroll": 1000 * actor_per_batch / B,
+        "clear_overhead_pct_incl_actor_work": 100 * ((med[0.5] + actor_per_batch) / med[0.0] - 1),
+    }
+    return out
+
+
+def env_only_worker(env_id, seed, seconds, out_q):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    env = ci.make_env(env_id, seed, ci.Args())
+    env.reset(seed=seed)
+    n, t0 = 0, time.time()
+    while time.time() - t0 < seconds:
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        n += 1
+        if term or trunc:
+            env.reset()
+    out_q.put(n / (time.time() - t0))
+
+
+def bench_actors(env_id, num_procs, seconds):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=env_only_worker, args=(env_id, i, seconds, q)) for i in range(num_procs)]
+    for p in procs:
+        p.start()
+    env_sps = sum(q.get() for _ in procs)
+    for p in procs:
+        p.join()
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.join(ROOT, "clear_impala.py"), "--env-ids", env_id, "--steps-per-task",
+               "100000000", "--num-cycles", "1", "--num-actors", str(num_procs), "--batch-size", str(num_procs),
+               "--num-test-actors", "0", "--no-progress", "--log-every-seconds", "2", "--no-cuda",
+               "--start-method", "forkserver", "--buffer-frames", "200000"]
+        log = open(os.path.join(tmp, "out.txt"), "w")
+        p = subprocess.Popen(cmd, cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(seconds + 15)  # start-up + measurement
+        os.killpg(p.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole process group
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            print(open(os.path.join(tmp, "out.txt")).read()[-3000:])
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        (run,) = os.listdir(os.path.join(tmp, "runs"))
+        lines = [json.loads(x) for x in open(os.path.join(tmp, "runs", run, "metrics.jsonl"))]
+        rows = [x for x in lines if "charts/actor_SPS" in x][2:]  # skip the start-up records
+        actor_sps = float(np.mean([x["charts/actor_SPS"] for x in rows]))
+        learner_sps = float(np.mean([x["charts/learner_SPS"] for x in rows]))
+    return {"env_id": env_id, "num_procs": num_procs, "seconds": seconds, "env_only_SPS": env_sps,
+            "actor_SPS": actor_sps, "actor_over_env_only": actor_sps / env_sps, "learner_SPS_in_run": learner_sps,
+            "records": len(rows)}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["learner", "actors"])
+    ap.add_argument("--config", default="atari", choices=list(CONFIGS))
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--unroll-length", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--env-id", default="MiniGrid-DoorKey-5x5-v0")
+    ap.add_argument("--num-procs", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=30)
+    a = ap.parse_args()
+    if a.what == "learner":
+        res = bench_learner(CONFIGS[a.config], a.batch_size, a.unroll_length, a.iters, torch.device(a.device), a.threads)
+    else:
+        res = bench_actors(a.env_id, a.num_procs, a.seconds)
+    print(json.dumps(res, indent=1))
