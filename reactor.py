@@ -503,14 +503,16 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
 class SumTree:
     """Binary tree over `capacity` leaves (leaves at [size, 2 size) of one array); each node = sum of its two children.
 
-    Every operation is vectorized over a batch of indices and walks log2(size) levels. Updates recompute parents
-    from their children (never add deltas), so float sums never drift.
+    Every operation is vectorized over a batch of indices and touches log2(size) levels. Integer trees are updated
+    with exact deltas; float trees recompute parents from their children, so float sums never drift.
     """
 
     def __init__(self, capacity: int, dtype):
         self.depth = max(1, int(np.ceil(np.log2(capacity + 1))))
         self.size = 1 << self.depth  # > capacity, so prefix(capacity) is a valid query
         self.tree = np.zeros(2 * self.size, dtype)
+        self.exact = np.issubdtype(self.tree.dtype, np.integer)
+        self.shifts = np.arange(self.depth, dtype=np.int64)[:, None]
 
     @property
     def total(self):
@@ -519,34 +521,71 @@ class SumTree:
     def get(self, idx):
         return self.tree[np.asarray(idx, np.int64) + self.size]
 
+    # Small batches (the common case: a few keys per operation) walk the tree in plain Python, which is much faster
+    # than a numpy call per level; large batches use the vectorized code. Both give identical results.
+    SMALL = 64
+
     def set(self, idx, values) -> None:
+        """Set leaves `idx` (unique) to `values`."""
         node = np.asarray(idx, np.int64) + self.size
         if node.size == 0:
             return
+        if node.size <= self.SMALL:
+            t = self.tree
+            for nd, v in zip(node.tolist(), np.broadcast_to(values, node.shape).tolist()):
+                t[nd] = v
+                for _ in range(self.depth):
+                    nd >>= 1
+                    t[nd] = t.item(2 * nd) + t.item(2 * nd + 1)
+            return
+        if self.exact:  # integer counts: add the deltas to every ancestor at once
+            delta = np.asarray(values, self.tree.dtype) - self.tree[node]
+            np.add.at(self.tree, (node[None, :] >> (self.shifts + 1)).ravel(), np.tile(delta, self.depth))
+            self.tree[node] = values
+            return
         self.tree[node] = values
-        node = np.unique(node >> 1)
         for _ in range(self.depth):
+            node = node >> 1
             self.tree[node] = self.tree[2 * node] + self.tree[2 * node + 1]
-            node = np.unique(node >> 1)
 
     def prefix(self, idx):
-        """Sum of leaves [0, idx) for each idx (0 <= idx <= capacity)."""
-        node = np.asarray(idx, np.int64) + self.size
-        res = np.zeros(node.shape, self.tree.dtype)
-        for _ in range(self.depth):
-            res += np.where(node & 1, self.tree[node - 1], 0)  # a right child: add its left sibling's subtree
-            node = node >> 1
-        return res
+        """Sum of leaves [0, idx) for each idx (0 <= idx <= capacity): the left siblings of idx's ancestors."""
+        idx = np.asarray(idx, np.int64)
+        if idx.size <= self.SMALL:
+            t, out = self.tree, []
+            for nd in (idx + self.size).ravel().tolist():
+                res = 0
+                while nd > 1:
+                    if nd & 1:
+                        res += t.item(nd - 1)
+                    nd >>= 1
+                out.append(res)
+            return np.array(out, self.tree.dtype).reshape(idx.shape)
+        node = (idx + self.size)[None] >> self.shifts  # [depth, n]: leaf and its ancestors
+        return np.where(node & 1, self.tree[node - 1], 0).sum(0)
 
     def find(self, value):
         """Leaf i with prefix(i) <= value < prefix(i + 1) (for counts: the (value+1)-th one)."""
         value = np.array(value, dtype=self.tree.dtype)
+        if value.size <= self.SMALL:
+            t, out = self.tree, []
+            for v in value.ravel().tolist():
+                nd = 1
+                for _ in range(self.depth):
+                    nd *= 2
+                    left = t.item(nd)
+                    if v >= left:
+                        v -= left
+                        nd += 1
+                out.append(nd - self.size)
+            return np.array(out, np.int64).reshape(value.shape)
         node = np.ones(value.shape, np.int64)
         for _ in range(self.depth):
-            left = self.tree[2 * node]
+            node = node * 2
+            left = self.tree[node]
             right = value >= left
-            value = np.where(right, value - left, value)
-            node = 2 * node + right
+            value = value - left * right
+            node = node + right
         return node - self.size
 
 
@@ -581,13 +620,9 @@ class LazyPriorities:
     def num_known(self) -> int:
         return int(self.known.total)
 
-    def _known_by_rank(self, rank):
-        return self.known.find(np.mod(rank, self.num_known))
-
-    def _owner(self, keys):
-        """The known key whose cell holds each key: the last known key <= key, circularly."""
-        c = self.known.prefix(np.asarray(keys, np.int64) + 1)
-        return self._known_by_rank(c - 1)  # c = 0 wraps to the last known key
+    def _owner_rank(self, keys):
+        """Rank (among known keys) of the known key whose cell holds each key: the last known key <= key, circularly."""
+        return np.mod(self.known.prefix(np.asarray(keys, np.int64) + 1) - 1, self.num_known)
 
     def _cell_sizes(self, starts, ends):
         """Number of valid keys in the circular ranges [start, end) (end == start: all valid keys)."""
@@ -595,34 +630,30 @@ class LazyPriorities:
         a, b = pre[: len(starts)], pre[len(starts):]
         return np.where(ends > starts, b - a, self.num_valid - a + b)
 
-    def _cells(self, owners):
-        """For known keys: (previous known, next known, cell sizes w_prev, w_self, w_next)."""
-        r = self.known.prefix(owners)  # rank of each known key
-        n = len(owners)
-        pos = self._known_by_rank(np.concatenate([r - 1, r + 1, r + 2]))
-        prv, nxt, nxt2 = pos[:n], pos[n: 2 * n], pos[2 * n:]
-        w = self._cell_sizes(np.concatenate([prv, owners, nxt]), np.concatenate([owners, nxt, nxt2]))
-        return prv, nxt, w[:n], w[n: 2 * n], w[2 * n:]
+    def _cell_estimate(self, ranks):
+        """For the known keys of these ranks: (keys, p_hat of their cell's unknown keys, cell sizes w).
 
-    def _cell_estimate(self, owners):
-        """p_hat of the unknown keys of each cell: cell-size weighted mean of the known priorities in J."""
-        prv, nxt, w_prv, w_self, w_nxt = self._cells(owners)
-        use_prv = (prv != owners).astype(np.float64)  # J holds distinct cells only (fewer than 3 known keys)
-        use_nxt = ((nxt != owners) & (nxt != prv)).astype(np.float64)
+        p_hat = cell-size weighted mean of the known priorities of J (the cell and its two neighbours, distinct).
+        """
+        n = len(ranks)
+        pos = self.known.find(np.mod(np.concatenate([ranks - 1, ranks, ranks + 1, ranks + 2]), self.num_known))
+        prv, own, nxt, nxt2 = pos[:n], pos[n: 2 * n], pos[2 * n: 3 * n], pos[3 * n:]
+        w = self._cell_sizes(np.concatenate([prv, own, nxt]), np.concatenate([own, nxt, nxt2]))
+        w_prv, w_own, w_nxt = w[:n], w[n: 2 * n], w[2 * n:]
+        use_prv = (prv != own).astype(np.float64)  # J holds distinct cells only (fewer than 3 known keys)
+        use_nxt = ((nxt != own) & (nxt != prv)).astype(np.float64)
         p = self.priority
-        num = w_self * p[owners] + use_prv * w_prv * p[prv] + use_nxt * w_nxt * p[nxt]
-        den = w_self + use_prv * w_prv + use_nxt * w_nxt
-        return num / den, w_self
+        num = w_own * p[own] + use_prv * w_prv * p[prv] + use_nxt * w_nxt * p[nxt]
+        den = w_own + use_prv * w_prv + use_nxt * w_nxt
+        return own, num / den, w_own
 
     def _refresh(self, keys) -> None:
-        """Recompute the masses of every cell whose mass may have changed after changes at `keys`."""
+        """Recompute the masses of every cell whose mass may have changed after changes at `keys`: the cells within
+        two cells of the one now holding each key (its size, priority or neighbours changed)."""
         if self.num_known == 0 or len(keys) == 0:
             return
-        owners = self._owner(keys)
-        r = self.known.prefix(owners)
-        ranks = np.unique(np.mod(r[:, None] + np.arange(-2, 3), self.num_known))
-        cells = self._known_by_rank(ranks)
-        est, w = self._cell_estimate(cells)
+        ranks = np.unique(np.mod(self._owner_rank(keys)[:, None] + np.arange(-2, 3), self.num_known))
+        cells, est, w = self._cell_estimate(ranks)
         self.mass.set(cells, self.priority[cells] + (w - 1) * est)
 
     # --- the four replay operations ---
@@ -659,7 +690,7 @@ class LazyPriorities:
         keys = np.asarray(keys, np.int64)
         if self.num_known == 0:
             return np.full(keys.shape, np.nan)
-        est, _ = self._cell_estimate(self._owner(keys))
+        _, est, _ = self._cell_estimate(self._owner_rank(keys))
         return np.where(self.known.get(keys) == 1, self.priority[keys], est)
 
     def probability(self, keys):
@@ -680,9 +711,8 @@ class LazyPriorities:
             m = int(prio.sum())
             if m:
                 cell = self.mass.find(rng.random(m) * total)
-                bad = self.known.get(cell) == 0  # float round-off at a boundary: take the cell to the left
-                cell[bad] = self._owner(cell[bad])
-                _, w = self._cell_estimate(cell)
+                # (a float round-off landing on an empty leaf is mapped to the cell that holds it)
+                cell, _, w = self._cell_estimate(self._owner_rank(cell))
                 take_known = (w <= 1) | (rng.random(m) * self.mass.get(cell) < self.priority[cell])
                 offset = rng.integers(1, np.maximum(w, 2))  # one of the w - 1 unknown keys of the cell
                 other = self.valid.find(np.mod(self.valid.prefix(cell) + offset, n))
@@ -787,6 +817,17 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_replay_memory(args: Args, num_actions: int) -> None:
+    """Print the replay's RAM need at start-up and refuse (one line) a size that does not fit."""
+    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size)
+    avail = available_memory_bytes()
+    print(f"replay memory: {args.replay_size:,} transitions need {need / 2**30:.2f} GiB "
+          f"({avail / 2**30:.1f} GiB available)", flush=True)
+    if need > args.memory_fraction * avail:
+        raise SystemExit(f"error: --replay-size {args.replay_size} needs {need / 2**30:.2f} GiB, more than "
+                         f"{args.memory_fraction:.0%} of the {avail / 2**30:.1f} GiB available: use a smaller --replay-size")
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
@@ -904,13 +945,7 @@ if __name__ == "__main__":
         raise SystemExit(f"error: {args.env_id} does not have a discrete action space")
     num_actions = int(probe.action_space.n)
     probe.close()
-    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size)
-    avail = available_memory_bytes()
-    print(f"replay memory: {args.replay_size:,} transitions need {need / 2**30:.2f} GiB "
-          f"({avail / 2**30:.1f} GiB available)", flush=True)
-    if need > args.memory_fraction * avail:
-        raise SystemExit(f"error: --replay-size {args.replay_size} needs {need / 2**30:.2f} GiB, more than "
-                         f"{args.memory_fraction:.0%} of the {avail / 2**30:.1f} GiB available: use a smaller --replay-size")
+    check_replay_memory(args, num_actions)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
                        wandb_entity=args.wandb_entity, progress=args.progress)
 
@@ -943,7 +978,7 @@ if __name__ == "__main__":
         optimizer.load_state_dict(ckpt["optimizer"])
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
         if ckpt.get("replay") is not None:
-            if ckpt["replay"]["obs"].shape[0] != replay.capacity:
+            if ckpt["replay"]["obs"].shape[0] != replay.capacity or len(ckpt["replay"]["written"]) != args.num_actors:
                 raise SystemExit("error: the checkpoint's replay has another size than --replay-size/--num-actors")
             replay.load_state_dict(ckpt["replay"])
             print(f"replay restored: {len(replay):,} sequences, {replay.index.num_known:,} with a priority", flush=True)
