@@ -417,3 +417,46 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     assert n2 >= n1  # the evaluation history continues
     m2 = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
     assert min(m["global_step"] for m in m2 if "charts/SPS" in m) > 480
+
+
+def descendants(pid):
+    """All descendant pids of `pid` (reads /proc/*/stat)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def test_dead_actor_stops_the_run_and_leaves_no_process(tmp_path):
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-u", SCRIPT, *TINY, "--steps-per-task", "1000000", "--progress"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # wait for the first learner step
+            if line.startswith("step"):
+                break
+        server = [p for p in descendants(proc.pid) if "forkserver" in open(f"/proc/{p}/cmdline").read()]
+        kids = [k for p in server for k in descendants(p)]  # actors are forked by the fork server
+        assert len(kids) >= 4  # 2 actors + 2 test actors
+        os.kill(kids[0], signal.SIGKILL)
+        out = proc.stdout.read()
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "died (exit code -9)" in out, out[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in kids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
