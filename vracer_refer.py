@@ -10,7 +10,8 @@ Paper parts implemented here
 - Off-policy policy gradient (Eq. (5)) with rho = pi/mu: `refer_loss`.
 - Retrace / V^tbc (Eqs. (6)-(8)): `vtbc_targets` (one episode), `reverse_linear_scan` (the vectorized recursion),
   stored per step as Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} and refreshed for all prior steps of a sampled step's
-  episode (`EpisodeReplay.refresh`), vectorized over all sampled episodes at once.
+  episode (`EpisodeReplay.update_samples` -> `refresh_delta`; `refresh` is the plain scan), vectorized over all
+  sampled episodes at once.
 - Value loss (Eq. (9)): `refer_loss`.
 - ReF-ER Rule 1 (far-policy samples give zero gradient) and Rule 2 (KL penalty, Eqs. (10)-(11)): `refer_loss`,
   `gaussian_kl`; beta update (Eq. (12)): `refer_beta_update`; annealing of c_max and the learning rate (Eq. (13)):
@@ -205,6 +206,8 @@ def validate_args(args: Args) -> None:
         raise SystemExit("error: --num-actors must be >= 1")
     if args.batch_size < 1 or args.buffer_size < args.batch_size:
         raise SystemExit("error: need 1 <= --batch-size <= --buffer-size")
+    if args.learning_starts > args.buffer_size:
+        raise SystemExit("error: --learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)")
     if args.learning_starts < args.batch_size:
         raise SystemExit("error: --learning-starts must be >= --batch-size (the first batch needs that many samples)")
     if args.F <= 0:
@@ -217,6 +220,11 @@ def validate_args(args: Args) -> None:
         raise SystemExit("error: --init-std must be > 0")
     if args.start_method not in ("spawn", "forkserver"):
         raise SystemExit("error: --start-method must be spawn or forkserver")
+    if args.capture_video:
+        try:
+            import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
+        except ImportError:
+            raise SystemExit("error: --capture-video needs the moviepy package, which is not installed") from None
     if args.ring_size < 2:
         raise SystemExit("error: --ring-size must be >= 2")
 
@@ -472,6 +480,7 @@ class EpisodeReplay:
         self.n_far, self.cmax = 0, np.inf
         self.forced_removals = 0
         self.per_order = None  # rank-based PER: slot indices by decreasing priority
+        self.per_alpha, self.per_p, self.per_cdf = 0.5, None, None
         self.max_prio = 1.0
 
     # -- insertion and FIFO forgetting
@@ -536,14 +545,15 @@ class EpisodeReplay:
         """Rank-based PER: sort the stored steps by decreasing priority (done every stats_every steps)."""
         idx = np.flatnonzero(self.valid[: self.hi])
         self.per_order = idx[np.argsort(-self.prio[idx], kind="stable")]
+        self.per_p = np.arange(1, len(idx) + 1, dtype=np.float64) ** -self.per_alpha  # P(rank k) ~ k^-alpha
+        self.per_cdf = np.cumsum(self.per_p)
 
     def sample_per(self, B: int, rng: np.random.Generator, alpha: float, beta_is: float):
         """Rank-based PER (Schaul et al. 2015): P(rank k) ~ k^-alpha; returns (indices, normalised IS weights)."""
-        if self.per_order is None:
+        if self.per_order is None or alpha != self.per_alpha:
+            self.per_alpha = alpha
             self.per_rebuild()
-        n = len(self.per_order)
-        p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
-        cdf = np.cumsum(p)
+        n, p, cdf = len(self.per_order), self.per_p, self.per_cdf
         ranks = np.minimum(np.searchsorted(cdf, rng.uniform(0, cdf[-1], B)), n - 1)
         idx = self.per_order[ranks]
         stale = ~self.valid[idx]  # removed since the last re-sort: replace by uniform draws
@@ -558,9 +568,16 @@ class EpisodeReplay:
     def update_samples(self, idx: np.ndarray, rho: np.ndarray, val: np.ndarray, boot_idx=None, boot_val=None,
                        prio=None) -> None:
         """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8))."""
+        idx, rho, val = np.asarray(idx), np.asarray(rho, np.float64), np.asarray(val, np.float64)
+        if len(np.unique(idx)) < len(idx):  # (PER draws with replacement) keep the last value of each slot
+            _, last = np.unique(idx[::-1], return_index=True)
+            keep = len(idx) - 1 - last
+            idx, rho, val, prio = idx[keep], rho[keep], val[keep], None if prio is None else prio[keep]
         old_far = is_far_policy(self.rho[idx], self.cmax)
         new_far = is_far_policy(rho, self.cmax)
         self.n_far += int(new_far.sum()) - int(old_far.sum())  # counts from each sample's most recent rho
+        c_old = np.minimum(1.0, self.rho[idx])
+        vtbc_old = (1.0 - c_old) * self.val[idx] + c_old * self.qret[idx]  # Eq. (7) with the stored V, rho
         self.rho[idx], self.val[idx] = rho, val
         if prio is not None:
             self.prio[idx] = prio
@@ -568,7 +585,57 @@ class EpisodeReplay:
         if boot_idx is not None and len(boot_idx):  # truncated ends: V(s_L) refreshed with the current network
             self.vboot[boot_idx] = boot_val
             self.qret[boot_idx] = self.rs[boot_idx] + self.gamma * boot_val
-        self.refresh(idx)
+        self.refresh_delta(idx, vtbc_old)
+
+    def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
+        """Same result as `refresh` (Eq. (8) over all prior steps of every sampled step) with fewer array passes.
+
+        Between two sampled steps of an episode nothing changed, so Eq. (8) is linear there: a change delta_u of
+        V^tbc at sampled step u changes V^tbc_j (j < u, down to the next sampled step) by
+        prod_{i=j}^{u-1} gamma min(1, rho_i) * delta_u, and Q^ret_{j-1} = r_j + gamma V^tbc_j by gamma times that.
+        The products come from one cumulative sum of log(gamma min(1, rho)) over the concatenated prefixes (an
+        underflow to 0 is the correct limit); the deltas of the sampled steps of one episode are chained top-down
+        (one short loop over the rank of a sample within its episode). Falls back to `refresh` if some
+        gamma min(1, rho) is 0.
+        """
+        starts = self.ep_start[idx]
+        order = np.lexsort((-idx, starts))  # by episode, latest sampled first
+        t, st, vo = idx[order], starts[order], vtbc_old[order]
+        n = len(t)
+        first = np.ones(n, bool)
+        first[1:] = st[1:] != st[:-1]
+        ep_first = np.flatnonzero(first)
+        rank = np.arange(n) - np.repeat(ep_first, np.diff(np.append(ep_first, n)))
+        m, s = t[first], st[first]
+        lens = m - s + 1
+        total = int(lens.sum())
+        offs = np.cumsum(lens) - lens
+        j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes [s, m]
+        p_samp = np.repeat(offs - s, np.diff(np.append(ep_first, n))) + t  # positions of the samples in it
+        with np.errstate(divide="ignore"):
+            la = np.log(self.gamma * np.minimum(1.0, self.rho[j]))
+        if not np.isfinite(la).all():
+            self.refresh(idx)
+            return
+        R = np.cumsum(la[::-1])[::-1]  # R_p = sum_{q >= p} log a_q (differences give in-episode products)
+        c = np.minimum(1.0, self.rho[t])
+        base = (1.0 - c) * self.val[t]
+        delta = np.zeros(n)
+        for r in range(int(rank.max()) + 1):  # chain the samples of each episode from the latest one down
+            sel = np.flatnonzero(rank == r)
+            q = self.qret[t[sel]]
+            if r > 0:  # Q^ret_t already moved by the change coming down from the sample above
+                up = sel - 1
+                q = q + self.gamma * np.exp(R[p_samp[sel] + 1] - R[p_samp[up]]) * delta[up]
+            delta[sel] = base[sel] + c[sel] * q - vo[sel]  # Eq. (7): new V^tbc_t - old V^tbc_t
+        by_pos = np.argsort(p_samp)  # pieces (previous sample, this sample] tile the concatenation
+        piece = np.diff(np.append(-1, p_samp[by_pos]))
+        top = np.repeat(p_samp[by_pos], piece)  # position of the nearest sample at or after p
+        dx = np.exp(R - R[top]) * np.repeat(delta[by_pos], piece)  # change of V^tbc_j (Eq. (8), linear there)
+        inner = np.ones(total, bool)
+        inner[offs] = False  # the first step of an episode has no predecessor
+        jj = j[inner] - 1
+        self.qret[jj] += self.gamma * dx[inner]  # Q^ret_{j-1} = r_j + gamma V^tbc_j
 
     def refresh(self, idx: np.ndarray) -> None:
         """Recompute Q^ret for every step before the latest sampled step of each sampled episode (Eq. (8)), vectorized.

@@ -299,6 +299,16 @@ def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
         if step % 10 == 0:
             fill(rm, rng, 3)  # insertions/removals in between keep the invariant
             assert rm.n_far == int((vr.is_far_policy(rm.rho, 2.0) & rm.valid).sum())
+    for step in range(5):  # the plain scan refresh (fallback path) gives the same invariant
+        idx = rm.sample(32, rng)
+        rm.rho[idx], rm.val[idx] = np.exp(rng.normal(size=32)), rng.normal(size=32)
+        rm.refresh(idx)
+        check_qret_consistent(rm)
+    idx = rm.sample(32, rng)  # a trace cut to exactly 0 (rho = 0) takes the fallback inside update_samples
+    rho = np.exp(rng.normal(size=32))
+    rho[0] = 0.0
+    rm.update_samples(idx, rho, rng.normal(size=32))
+    check_qret_consistent(rm)
     before = rm.qret.copy()
     rm.recompute_all()
     np.testing.assert_allclose(rm.qret[rm.valid], before[rm.valid], rtol=1e-9, atol=1e-9)
@@ -400,7 +410,8 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     assert p.returncode != 0
     assert "error: unknown or non-MuJoCo env id 'CartPole-v1'" in p.stderr and "Traceback" not in p.stderr, p.stderr
     for kw in [dict(env_id="NoSuchEnv-v0"), dict(env_id="ALE/Pong-v5"), dict(batch_size=512, learning_starts=100),
-               dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0)]:
+               dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0),
+               dict(learning_starts=2**19)]:
         with pytest.raises(SystemExit, match="^error: "):
             vr.validate_args(vr.Args(**kw))
     vr.validate_args(vr.Args())  # the defaults are valid

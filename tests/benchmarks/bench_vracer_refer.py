@@ -46,44 +46,56 @@ def bench_learner(a):
         state = {"k": 0, "beta": 0.5 if refer == "full" else 1.0}
         setups[refer] = (args, agent, opt, state)
     mean0, std0 = torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device)
-    times = {k: [] for k in setups}
-    for rep in range(a.reps):  # interleave the two learners so machine load hits both alike
+    wall = {k: 0.0 for k in setups}
+    cpu = {k: 0.0 for k in setups}
+    for refer, (args, agent, opt, state) in setups.items():
+        for _ in range(20):  # warm-up
+            vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
+    for rep in range(a.reps):  # interleave short chunks of the two learners so machine load hits both alike
         for refer, (args, agent, opt, state) in setups.items():
-            for _ in range(20):  # warm-up
-                vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(a.steps):
                 vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times[refer].append(a.steps / (time.perf_counter() - t))
-    full, none = np.median(times["full"]), np.median(times["none"])
-    print(f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s)): "
-          f"full ReF-ER {full:.0f} grad steps/s, --refer none {none:.0f} grad steps/s, "
-          f"ReF-ER bookkeeping overhead {100 * (none / full - 1):.1f}%")
+            wall[refer] += time.perf_counter() - t
+            cpu[refer] += time.process_time() - c
+    n = a.reps * a.steps
+    full, none = n / wall["full"], n / wall["none"]
+    full_c, none_c = n / cpu["full"], n / cpu["none"]
+    print(f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each): "
+          f"full ReF-ER {full:.0f} grad steps/s (CPU time: {full_c:.0f}), --refer none {none:.0f} ({none_c:.0f}); "
+          f"ReF-ER bookkeeping overhead {100 * (none / full - 1):.1f}% wall, {100 * (none_c / full_c - 1):.1f}% CPU time")
     # breakdown of the replay-side work common to both (V-RACER's Q^ret refresh) and ReF-ER's own
     idx = [rm.sample(a.batch_size, rng) for _ in range(200)]
-    t = time.perf_counter()
-    for i in idx:
-        rm.refresh(i)
-    t_refresh = (time.perf_counter() - t) / 200
+    rhos = [np.exp(0.3 * rng.normal(size=a.batch_size)) for _ in idx]
+    rm.cmax = 5.0
+    t = time.process_time()
+    for i, r in zip(idx, rhos):
+        rm.update_samples(i, r, np.zeros(len(i)))  # write-back + n_far + Q^ret refresh (the path train_step uses)
+    t_refresh = (time.process_time() - t) / 200
+    t = time.process_time()
+    for i in idx[:50]:
+        rm.refresh(i)  # the plain blocked-scan refresh (fallback), for comparison
+    t_scan = (time.process_time() - t) / 50
     t = time.perf_counter()
     for i in idx:
         vr.is_far_policy(rm.rho[i], 2.0).sum()
     t_far = (time.perf_counter() - t) / 200
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(5):
         rm.recompute_all()
-    t_all = (time.perf_counter() - t) / 5
+    t_all = (time.process_time() - t) / 5
     t = time.perf_counter()
     for _ in range(200):
         rm.sample(a.batch_size, rng)
     t_sample = (time.perf_counter() - t) / 200
-    print(f"  per step: sample {1e3 * t_sample:.2f} ms, Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms, "
+    print(f"  CPU time per step: sample {1e3 * t_sample:.2f} ms, write-back + Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms "
+          f"(plain scan refresh {1e3 * t_scan:.2f} ms), "
           f"n_far update {1e3 * t_far:.3f} ms; full Q^ret recomputation over the RM (every 1000 steps) "
-          f"{1e3 * t_all:.1f} ms; learner total {1e3 / full:.2f} ms")
+          f"{1e3 * t_all:.1f} ms; learner total {1e3 / full_c:.2f} ms")
 
 
 def bench_actors(a):
@@ -120,9 +132,8 @@ def bench_actors(a):
         n0, t = int(written.sum()), time.perf_counter()
         while time.perf_counter() - t < a.seconds:
             read.copy_(written)  # a learner that consumes everything at once
-            control[1] += 1  # new weights every few ms, as during training
-            shared_w.add_(0.0)
-            time.sleep(0.002)
+            control[1] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
+            time.sleep(0.01)
             procs.check()
         actors = (int(written.sum()) - n0) / (time.perf_counter() - t)
     finally:
@@ -133,8 +144,8 @@ def bench_actors(a):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--reps", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--buffer-size", type=int, default=2**18)
     p.add_argument("--threads", type=int, default=1)
