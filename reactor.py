@@ -379,8 +379,8 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     disc_incl = _window_products(discounts, inclusive=True)  # gamma^n (with cuts): prod_{u=t}^{s-1} gamma_u
     disc_excl = _window_products(discounts, inclusive=False)  # prod_{u=t}^{j-1} gamma_u: discount of r_j
     valid = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # j >= t, i.e. n = j - t + 1 >= 1
-    ret = torch.cumsum(torch.where(valid, disc_excl * rewards[:, None, :], torch.zeros(())), dim=-1)  # sum gamma^{s-t} r_s
-    weights = torch.where(valid[..., None], trace[..., None] * y[:, None, :, :], torch.zeros(()))  # alpha-weighted q_j
+    ret = torch.cumsum(torch.where(valid, disc_excl * rewards[:, None, :], 0.0), dim=-1)  # sum gamma^{s-t} r_s
+    weights = torch.where(valid[..., None], trace[..., None] * y[:, None, :, :], 0.0)  # alpha-weighted q_j
     atoms = ret[..., None] + disc_incl[..., None] * support  # z^n_j                                       [B,T,T,K]
     return categorical_projection(atoms.reshape(B, T, T * K), weights.reshape(B, T, T * K), support)
 
