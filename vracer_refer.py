@@ -962,7 +962,7 @@ if __name__ == "__main__":
     acc = torch.zeros(6, dtype=torch.float64)
     acc_n, last_log_k, last_ckpt = 0, state["k"], global_step
     start_time, last_time, last_step = time.time(), time.time(), global_step
-    status = "completed"
+    status, error = "completed", None
     try:
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
@@ -1020,10 +1020,10 @@ if __name__ == "__main__":
                         obs_mean += args.state_stats_rate * (torch.as_tensor(m, dtype=torch.float32, device=device) - obs_mean)
                         obs_std += args.state_stats_rate * (s - obs_std)
                 stats = train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
-                if not torch.isfinite(stats).all():  # NaN guard
-                    status = "diverged"
-                    raise SystemExit(f"error: non-finite loss at gradient step {k} (env step {global_step}): "
-                                     f"loss={stats[0]:.4g} policy={stats[1]:.4g} value={stats[2]:.4g} kl={stats[3]:.4g}")
+                if not torch.isfinite(stats).all():  # NaN guard: stop with the step and the reason
+                    raise FloatingPointError(
+                        f"non-finite loss at gradient step {k} (env step {global_step}): loss={stats[0]:.4g} "
+                        f"policy={stats[1]:.4g} value={stats[2]:.4g} kl={stats[3]:.4g}")
                 acc += stats
                 acc_n += 1
                 did += 1
@@ -1073,9 +1073,10 @@ if __name__ == "__main__":
         status = "interrupted"
         print("interrupted: stopping actors", flush=True)
     except ActorDied as e:
-        status = "actor died"
+        status, error = "actor died", str(e)
         print(e.traceback, flush=True)
-        raise SystemExit(f"error: {e}") from None
+    except FloatingPointError as e:
+        status, error = "diverged", str(e)
     finally:
         procs.stop()
 
@@ -1083,7 +1084,7 @@ if __name__ == "__main__":
     summary = {"status": status, "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
                "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
                "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)}
-    if args.save_model:
+    if args.save_model and not error:
         path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
                     "obs_std": obs_std.cpu()}, path)
@@ -1094,5 +1095,9 @@ if __name__ == "__main__":
             for i, r in enumerate(returns):
                 logger.log(global_step, {"eval/episodic_return": r})
             summary["eval_return_mean"] = float(np.mean(returns))
+    if error:
+        summary["error"] = error
     logger.summary(summary)
     logger.close()
+    if error:
+        raise SystemExit(f"error: {error}")

@@ -448,3 +448,19 @@ def test_numpy_actor_forward_matches_agent(residual):
         np.testing.assert_allclose(mi, m[i].numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(si, s[i].numpy(), rtol=1e-5)
         assert vi == pytest.approx(float(v[i]), abs=1e-5)
+
+
+def test_train_step_reports_non_finite_loss():
+    """The NaN guard's input: a poisoned target gives non-finite stats (the main loop then stops with the step)."""
+    rng = np.random.default_rng(14)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 30)
+    args = vr.Args(batch_size=16, buffer_size=300)
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
+    state = {"k": 0, "beta": 0.5}
+    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    assert torch.isfinite(stats).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
+    rm.qret[rm.valid] = np.nan
+    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    assert not torch.isfinite(stats).all()
