@@ -68,8 +68,9 @@ Differences from the paper
   eps = 0.01), which is not numerically the TF optimizer.
 - The paper trains on 100s of millions of frames with 100s of actors; here everything is scaled down to CPU budgets.
 - Test actors SAMPLE from pi (like the training actors); the paper does not say sampled or greedy.
-- Replay buffers are not saved in checkpoints: `--resume` restores model(s), optimizer(s), lr schedule, step counter,
-  task position and RNG; the actors' buffers restart empty (the paper never resumes).
+- `--resume` restores model(s), optimizer(s), lr schedule, step counter, task position, RNG and evaluation history;
+  the replay buffers only with `--checkpoint-replay`, and then as each actor saved it at its first unroll boundary
+  after the checkpoint (a few unrolls after the model snapshot), not at the same instant.
 
 Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
 common/processes.py.
@@ -186,6 +187,9 @@ class Args:
     """Atari sticky-action probability (IMPALA/CLEAR used none)"""
     max_episode_frames: int = 108_000
     """Atari episode cap in emulator frames (truncation, bootstrapped)"""
+    checkpoint_replay: bool = False
+    """with --checkpoint-every: each actor also saves its replay buffer (replay_actor{i}.npz next to checkpoint.pt,
+    written at the actor's next unroll boundary), and --resume restores the buffers found next to the checkpoint"""
     minigrid_max_steps: int | None = None
     """override MiniGrid's episode limit (truncation, bootstrapped)"""
     test_actor_max_sps: float = 0.0
@@ -480,6 +484,26 @@ class ReservoirBuffer:
         """A uniformly random stored row (the replay half of the next pair)."""
         return int(self.rng.integers(self.size))
 
+    def save(self, path: str) -> None:
+        """Atomic .npz of the stored rows, their keys and the count of unrolls seen."""
+        n = self.size
+        tmp = f"{path}.tmp.npz"
+        np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen,
+                 **{k: v[:n] for k, v in self.data.items()})
+        os.replace(tmp, path)
+
+    def load(self, path: str) -> int:
+        """Restore a saved buffer; with a smaller capacity, keep the rows with the largest keys (still a uniform
+        sample). Returns the number of rows restored."""
+        with np.load(path) as f:
+            keep = np.argsort(-f["keys"])[: self.capacity]
+            n = len(keep)
+            for k in self.data:
+                self.data[k][:n] = f[k][keep]
+            self.task[:n], self.keys[:n] = f["task"][keep], f["keys"][keep]
+            self.size, self.num_seen = n, int(f["num_seen"])
+        return n
+
 
 def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
     """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1).
@@ -646,7 +670,7 @@ def memory_available_bytes() -> int:
 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
-               global_step, policy_version, frames_done, stop, stats_queue):
+               global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
     """One training actor: act for T steps with the latest weights, store the unroll in its reservoir, sample a replay
     unroll, publish the (new, replay) pair in its slot, then wait until the learner has read it (CLEAR App. A.1)."""
     seed = args.seed + 1000 * actor_id
@@ -655,6 +679,12 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
     T = args.unroll_length
     capacity = buffer_capacity_per_actor(args)
     buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, rng) if capacity > 0 else None
+    replay_file = f"replay_actor{actor_id}.npz"
+    if buffer is not None and args.resume and args.checkpoint_replay:
+        path = os.path.join(os.path.dirname(args.resume), replay_file)
+        if os.path.exists(path):
+            print(f"actor-{actor_id} restored {buffer.load(path)} replay unrolls from {path}", flush=True)
+    saved_request = ckpt_request.value
     model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
     new = {k: slots[k][actor_id, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory
     rep = {k: slots[k][actor_id, 1].numpy() for k in UNROLL_FIELDS}
@@ -663,6 +693,10 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         if not slot_free[actor_id].wait(timeout=0.2):  # the learner has not read our last pair yet
             continue
         slot_free[actor_id].clear()
+        if ckpt_request.value != saved_request:  # the learner wrote a checkpoint: save our buffer next to it
+            saved_request = ckpt_request.value
+            if buffer is not None and args.checkpoint_replay:
+                buffer.save(os.path.join(run_dir, replay_file))
         start_step = global_step.value
         new_task = task_for_actor(actor_id, start_step, args)
         if new_task != task:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
@@ -716,6 +750,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         with frames_done.get_lock():
             frames_done.value += T
         full_queues[net_for_task(task, args)].put(actor_id)
+    if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
+        buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
     if env is not None:
         env.close()
 
@@ -852,6 +888,7 @@ if __name__ == "__main__":
     global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
     policy_version = ctx.Value("q", sum(learner_steps), lock=False)
     frames_done = ctx.Value("q", 0)
+    ckpt_request = ctx.Value("q", 0, lock=False)  # bumped at each checkpoint: actors then save their buffers
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
     procs = ProcessGroup(ctx)
     stop = procs.stop_event  # actors return when it is set
@@ -861,7 +898,8 @@ if __name__ == "__main__":
     try:
         for i in range(args.num_actors):
             procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues,
-                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue),
+                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue, ckpt_request,
+                                     str(logger.dir)),
                         name=f"actor-{i}")
         for task in range(K):
             for j in range(args.num_test_actors):
@@ -965,6 +1003,7 @@ if __name__ == "__main__":
                     "args": vars(args), "models": [x.state_dict() for x in models],
                     "optimizers": [o.state_dict() for o in optimizers], "schedulers": [s.state_dict() for s in schedulers],
                     "global_step": gs, "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
+                ckpt_request.value += 1
             procs.check()
     except KeyboardInterrupt:
         print("interrupted: stopping actors")

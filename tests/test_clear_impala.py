@@ -380,7 +380,8 @@ TINY = ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--steps-
 
 
 def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
-    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model")
+    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model",
+                   "--checkpoint-replay")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -406,10 +407,14 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     for k, v in saved["models"][0].items():
         assert torch.equal(v, ckpt["models"][0][k]), k
     assert ckpt["optimizers"][0]["state"] and ckpt["schedulers"][0]["last_epoch"] == 12
+    for i in range(2):  # each actor saved its replay buffer next to the checkpoint
+        with np.load(run_dir / f"replay_actor{i}.npz") as f:
+            assert f["obs"].dtype == np.uint8 and f["obs"].shape == (6, 21, 7, 7, 3) and f["num_seen"] >= 6
     r2 = run_script(tmp_path, *TINY, "--num-cycles", "2", "--resume", str(run_dir / "checkpoint.pt"),
-                    "--exp-name", "resumed")
+                    "--exp-name", "resumed", "--checkpoint-replay")
     assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-3000:]
     assert "resumed from" in r2.stdout and "at step 480 (task 0)" in r2.stdout
+    assert r2.stdout.count("replay unrolls from") == 2, r2.stdout[-2000:]
     (run2,) = (tmp_path / "runs").glob("*resumed*")
     s2 = json.loads((run2 / "summary.json").read_text())
     assert s2["global_step"] == 960 and s2["task_mismatch"] == 0
