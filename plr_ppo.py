@@ -60,7 +60,8 @@ Differences from the paper
   (replacing l_min only if S(l_min) < its score), as the authors' extended code does.
 - Evaluation uses a stochastic policy, 10 episodes per set every `eval_every` updates and `final_eval_episodes`
   (default 100; the paper used 100 on Procgen test levels) at the end.
-- On `--resume` the environments restart their current levels from the first frame (emulator states are not saved).
+- On `--resume` the environments restart their current levels from the first frame (emulator states are not saved);
+  the run continues with the checkpoint's flags except those in RESUME_FROM_CLI (budget, logging, evaluation).
 
 Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
 common/processes.py.
@@ -83,6 +84,9 @@ TRANSFORMS = ("rank", "power", "greedy")
 REPLAY_SCHEDULES = ("proportionate", "fixed")
 COMMIT_MODES = ("episode", "update")
 MAX_SEED = 2**31 - 1
+# flags taken from the command line on --resume; every other flag comes from the checkpoint
+RESUME_FROM_CLI = ("resume", "total_timesteps", "checkpoint_every", "progress", "cuda", "track", "save_model",
+                   "eval_every", "eval_episodes", "final_eval_episodes", "num_eval_envs")  # fmt: skip
 
 # Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
 PROCGEN_RETURN_BOUNDS = {
@@ -777,11 +781,14 @@ def plot_curriculum(history, path) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    if args.resume and os.path.isfile(args.resume):
-        ckpt = load_checkpoint(args.resume)
+    if args.resume and os.path.isfile(args.resume):  # continue with the checkpoint's flags (budget/logging from the CLI)
+        try:
+            ckpt = load_checkpoint(args.resume)
+        except (RuntimeError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --resume: {e}") from None
         resumed_args = Args(**ckpt["args"])
-        resumed_args.total_timesteps, resumed_args.resume = args.total_timesteps, args.resume
-        resumed_args.progress, resumed_args.checkpoint_every = args.progress, args.checkpoint_every
+        for name in RESUME_FROM_CLI:
+            setattr(resumed_args, name, getattr(args, name))
         args = resumed_args
     args = resolve_defaults(args)
     validate_args(args)  # one-line errors before anything heavy starts
@@ -818,7 +825,7 @@ if __name__ == "__main__":
     difficulties = None if args.num_train_levels == 0 else level_difficulties(args.env_id, train_levels)
     curriculum = []
 
-    global_step, update, start_update_time = 0, 0, time.time()
+    global_step, update = 0, 0
     if args.resume:
         agent.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -843,7 +850,7 @@ if __name__ == "__main__":
     levels_np = np.zeros((T, N), np.int64)
     need_logits = args.plr_strategy in ("policy_entropy", "least_confidence", "min_margin")
     logits_buf = torch.zeros((T, N, num_actions), device=device) if need_logits else None
-    recent_returns, last_eval = [], {}
+    recent_returns = []
     sps_steps, sps_time = 0, 0.0
 
     def run_eval(num_episodes):
@@ -872,7 +879,7 @@ if __name__ == "__main__":
         })  # fmt: skip
 
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
-    interrupted = False
+    interrupted, failure = False, None
     try:
         while global_step < args.total_timesteps:
             t0 = time.time()
@@ -974,8 +981,7 @@ if __name__ == "__main__":
                     curriculum.append((global_step, mass))
                     metrics.update({f"plr/mass_{lab}": m for lab, m in mass.items()})
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
-                last_eval = run_eval(args.eval_episodes)
-                metrics.update(last_eval)
+                metrics.update(run_eval(args.eval_episodes))
             logger.log(global_step, metrics)
             logger.progress(global_step, sps, episodic_return=metrics.get("charts/episodic_return"),
                             loss_name="value_loss", loss=metrics["losses/value_loss"],
@@ -989,8 +995,8 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: closing environments")
-    except RuntimeError as e:  # a MiniGrid worker died
-        interrupted = True
+    except RuntimeError as e:  # a MiniGrid worker died: stop cleanly with the reason
+        interrupted, failure = True, str(e)
         print(f"error: {e}")
     finally:
         envs.close()
@@ -1014,5 +1020,9 @@ if __name__ == "__main__":
         summary.update({k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()})
     if eval_envs is not None:
         eval_envs.close()
+    if failure:
+        summary["error"] = failure
     logger.summary(summary)
     logger.close()
+    if failure:
+        raise SystemExit(f"error: {failure}")
