@@ -730,14 +730,15 @@ class EpisodeReplay:
 
 # LEARNER STEP (App. C Alg. 3)
 def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
-               obs_mean: torch.Tensor, obs_std: torch.Tensor) -> torch.Tensor:
+               obs_mean: torch.Tensor, obs_std: torch.Tensor, bookkeeping: bool = True) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta.
 
     `state` holds k (gradient steps) and beta. Returns a CPU tensor of scalar stats
     [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho].
+    bookkeeping=False skips the write-back, the Q^ret refresh and n_far (only for the benchmark's bare learner).
     """
     k = state["k"]
-    cmax = refer_cmax(k, args.C, args.A) if args.refer != "none" else np.inf  # Eq. (13)
+    cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); with --refer none only used to count far-policy samples
     rm.cmax = cmax
     for g in optimizer.param_groups:
         g["lr"] = annealed_lr(k, args.learning_rate, args.A)  # Eq. (13)
@@ -767,8 +768,9 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
     nb = len(boot_idx)
     rho_new, v_new, err = host[:B], host[B:2 * B], host[2 * B + nb:3 * B + nb]
-    rm.update_samples(idx, rho_new, v_new, boot_idx, host[2 * B:2 * B + nb],
-                      prio=err if args.per == "rank" else None)
+    if bookkeeping:
+        rm.update_samples(idx, rho_new, v_new, boot_idx, host[2 * B:2 * B + nb],
+                          prio=err if args.per == "rank" else None)
     if args.refer != "none":  # Eq. (12), far fraction from each stored step's most recent rho
         state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
     state["k"] = k + 1

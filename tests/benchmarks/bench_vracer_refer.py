@@ -2,7 +2,8 @@
 
 1. Learner: gradient steps/s at B=256 on a full replay memory (N = 2**18 by default, Hopper-sized synthetic episodes)
    with the full ReF-ER bookkeeping (rho/V write-back, n_far, Q^ret refresh of prior steps, beta) against the same
-   learner with `--refer none`, interleaved in one process; plus a breakdown of where the time goes.
+   learner with `--refer none` (V-RACER with conventional ER, which still refreshes its Retrace targets) and against a
+   bare learner with no write-back/refresh at all, interleaved in one process; plus a breakdown of the time.
 2. Actors: env steps/s with `--num-actors` actor processes (policy forward + shared-memory ring) against env-only
    stepping of the same task in this process.
 
@@ -39,8 +40,8 @@ def bench_learner(a):
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     rm = filled_replay(a.buffer_size, obs_dim, act_dim, 1000, rng)
     setups = {}
-    for refer in ("full", "none"):
-        args = vr.Args(refer=refer, batch_size=a.batch_size, buffer_size=a.buffer_size)
+    for refer in ("full", "none", "bare"):
+        args = vr.Args(refer="none" if refer == "bare" else refer, batch_size=a.batch_size, buffer_size=a.buffer_size)
         agent = vr.Agent(obs_dim, act_dim).to(device)
         opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
         state = {"k": 0, "beta": 0.5 if refer == "full" else 1.0}
@@ -57,17 +58,24 @@ def bench_learner(a):
                 torch.cuda.synchronize()
             t, c = time.perf_counter(), time.process_time()
             for _ in range(a.steps):
-                vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
+                vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0, bookkeeping=refer != "bare")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall[refer] += time.perf_counter() - t
             cpu[refer] += time.process_time() - c
     n = a.reps * a.steps
-    full, none = n / wall["full"], n / wall["none"]
-    full_c, none_c = n / cpu["full"], n / cpu["none"]
-    print(f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each): "
-          f"full ReF-ER {full:.0f} grad steps/s (CPU time: {full_c:.0f}), --refer none {none:.0f} ({none_c:.0f}); "
-          f"ReF-ER bookkeeping overhead {100 * (none / full - 1):.1f}% wall, {100 * (none_c / full_c - 1):.1f}% CPU time")
+    sps = {k: n / wall[k] for k in setups}
+    cps = {k: n / cpu[k] for k in setups}
+    print(f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each), "
+          f"grad steps/s wall (CPU time):")
+    for k, name in (("full", "full ReF-ER (rule 1+2, beta, n_far, rho/V write-back, Q^ret refresh)"),
+                    ("none", "--refer none (V-RACER + ER: same write-back and Q^ret refresh)"),
+                    ("bare", "bare learner (--refer none, no write-back, no refresh, no n_far)")):
+        print(f"  {name}: {sps[k]:.0f} ({cps[k]:.0f})")
+    print(f"  full vs --refer none: {100 * (sps['none'] / sps['full'] - 1):.1f}% wall, "
+          f"{100 * (cps['none'] / cps['full'] - 1):.1f}% CPU; full vs bare: "
+          f"{100 * (sps['bare'] / sps['full'] - 1):.1f}% wall, {100 * (cps['bare'] / cps['full'] - 1):.1f}% CPU")
+    full_c = cps["full"]
     # breakdown of the replay-side work common to both (V-RACER's Q^ret refresh) and ReF-ER's own
     idx = [rm.sample(a.batch_size, rng) for _ in range(200)]
     rhos = [np.exp(0.3 * rng.normal(size=a.batch_size)) for _ in idx]
