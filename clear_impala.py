@@ -610,13 +610,35 @@ def net_for_task(task: int, args: Args) -> int:
     return task if args.mode == "separate" else 0
 
 
-def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int) -> dict[int, float]:
-    """Final cumulative reward per task (CLEAR App. C): the mean of all test-actor episode returns on the task over the
-    whole run, (1/t) sum_{s<t} r_s at the last t."""
+def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Test returns of one task on a time grid: the mean return of the episodes that ended in each of `num_bins` equal
+    bins of training steps over [0, total], forward-filled over bins without episodes (leading empty bins dropped).
+    Returns (bin end steps, per-bin returns). Averaging per bin, not per episode, keeps short (often successful or
+    often failed) episodes from dominating (notes P11)."""
+    edges = np.linspace(0, max(total, 1), num_bins + 1)
+    sums, counts = np.zeros(num_bins), np.zeros(num_bins)
+    for step, tk, ret in records:
+        if tk == task:
+            i = min(int(np.searchsorted(edges, step, side="right")) - 1, num_bins - 1)
+            sums[max(i, 0)] += ret
+            counts[max(i, 0)] += 1
+    vals = np.full(num_bins, np.nan)
+    last = np.nan
+    for i in range(num_bins):
+        last = sums[i] / counts[i] if counts[i] else last
+        vals[i] = last
+    keep = ~np.isnan(vals)
+    return edges[1:][keep], vals[keep]
+
+
+def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, total: int,
+                       num_bins: int = 100) -> dict[int, float]:
+    """Final cumulative reward per task (CLEAR App. C, Figs. 8 and 13): (1/t) sum_{s<t} r_s at the end of training, i.e.
+    the time average of the task's test return over the run (on the `binned_returns` grid)."""
     out = {}
     for task in range(num_tasks):
-        r = [ret for _, tk, ret in records if tk == task]
-        out[task] = float(np.mean(r)) if r else float("nan")
+        _, vals = binned_returns(records, task, total, num_bins)
+        out[task] = float(vals.mean()) if len(vals) else float("nan")
     return out
 
 
@@ -630,22 +652,18 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
     for cumulative in (False, True):
         fig, ax = plt.subplots(figsize=(8, 4))
         for task, env_id in enumerate(env_ids):
-            pts = sorted((s, r) for s, tk, r in records if tk == task)
-            if not pts:
+            steps, y = binned_returns(records, task, total_steps(args))
+            if not len(y):
                 continue
-            steps, rets = np.array(pts).T
             if cumulative:
-                y = np.cumsum(rets) / np.arange(1, len(rets) + 1)
-            else:
-                w = max(1, len(rets) // 50)
-                y = np.convolve(rets, np.ones(w) / w, mode="same") if w > 1 else rets
+                y = np.cumsum(y) / np.arange(1, len(y) + 1)
             line, = ax.plot(steps, y, label=env_id, lw=1)
             if args.mode == "sequential":
                 for visit in range(args.num_cycles):
                     start = (visit * len(env_ids) + task) * args.steps_per_task
                     ax.axvspan(start, start + args.steps_per_task, color=line.get_color(), alpha=0.08)
         ax.set_xlabel("training steps (agent steps, all tasks)")
-        ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (moving mean)")
+        ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (per 1% of training)")
         ax.set_title(f"{args.exp_name} ({args.mode}, replay {args.replay_ratio}); shaded: task being trained")
         if ax.lines:
             ax.legend(fontsize=7)
@@ -1019,7 +1037,7 @@ if __name__ == "__main__":
     # SAVE + SUMMARY
     for task, ret, length in drain(eval_queue):
         eval_records.append((global_step.value, task, ret))
-    cum = cumulative_returns(eval_records, K)
+    cum = cumulative_returns(eval_records, K, max(TOTAL, global_step.value))
     summary = {
         "global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
         "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,

@@ -349,10 +349,14 @@ def test_validate_args_one_line_errors(over, msg):
     assert str(e.value).startswith("error:") and msg in str(e.value) and "\n" not in str(e.value)
 
 
-def test_cumulative_returns():
-    recs = [(10, 0, 1.0), (20, 0, 3.0), (20, 1, 5.0)]
-    assert ci.cumulative_returns(recs, 3)[0] == 2.0 and ci.cumulative_returns(recs, 3)[1] == 5.0
-    assert math.isnan(ci.cumulative_returns(recs, 3)[2])
+def test_cumulative_returns_are_time_averages():
+    # task 0: one failed episode in the first half, then many short successful ones: time average 0.5, not ~1
+    recs = [(5, 0, 0.0)] + [(50 + i * 0.5, 0, 1.0) for i in range(100)] + [(20, 1, 5.0)]
+    cum = ci.cumulative_returns(recs, 3, total=100, num_bins=10)
+    assert cum[0] == pytest.approx(0.5) and cum[1] == pytest.approx(5.0)
+    assert math.isnan(cum[2])
+    steps, vals = ci.binned_returns(recs, 0, 100, 10)
+    assert list(vals) == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1] and steps[0] == 10  # forward-filled
 
 
 # ----------------------------------------------------------------------------------------------------------------
