@@ -464,3 +464,23 @@ def test_train_step_reports_non_finite_loss():
     rm.qret[rm.valid] = np.nan
     stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
     assert not torch.isfinite(stats).all()
+
+
+@pytest.mark.parametrize("refer,per", [("full", "none"), ("rule1", "none"), ("rule2", "none"), ("none", "none"),
+                                       ("none", "rank"), ("full", "rank")])
+def test_train_step_all_variants(refer, per):
+    rng = np.random.default_rng(15)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 40)
+    rm.update_reward_scale()
+    args = vr.Args(batch_size=32, buffer_size=400, refer=refer, per=per, C=0.5)
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-2)
+    state = {"k": 0, "beta": 1.0 if refer == "none" else 0.0}
+    for _ in range(30):
+        stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        assert torch.isfinite(stats).all()
+    check_qret_consistent(rm)  # the refresh keeps Q^ret equal to the full recursion in every variant
+    assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
+    assert state["k"] == 30
+    assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
