@@ -831,11 +831,29 @@ def check_replay_memory(args: Args, num_actions: int) -> None:
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
-def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, out_queue,
-               stop_event):
-    """Act with the latest shared weights (CPU, one thread), stream slots to the learner, respect the ratio.
+CHUNK_SLOTS = 4  # shared-memory chunk buffers per actor
 
-    ratio_base = (env step, learning step) from which the acting:learning ratio is counted."""
+
+def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int) -> dict:
+    """Shared-memory chunk buffers [num_actors, CHUNK_SLOTS, chunk + 1, ...] (one extra row for a pad slot).
+
+    An actor fills a free buffer, then sends only its index through the queue: messages stay a few bytes, so a killed
+    actor can never leave a half-written message that would block the learner's read."""
+    shape = (num_actors, CHUNK_SLOTS, chunk + 1)
+    buffers = {"obs": torch.zeros(*shape, 84, 84, dtype=torch.uint8), "action": torch.zeros(shape, dtype=torch.uint8),
+               "reward": torch.zeros(shape), "term": torch.zeros(shape, dtype=torch.bool),
+               "pad": torch.zeros(shape, dtype=torch.bool), "first": torch.zeros(shape, dtype=torch.bool),
+               "mu": torch.zeros(*shape, num_actions), "state": torch.zeros(*shape, 4, lstm_size, dtype=torch.float16)}
+    return {k: v.share_memory_() for k, v in buffers.items()}
+
+
+def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, buffers,
+               free_slots, out_queue, stop_event):
+    """Act with the latest shared weights (CPU, one thread), write slots into shared-memory chunk buffers and send
+    their indices to the learner, respect the acting:learning ratio.
+
+    ratio_base = (env step, learning step) from which the ratio is counted; free_slots: this actor's queue of free
+    chunk buffer indices (the learner gives a buffer back once it has copied it into the replay)."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
@@ -849,29 +867,22 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     obs, _ = env.reset(seed=seed)
     state = net.initial_state(1)
     first = True
-    buf = {k: [] for k in SequenceReplay.FIELDS}
-    env_steps_in_buf = 0
+    views = {k: v[actor_id].numpy() for k, v in buffers.items()}  # [CHUNK_SLOTS, chunk + 1, ...]
+    slot, pos, env_steps_in_buf = None, 0, 0
     steps = actor_steps[actor_id]  # actor 0 starts from the resumed global step
     base_env, base_learn = ratio_base
 
     def put(slot_obs, a, r, term, pad, is_first, mu, st):
-        buf["obs"].append(slot_obs)
-        buf["action"].append(a)
-        buf["reward"].append(r)
-        buf["term"].append(term)
-        buf["pad"].append(pad)
-        buf["first"].append(is_first)
-        buf["mu"].append(mu)
-        buf["state"].append(st)
+        nonlocal pos
+        for name, value in zip(SequenceReplay.FIELDS, (slot_obs, a, r, term, pad, is_first, mu, st)):
+            views[name][slot, pos] = value
+        pos += 1
 
     def flush():
-        nonlocal env_steps_in_buf
-        if buf["action"]:
-            data = {k: np.asarray(v) for k, v in buf.items()}
-            out_queue.put(("chunk", actor_id, env_steps_in_buf, data))
-            for v in buf.values():
-                v.clear()
-            env_steps_in_buf = 0
+        nonlocal slot, pos, env_steps_in_buf
+        if slot is not None and pos > 0:
+            out_queue.put(("chunk", actor_id, slot, pos, env_steps_in_buf))
+            slot, pos, env_steps_in_buf = None, 0, 0
 
     while not stop_event.is_set():
         # enforce the acting:learning ratio (actors wait for the learner)
@@ -880,6 +891,11 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
             flush()
             time.sleep(0.002)
             continue
+        if slot is None:
+            try:
+                slot = free_slots.get(timeout=0.1)
+            except queue.Empty:
+                continue
         if steps % args.actor_sync_every == 0 and weights_version.value != version:
             version = weights_version.value
             net.load_state_dict(shared_net.state_dict())
@@ -906,7 +922,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
             first = True
         else:
             obs, state, first = next_obs, out.state, False
-        if len(buf["action"]) >= args.actor_chunk:
+        if pos >= args.actor_chunk:
             flush()
     flush()
     env.close()
@@ -1000,11 +1016,17 @@ if __name__ == "__main__":
     # refills learning_starts steps first
     resumed_without_replay = bool(args.resume) and len(replay) == 0
     ratio_base = (global_step + args.learning_starts, learn_steps) if resumed_without_replay else (args.learning_starts, 0)
-    data_queue = ctx.Queue(maxsize=8 * args.num_actors)
+    data_queue = ctx.Queue()  # small messages only: chunk buffer indices and episode scores
+    chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size)
+    chunk_views = {k: v.numpy() for k, v in chunk_buffers.items()}
+    free_slots = [ctx.Queue() for _ in range(args.num_actors)]
+    for q in free_slots:
+        for j in range(CHUNK_SLOTS):
+            q.put(j)
     procs = ProcessGroup(ctx)
     for i in range(args.num_actors):
         procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
-                                 data_queue, procs.stop_event), name=f"actor-{i}")
+                                 chunk_buffers, free_slots[i], data_queue, procs.stop_event), name=f"actor-{i}")
 
     recent_returns = deque(maxlen=100)
     start_time, start_step, last_log_step = time.time(), global_step, learn_steps
@@ -1029,8 +1051,9 @@ if __name__ == "__main__":
                     break
                 got += 1
                 if msg[0] == "chunk":
-                    _, actor_id, n_env, data = msg
-                    replay.add(actor_id, data)
+                    _, actor_id, slot, m, n_env = msg
+                    replay.add(actor_id, {k: v[actor_id, slot, :m] for k, v in chunk_views.items()})  # copies
+                    free_slots[actor_id].put(slot)
                     global_step += n_env
                 else:
                     _, actor_id, ep_return, ep_len = msg
@@ -1096,13 +1119,6 @@ if __name__ == "__main__":
         print(f"error: {e}\n{e.traceback}", flush=True)
     finally:
         procs.stop_event.set()
-        deadline = time.time() + 2.0
-        while time.time() < deadline:  # drain so that actors blocked on a full queue can exit
-            try:
-                data_queue.get(timeout=0.1)
-            except (queue.Empty, OSError, EOFError):
-                if all(not p.is_alive() for p in procs.procs):
-                    break
         procs.stop()
 
     if args.checkpoint_every and stop_reason == "done":

@@ -8,7 +8,6 @@ operation O(log n)); `SequenceReplay` adds a constant-cost frame copy per slot o
 known priorities, as after a while of training.
 """
 import argparse
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -80,7 +79,7 @@ def env_only(seconds, out, i):
 
 def bench_acting(num_actors, seconds):
     """Env-only processes vs the real `actor_loop` processes (env + network + stream to a draining learner)."""
-    ctx = mp.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=env_only, args=(seconds, q, i)) for i in range(num_actors)]
     [p.start() for p in procs]
@@ -93,8 +92,14 @@ def bench_acting(num_actors, seconds):
     net.share_memory()
     version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
     data, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), data, stop))
-             for i in range(num_actors)]
+    buffers = reactor.make_chunk_buffers(num_actors, args.actor_chunk, 6, args.lstm_size)
+    views = {k: v.numpy() for k, v in buffers.items()}
+    free = [ctx.Queue() for _ in range(num_actors)]
+    for q_ in free:
+        for j in range(reactor.CHUNK_SLOTS):
+            q_.put(j)
+    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), buffers,
+                                                          free[i], data, stop)) for i in range(num_actors)]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, 6, 128)
     while sum(steps[:]) == 0:  # start-up (imports, ROM load)
@@ -106,7 +111,9 @@ def bench_acting(num_actors, seconds):
         except Exception:  # noqa: BLE001 - queue.Empty
             continue
         if msg[0] == "chunk":
-            replay.add(msg[1], msg[3])
+            _, i, slot, m, _ = msg
+            replay.add(i, {k: v[i, slot, :m] for k, v in views.items()})
+            free[i].put(slot)
     act_sps = (sum(steps[:]) - s0) / (time.perf_counter() - t0)
     stop.set()
     while any(p.is_alive() for p in procs):
