@@ -378,6 +378,16 @@ def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
     assert ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])) == ((7, 7, 3), 7, "minigrid")
 
 
+def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
+    r = run_script(tmp_path, "--env-ids", "MiniGrid-Empty-5x5-v0", "--num-actors", "2", "--batch-size", "2",
+                   "--buffer-frames", str(10**13), "--no-progress", timeout=60)
+    assert r.returncode != 0
+    assert "B per stored frame (uint8 frame 147 B" in r.stdout  # the start-up memory report
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the replay buffers need") and "GiB" in last and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 TINY = ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--steps-per-task", "240", "--num-actors", "2",
         "--batch-size", "2", "--unroll-length", "20", "--num-test-actors", "1", "--test-actor-max-sps", "300",
         "--start-method", "forkserver", "--no-progress", "--log-every-seconds", "0.5", "--no-cuda"]
