@@ -914,6 +914,10 @@ if __name__ == "__main__":
     state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
     global_step, t0, started, stats_ready = 0, 0, False, False
     if ckpt:
+        for key in ("env_id", "hidden_size", "residual", "std_map"):  # the network must mean the same thing
+            if ckpt["args"][key] != getattr(args, key):
+                raise SystemExit(f"error: checkpoint has --{key.replace('_', '-')} {ckpt['args'][key]!r}, "
+                                 f"this run {getattr(args, key)!r}")
         if ckpt["dims"] != (obs_dim, act_dim):
             raise SystemExit(f"error: checkpoint is for dims {ckpt['dims']}, {args.env_id} has {(obs_dim, act_dim)}")
         agent.load_state_dict(ckpt["model"])
@@ -1003,7 +1007,7 @@ if __name__ == "__main__":
                     stats_ready = True
                 rm.update_reward_scale()
                 rm.recount_far(refer_cmax(state["k"], args.C, args.A))
-                started, t0 = True, global_step
+                started, t0 = True, global_step - int(state["k"] * args.F)  # resumed runs: k continues at once
                 publish()
                 print(f"learning starts at env step {global_step} (replay holds {rm.size} samples)", flush=True)
 
