@@ -130,7 +130,7 @@ class Args:
 
     # --- algorithm specific arguments ---
     env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
-    """the task sequence (all Atari or all MiniGrid); the paper's Atari run: `--env-ids` with the 6 games of ATARI_6_GAMES"""
+    """the task sequence (all Atari or all MiniGrid); the paper's Atari run: the 6 games of ATARI_6_GAMES"""
     steps_per_task: int = 200_000
     """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
     num_cycles: int = 2
@@ -153,7 +153,7 @@ class Args:
     """total replay capacity in frames (agent steps), split equally over the actors (CLEAR App. A.3); -1 = half of all
     training frames (the paper's default); 0 = no buffer (requires --replay-ratio 0)"""
     behavior_cloning: bool = True
-    """add the policy- and value-cloning losses on replay unrolls (CLEAR Sec. 3); --no-behavior-cloning for the ablation"""
+    """add the policy- and value-cloning losses on replay unrolls (CLEAR Sec. 3); --no-behavior-cloning: ablation"""
     policy_cloning_cost: float = 0.01
     """weight of L_policy-cloning = KL(mu || pi_theta) (CLEAR App. A.4)"""
     value_cloning_cost: float = 0.005
@@ -209,7 +209,7 @@ def validate_args(args: Args) -> None:
     if args.mode not in ("sequential", "simultaneous", "separate"):
         fail(f"--mode must be sequential, simultaneous or separate, not {args.mode!r}")
     if args.start_method not in ("spawn", "forkserver"):
-        fail(f"--start-method must be spawn or forkserver (fork is unsafe with torch threads), not {args.start_method!r}")
+        fail(f"--start-method must be spawn or forkserver (fork is unsafe with threads), not {args.start_method!r}")
     if args.torso not in ("auto", "nature", "resnet", "minigrid"):
         fail(f"--torso must be auto, nature, resnet or minigrid, not {args.torso!r}")
     for name in ("steps_per_task", "num_cycles", "num_actors", "batch_size", "unroll_length"):
@@ -412,7 +412,8 @@ def vtrace_from_importance_weights(log_rhos, discounts, rewards, values, bootstr
     clipped_rhos = rhos if clip_rho_threshold is None else torch.clamp(rhos, max=clip_rho_threshold)  # rho_t
     cs = torch.clamp(rhos, max=1.0)  # c_i = min(c_bar, pi/mu), c_bar = 1 (IMPALA Sec. 4.1, torchbeast)
     values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
-    deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)  # delta_t V = rho_t (r_t + g V_{t+1} - V_t)
+    # delta_t V = rho_t (r_t + gamma V(x_{t+1}) - V(x_t))
+    deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
     # Eq. (1) as the backward recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))  (IMPALA Remark 1)
     acc = torch.zeros_like(bootstrap_value)
     vs_minus_v = []
@@ -548,8 +549,8 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
 
 
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
-    """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed over
-    time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
+    """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed
+    over time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
     log_mu = F.log_softmax(behaviour_logits, dim=-1)
     log_pi = F.log_softmax(target_logits, dim=-1)
     kl = (log_mu.exp() * (log_mu - log_pi)).sum(-1)  # [T, B]
@@ -557,7 +558,7 @@ def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.T
 
 
 def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
-    """CLEAR Sec. 3: L_value-cloning = ||V_theta(h_s) - V_replay(h_s)||_2^2, summed over time and replay columns only."""
+    """CLEAR Sec. 3: L_value-cloning = ||V_theta(h_s) - V_replay(h_s)||_2^2, summed over time and replay columns."""
     return (((values - behaviour_values) ** 2) * replay_mask).sum()
 
 
@@ -591,7 +592,8 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     loss = args.pg_cost * pg_loss + args.baseline_cost * value_loss + args.entropy_cost * entropy_loss
     if args.behavior_cloning:
         loss = loss + args.policy_cloning_cost * pc_loss + args.value_cloning_cost * vc_loss
-    parts = {"losses/pg_loss": pg_loss, "losses/value_loss": value_loss, "losses/entropy": -entropy_loss / u.actions.numel(),
+    mean_entropy = -entropy_loss / u.actions.numel()
+    parts = {"losses/pg_loss": pg_loss, "losses/value_loss": value_loss, "losses/entropy": mean_entropy,
              "losses/policy_cloning_loss": pc_loss, "losses/value_cloning_loss": vc_loss, "losses/total_loss": loss}
     return loss, {k: v.detach() for k, v in parts.items()}
 
@@ -845,8 +847,9 @@ if __name__ == "__main__":
     buffer_bytes = capacity * args.num_actors * per_unroll
     slot_bytes = 2 * args.num_actors * per_unroll
     print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames; "
-          f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + {(per_unroll - T * frame_bytes) / T:.0f} "
-          f"B per-unroll overhead incl. row 0) = {buffer_bytes / 2**30:.3f} GiB")
+          f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + "
+          f"{(per_unroll - T * frame_bytes) / T:.0f} B per-unroll overhead incl. row 0) "
+          f"= {buffer_bytes / 2**30:.3f} GiB")
     avail = memory_available_bytes()
     if buffer_bytes + slot_bytes > 0.9 * avail:
         raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
@@ -889,7 +892,8 @@ if __name__ == "__main__":
         global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
         eval_records = [tuple(r) for r in ckpt["eval_records"]]
         set_rng_state(ckpt["rng"])
-        print(f"resumed from {args.resume} at step {global_step_value} (task {task_for_actor(0, global_step_value, args)})")
+        task_now = task_for_actor(0, global_step_value, args)
+        print(f"resumed from {args.resume} at step {global_step_value} (task {task_now})")
 
     # SETUP: shared-memory slots, one (new, replay) pair per actor; only indices travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -898,7 +902,8 @@ if __name__ == "__main__":
     specs = unroll_specs(obs_shape, num_actions, T)
     slots = {k: torch.from_numpy(np.zeros((args.num_actors, 2, *shape), dtype=dtype)).share_memory_()
              for k, (shape, dtype) in specs.items()}
-    meta = torch.zeros(args.num_actors, 6, dtype=torch.int64).share_memory_()  # task, start, version, valid, rtask, fill
+    # per slot: task, start step, policy version, replay valid, replay task, buffer fill
+    meta = torch.zeros(args.num_actors, 6, dtype=torch.int64).share_memory_()
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
     slot_free = [ctx.Event() for _ in range(args.num_actors)]
     for e in slot_free:
@@ -916,8 +921,8 @@ if __name__ == "__main__":
     try:
         for i in range(args.num_actors):
             procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues,
-                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue, ckpt_request,
-                                     str(logger.dir)),
+                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue,
+                                     ckpt_request, str(logger.dir)),
                         name=f"actor-{i}")
         for task in range(K):
             for j in range(args.num_test_actors):
@@ -925,7 +930,8 @@ if __name__ == "__main__":
                                               shared_models, stop, eval_queue), name=f"test-{task}-{j}")
         start_time, start_step = time.time(), global_step_value
         last_log, last_log_step, last_frames, last_ckpt = start_time, global_step_value, 0, global_step_value
-        train_returns, window = collections.deque(maxlen=100), collections.defaultdict(lambda: collections.deque(maxlen=20))
+        train_returns = collections.deque(maxlen=100)
+        window = collections.defaultdict(lambda: collections.deque(maxlen=20))  # last test returns per task
         metrics_acc = collections.defaultdict(float)
         n_acc = 0
         learn_time = 0.0
@@ -934,14 +940,11 @@ if __name__ == "__main__":
             net = (sum(learner_steps) % num_nets)
             idx = []
             while len(idx) < B:
-                try:
-                    idx.append(full_queues[net].get() if not full_queues[net].empty() else None)
-                except (EOFError, OSError):
-                    idx.append(None)
-                if idx[-1] is None:
-                    idx.pop()
+                if full_queues[net].empty():
                     procs.check()  # a dead actor stops the run with its traceback
                     time.sleep(0.002)
+                    continue
+                idx.append(full_queues[net].get())
             t_learn = time.time()
             idx_t = torch.tensor(idx)
             m = meta[idx_t].clone()
@@ -1007,9 +1010,10 @@ if __name__ == "__main__":
                 })
                 logger.log(gs, out)
                 evals = " ".join(f"{np.mean(window[k]):.2f}" if window[k] else "-" for k in range(K))
-                logger.progress(gs, out["charts/SPS"], episodic_return=np.mean(train_returns) if train_returns else None,
-                                loss_name="total_loss", loss=out["losses/total_loss"],
-                                extra=f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{evals}]")
+                logger.progress(
+                    gs, out["charts/SPS"], episodic_return=np.mean(train_returns) if train_returns else None,
+                    loss_name="total_loss", loss=out["losses/total_loss"],
+                    extra=f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{evals}]")
                 metrics_acc.clear()
                 n_acc, learn_time = 0, 0.0
                 last_log, last_log_step, last_frames = now, gs, frames
@@ -1019,8 +1023,9 @@ if __name__ == "__main__":
                 last_ckpt = gs
                 save_checkpoint(logger.dir / "checkpoint.pt", {
                     "args": vars(args), "models": [x.state_dict() for x in models],
-                    "optimizers": [o.state_dict() for o in optimizers], "schedulers": [s.state_dict() for s in schedulers],
-                    "global_step": gs, "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
+                    "optimizers": [o.state_dict() for o in optimizers],
+                    "schedulers": [s.state_dict() for s in schedulers], "global_step": gs,
+                    "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
                 ckpt_request.value += 1
             procs.check()
     except KeyboardInterrupt:
