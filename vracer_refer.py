@@ -65,6 +65,9 @@ Differences from the paper
 - rho and the KL use untruncated Gaussian densities (the truncation constant cancels in pi/mu; as the authors' code).
 - Actors may act with weights up to one learner iteration old and a torn weight copy is possible; each transition
   stores the mean/std actually used, so rho stays exact.
+- `--resume` restores the learner exactly (network, Adam, beta, k, statistics, learner RNGs, optionally the replay);
+  the actors restart their episodes and are re-seeded with seed + 1000 i + resumed env step (their RNG streams and
+  unfinished episodes are not restored). Without the replay memory, a resumed run refills N_start samples first.
 - `--per rank` re-sorts priorities every `stats_every` steps (Schaul et al. use an approximately sorted heap); new
   episodes are sampled uniformly until the next re-sort, then enter with the maximal priority.
 - Not implemented: the authors' `farpolfrac` forgetting, the residual layer is off by default (`--residual`), DDPG and
