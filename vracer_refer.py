@@ -468,6 +468,7 @@ class EpisodeReplay:
         self.rs = np.zeros(cap)  # scaled reward r / (sigma_r + eps) (App. B)
         self.val = np.zeros(cap)  # most recent V(s_t)
         self.rho = np.ones(cap)  # most recent rho_t
+        self.la = np.full(cap, np.log(gamma))  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
         self.qret = np.zeros(cap)  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
         self.prio = np.zeros(cap)  # PER priority |V^tbc - V|
         self.ep_start = np.zeros(cap, np.int64)
@@ -515,6 +516,7 @@ class EpisodeReplay:
         self.rs[sl] = np.asarray(rew) / self.reward_scale
         self.val[sl] = val
         self.rho[sl] = 1.0
+        self.la[sl] = np.log(self.gamma)
         self.prio[sl] = self.max_prio  # PER: new samples get the maximal priority
         self.ep_start[sl], self.ep_last[sl] = lo, hi - 1
         self.valid[sl] = True
@@ -582,6 +584,7 @@ class EpisodeReplay:
         c_old = np.minimum(1.0, self.rho[idx])
         vtbc_old = (1.0 - c_old) * self.val[idx] + c_old * self.qret[idx]  # Eq. (7) with the stored V, rho
         self.rho[idx], self.val[idx] = rho, val
+        self._set_la(idx)
         if prio is not None:
             self.prio[idx] = prio
             self.max_prio = max(self.max_prio, float(prio.max()))
@@ -589,6 +592,10 @@ class EpisodeReplay:
             self.vboot[boot_idx] = boot_val
             self.qret[boot_idx] = self.rs[boot_idx] + self.gamma * boot_val
         self.refresh_delta(idx, vtbc_old)
+
+    def _set_la(self, idx) -> None:
+        with np.errstate(divide="ignore"):
+            self.la[idx] = np.log(self.gamma * np.minimum(1.0, self.rho[idx]))
 
     def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
         """Same result as `refresh` (Eq. (8) over all prior steps of every sampled step) with fewer array passes.
@@ -615,8 +622,7 @@ class EpisodeReplay:
         offs = np.cumsum(lens) - lens
         j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes [s, m]
         p_samp = np.repeat(offs - s, np.diff(np.append(ep_first, n))) + t  # positions of the samples in it
-        with np.errstate(divide="ignore"):
-            la = np.log(self.gamma * np.minimum(1.0, self.rho[j]))
+        la = self.la[j]
         if not np.isfinite(la).all():
             self.refresh(idx)
             return
@@ -633,12 +639,11 @@ class EpisodeReplay:
             delta[sel] = base[sel] + c[sel] * q - vo[sel]  # Eq. (7): new V^tbc_t - old V^tbc_t
         by_pos = np.argsort(p_samp)  # pieces (previous sample, this sample] tile the concatenation
         piece = np.diff(np.append(-1, p_samp[by_pos]))
-        top = np.repeat(p_samp[by_pos], piece)  # position of the nearest sample at or after p
-        dx = np.exp(R - R[top]) * np.repeat(delta[by_pos], piece)  # change of V^tbc_j (Eq. (8), linear there)
-        inner = np.ones(total, bool)
-        inner[offs] = False  # the first step of an episode has no predecessor
-        jj = j[inner] - 1
-        self.qret[jj] += self.gamma * dx[inner]  # Q^ret_{j-1} = r_j + gamma V^tbc_j
+        # change of V^tbc_j (Eq. (8), linear between samples), times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
+        dq = np.exp(R - np.repeat(R[p_samp[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
+        dq[offs] = 0.0  # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
+        j -= 1
+        self.qret[j] += dq
 
     def refresh(self, idx: np.ndarray) -> None:
         """Recompute Q^ret for every step before the latest sampled step of each sampled episode (Eq. (8)), vectorized.
@@ -661,6 +666,7 @@ class EpisodeReplay:
         tail = offs + lens - 1
         c = np.minimum(1.0, self.rho[j])
         v = self.val[j]
+        self._set_la(idx)  # (callers may have written rho directly)
         a = self.gamma * c
         b = (1.0 - c) * v + c * self.rs[j]
         b[tail] = (1.0 - c[tail]) * v[tail] + c[tail] * self.qret[m]  # Eq. (7) at the latest sampled step
@@ -727,6 +733,7 @@ class EpisodeReplay:
             if isinstance(v, np.ndarray):
                 getattr(self, k)[: len(v)] = v
         self.episodes = deque(tuple(e) for e in d["episodes"])
+        self._set_la(np.arange(len(d["rho"])))
         for k in ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio"):
             setattr(self, k, d[k])
 
