@@ -63,6 +63,9 @@ Differences from the paper
 - R(A) in beta-LOO is the scalar Retrace return on the expected target-network Q (Eq. (3)); the distributional
   target's mean equals it unless atoms are clipped at v_min/v_max.
 - The IS weights are normalized by their batch maximum (as most PER code does).
+- Both networks unroll all 33 frames (the paper: online over frames 1-32, target over 2-33); the online policy at
+  frame 33 gives pi(.|x_{t+n}) for the last backup, the target network's output at frame 1 is unused.
+- Actors write transitions into shared-memory chunk buffers and send only buffer indices to the learner.
 
 Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
 """
