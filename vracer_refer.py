@@ -76,6 +76,7 @@ Differences from the paper
 Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
 """
 import os
+import signal
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: actors' 1-row matvecs must not spin BLAS threads
 import time
@@ -818,7 +819,7 @@ def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
 
 def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_weights: torch.Tensor,
                shared_norm: torch.Tensor, control: torch.Tensor, rings: torch.Tensor, written: torch.Tensor,
-               read: torch.Tensor, seed: int, run_name: str, stop_event) -> None:
+               read: torch.Tensor, seed: int, run_name: str, stop_event, parent_pid: int | None = None) -> None:
     """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
 
     control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i.
@@ -837,6 +838,8 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     while not stop_event.is_set():
         n = int(written_np[actor_id])
         if n - int(read_np[actor_id]) >= R or int(written_np.sum()) >= int(control_np[0]):  # ring full or F gate
+            if parent_pid is not None and os.getppid() != parent_pid:
+                break  # the learner was killed without stopping us: do not linger as an orphan
             time.sleep(0.0005)
             continue
         if int(control_np[1]) != version:  # latest weights and state statistics (shared memory)
@@ -944,6 +947,10 @@ if __name__ == "__main__":
         print(f"resumed from {args.resume} at env step {global_step}, grad step {state['k']}"
               f" ({'with' if started else 'without'} replay memory)", flush=True)
 
+    def on_sigterm(signum, frame):  # `kill` / schedulers: the same clean shutdown as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     ctx = torch.multiprocessing.get_context(args.start_method)
     procs = ProcessGroup(ctx)
     n_params = sum(p.numel() for p in agent.parameters())
@@ -970,7 +977,7 @@ if __name__ == "__main__":
     for i in range(args.num_actors):
         actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
         procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
-                                 read, actor_seed, run_name, procs.stop_event), name=f"actor-{i}")
+                                 read, actor_seed, run_name, procs.stop_event, os.getpid()), name=f"actor-{i}")
 
     W = ring_width(obs_dim, act_dim)
     partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
