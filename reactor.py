@@ -992,9 +992,13 @@ if __name__ == "__main__":
             ckpt = load_checkpoint(args.resume, map_location=device)
         except (FileNotFoundError, RuntimeError) as e:
             raise SystemExit(f"error: {e}")
-        net.load_state_dict(ckpt["model"])
-        target_net.load_state_dict(ckpt["target_model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            net.load_state_dict(ckpt["model"])
+            target_net.load_state_dict(ckpt["target_model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: {args.resume} does not match these flags (env, network, --distributional): "
+                             f"{str(e).splitlines()[0]}")
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
         if ckpt.get("replay") is not None:
             if ckpt["replay"]["obs"].shape[0] != replay.capacity or len(ckpt["replay"]["written"]) != args.num_actors:
