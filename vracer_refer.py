@@ -789,11 +789,9 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
-OBS0 = 0  # ring row layout: [obs | u | mean | std | value, reward, terminated, truncated | final_obs | final_value,
-#                             episodic_return, episodic_length]
-
-
 def ring_width(obs_dim: int, act_dim: int) -> int:
+    """Columns of one ring row: [s_t | u_t | mean | std | V(s_t), r_{t+1}, terminated, truncated | s_T (truncated
+    ends) | V(s_T), episodic return, episodic length]."""
     return 2 * obs_dim + 3 * act_dim + 7
 
 

@@ -484,3 +484,24 @@ def test_train_step_all_variants(refer, per):
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
     assert state["k"] == 30
     assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
+
+
+def test_dead_actor_is_reported():
+    """An actor that fails (here: an env id that cannot be made) is reported by the supervision with its reason."""
+    import time
+
+    from common.processes import ActorDied, ProcessGroup
+    procs = ProcessGroup(torch.multiprocessing.get_context("spawn"))
+    args = vr.Args(env_id="NoSuchEnv-v0")
+    shm = [torch.zeros(10).share_memory_(), torch.zeros(4).share_memory_(),
+           torch.tensor([100, 1], dtype=torch.int64).share_memory_(), torch.zeros(1, 8, 20, dtype=torch.float64),
+           torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    procs.start(vr.actor_loop, (0, args, 2, 1, *shm, 0, "x", procs.stop_event), name="actor-0")
+    try:
+        with pytest.raises(ActorDied, match="actor-0 died .*NoSuchEnv"):
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                procs.check()
+                time.sleep(0.1)
+    finally:
+        procs.stop()
