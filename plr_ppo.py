@@ -773,6 +773,7 @@ def plot_curriculum(history, path) -> None:
         ax.plot(steps, [h[1][label] for h in history], label=label)
     ax.set_xlabel("env steps")
     ax.set_ylabel("P_replay mass")
+    ax.set_title("P_replay mass per level difficulty (paper Fig. 4)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -878,12 +879,20 @@ if __name__ == "__main__":
             "env_levels": np.array(envs.levels, dtype=np.int64),
         })  # fmt: skip
 
+    sample_seconds = [0.0]
+
+    def timed_sample(env_index):  # the adapter's next_level callback: PLR's sampleNextLevel, timed for charts/plr_seconds
+        t = time.perf_counter()
+        seed = sampler.sample(env_index)
+        sample_seconds[0] += time.perf_counter() - t
+        return seed
+
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
     interrupted, failure = False, None
     try:
         while global_step < args.total_timesteps:
             t0 = time.time()
-            replays_before = sampler.num_replays
+            replays_before, sample_seconds[0] = sampler.num_replays, 0.0
             samples_before = sampler.num_samples
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(T):
@@ -896,7 +905,7 @@ if __name__ == "__main__":
                 actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
                 if need_logits:
                     logits_buf[step] = logits
-                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=sampler.sample)
+                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=timed_sample)
                 done = terminated | truncated
                 levels_np[step] = info["level_seed"]
                 if normalizer is not None:
@@ -929,7 +938,7 @@ if __name__ == "__main__":
                 scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
                                      logits_buf.cpu().numpy() if need_logits else None)  # fmt: skip
                 sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
-            plr_time = time.time() - t1
+            plr_time = time.time() - t1 + sample_seconds[0]
 
             b_obs = obs_buf.reshape(-1, *obs_shape)
             b_actions, b_logprobs = actions_buf.reshape(-1), logprobs_buf.reshape(-1)

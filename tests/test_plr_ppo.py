@@ -508,3 +508,21 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
     assert ckpt2["global_step"] == 384 and ckpt2["update"] == ckpt["update"] + 1
     assert ckpt2["sampler"]["num_samples"] >= ckpt["sampler"]["num_samples"]
     np.testing.assert_array_equal(ckpt2["sampler"]["seeds"], ckpt["sampler"]["seeds"])
+
+
+def test_return_normalizer_and_cobbe_normalization():
+    rng = np.random.default_rng(8)
+    norm = plr_ppo.ReturnNormalizer(3, gamma=0.9, clip=1e9)
+    ret, seen = np.zeros(3), []
+    for step in range(200):
+        r, d = rng.normal(size=3), rng.random(3) < 0.1
+        out = norm(r.copy(), d)
+        ret = 0.9 * ret + r  # textbook discounted return, reset after an episode end
+        seen.append(ret.copy())
+        if step >= 3:  # after the (count 1e-4) prior has washed out: the std of every discounted return so far
+            np.testing.assert_allclose(out, r / np.sqrt(np.var(np.concatenate(seen)) + 1e-8), rtol=1e-4)
+        ret[d] = 0.0
+    assert plr_ppo.normalized_return("bigfish", "easy", 40.0) == pytest.approx(1.0)
+    assert plr_ppo.normalized_return("jumper", "easy", 3.0) == pytest.approx(0.0)  # easy R_min is 3 (not 1)
+    assert plr_ppo.normalized_return("starpilot", "hard", 18.25) == pytest.approx(0.5)
+    assert plr_ppo.normalized_return("MultiRoom-N4-Random", "easy", 0.5) is None
