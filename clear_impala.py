@@ -725,7 +725,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             task = new_task
             env = make_env(args.env_ids[task], seed, args,
                            capture_video=args.capture_video and actor_id == 0 and task == 0,
-                           video_folder=f"videos/{args.exp_name}_actor0")
+                           video_folder=f"videos/{os.path.basename(run_dir)}")
             obs, _ = env.reset(seed=seed + episode)
             for k in UNROLL_FIELDS:
                 new[k][0] = 0
