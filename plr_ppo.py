@@ -1004,9 +1004,9 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: closing environments")
-    except RuntimeError as e:  # a MiniGrid worker died: stop cleanly with the reason
-        interrupted, failure = True, str(e)
-        print(f"error: {e}")
+    except (RuntimeError, OSError) as e:  # a MiniGrid worker died (EOF or reset pipe): stop cleanly with the reason
+        interrupted, failure = True, f"environment worker failed: {type(e).__name__}: {e}"
+        print(f"error: {failure}")
     finally:
         envs.close()
 
