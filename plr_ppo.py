@@ -1005,8 +1005,7 @@ if __name__ == "__main__":
         interrupted = True
         print("interrupted: closing environments")
     except (RuntimeError, OSError) as e:  # a MiniGrid worker died (EOF or reset pipe): stop cleanly with the reason
-        interrupted, failure = True, f"environment worker failed: {type(e).__name__}: {e}"
-        print(f"error: {failure}")
+        interrupted, failure = True, f"environment worker failed: {type(e).__name__}: {e}"  # reported at exit
     finally:
         envs.close()
 
