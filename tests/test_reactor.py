@@ -27,7 +27,13 @@ from reactor import (  # noqa: E402
     tislr_policy_loss,
 )
 
-torch.set_default_dtype(torch.float64)
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """Textbook comparisons run in float64; the default is restored so other test files keep float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -490,10 +496,9 @@ def make_batch(B, T, A, H, rng, pad_at=None):
 
 
 @pytest.fixture
-def float32():
+def float32(float64_by_default):
     torch.set_default_dtype(torch.float32)
     yield
-    torch.set_default_dtype(torch.float64)
 
 
 def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
