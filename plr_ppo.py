@@ -821,6 +821,9 @@ if __name__ == "__main__":
     def eval_level(kind):
         if kind == "train" and args.num_train_levels > 0:
             return int(train_levels[eval_rng.integers(len(train_levels))])
+        if kind == "train" and sampler.num_seen:  # unbounded mode: the levels in the buffer
+            buffered = sampler.seeds[sampler.seen]
+            return int(buffered[eval_rng.integers(len(buffered))])
         return int(eval_rng.integers(MAX_SEED))  # held-out test levels: the full distribution
 
     difficulties = None if args.num_train_levels == 0 else level_difficulties(args.env_id, train_levels)
