@@ -285,7 +285,7 @@ def validate_args(args: Args) -> None:
         fail("--capture-video is not supported by plr_ppo.py (the vector adapters expose no rendered frames)")
     if args.resume and not os.path.isfile(args.resume):
         fail(f"--resume: no checkpoint file at {args.resume}")
-    if args.start_method not in ("spawn", "forkserver", "fork"):
+    if args.start_method not in ("spawn", "forkserver"):
         fail(f"--start-method must be spawn or forkserver, got {args.start_method!r}")
 
 
