@@ -252,13 +252,21 @@ class MiniGridVecEnv:
     def _random_level(self) -> int:
         return int(self._rng.integers(2**31 - 1))
 
+    def _worker_died(self, w: int) -> RuntimeError:
+        self._procs[w].join(timeout=1.0)
+        return RuntimeError(f"MiniGrid worker {w} died (exit code {self._procs[w].exitcode})")
+
+    def _send(self, w: int, message) -> None:
+        try:
+            self._conns[w].send(message)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the worker is gone
+            raise self._worker_died(w) from None
+
     def _recv(self, w: int):
         try:
             return self._conns[w].recv()
-        except EOFError:
-            raise RuntimeError(
-                f"MiniGrid worker {w} died (exit code {self._procs[w].exitcode})"
-            ) from None
+        except (EOFError, OSError):
+            raise self._worker_died(w) from None
 
     def _reset_envs(self, env_indices: Sequence[int], seeds: Sequence[int]) -> None:
         per_worker: dict[int, list] = {}
@@ -267,7 +275,7 @@ class MiniGridVecEnv:
             per_worker.setdefault(w, []).append((j, int(s)))
             self.levels[i] = int(s)
         for w, items in per_worker.items():
-            self._conns[w].send(("reset", items))
+            self._send(w, ("reset", items))
         for w, items in per_worker.items():
             for (j, _), ob in zip(items, self._recv(w)):
                 self._obs[self._splits[w][j]] = ob
@@ -292,7 +300,7 @@ class MiniGridVecEnv:
     def step(self, actions, next_level: Callable[[int], int] | None = None):
         actions = np.asarray(actions)
         for w, idx in enumerate(self._splits):
-            self._conns[w].send(("step", actions[idx]))
+            self._send(w, ("step", actions[idx]))
         reward = np.empty(self.num_envs, dtype=np.float32)
         terminated = np.empty(self.num_envs, dtype=bool)
         truncated = np.empty(self.num_envs, dtype=bool)

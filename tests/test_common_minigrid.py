@@ -94,3 +94,16 @@ def test_vector_env_level_plumbing_and_final_obs():
         assert np.array_equal(info["final_obs"][2], last)
     finally:
         envs.close()
+
+
+def test_dead_worker_is_reported_in_one_line():
+    envs = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 2, num_workers=2)
+    try:
+        envs.reset([0, 1])
+        envs._procs[1].kill()
+        envs._procs[1].join(timeout=5)
+        with pytest.raises(RuntimeError, match=r"MiniGrid worker 1 died \(exit code -9\)"):
+            for _ in range(3):
+                envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
