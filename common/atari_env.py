@@ -25,6 +25,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, RecordVideo
 
+from common.logger import check_video_support
+
 gym.register_envs(ale_py)
 
 ATARI_ENV_IDS = tuple(sorted(k for k in gym.registry if k.startswith("ALE/") or k.endswith("NoFrameskip-v4")))
@@ -130,6 +132,8 @@ def make_atari_env(
         raise ValueError("need frame_stack >= 1, frame_skip >= 1, noop_max >= 0 and 0 <= sticky_action_prob <= 1")
     if capture_video and not video_folder:
         raise ValueError("capture_video needs a video_folder")
+    if capture_video:
+        check_video_support()
     env = gym.make(
         env_id,
         frameskip=1,

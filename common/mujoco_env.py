@@ -13,6 +13,8 @@ from __future__ import annotations
 import gymnasium as gym
 from gymnasium.wrappers import RecordVideo
 
+from common.logger import check_video_support
+
 MUJOCO_ENV_IDS = tuple(
     sorted(k for k, spec in gym.registry.items() if "mujoco" in str(spec.entry_point) and k.endswith("-v5"))
 )
@@ -37,6 +39,8 @@ def make_mujoco_env(
     check_mujoco_env_id(env_id)
     if capture_video and not video_folder:
         raise ValueError("capture_video needs a video_folder")
+    if capture_video:
+        check_video_support()
     kwargs = {"max_episode_steps": max_episode_steps} if max_episode_steps is not None else {}
     env = gym.make(env_id, render_mode="rgb_array" if capture_video else None, **kwargs)
     if not isinstance(env.action_space, gym.spaces.Box):

@@ -82,3 +82,14 @@ def test_unknown_id_and_bad_options_fail_clearly():
         make_atari_env("ALE/Pong-v5", 0, frame_stack=0)
     with pytest.raises(ValueError, match="video_folder"):
         make_atari_env("ALE/Pong-v5", 0, capture_video=True)
+
+
+def test_capture_video_without_moviepy_fails_clearly(tmp_path):
+    try:
+        import moviepy  # noqa: F401
+
+        pytest.skip("moviepy is installed: videos can be recorded")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match="capture-video needs a working moviepy"):
+        make_atari_env("ALE/Pong-v5", 0, capture_video=True, video_folder=str(tmp_path))
