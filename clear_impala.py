@@ -91,7 +91,7 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, make_run_name
+from common.logger import RunLogger, check_video_support, make_run_name
 from common.processes import ActorDied, ProcessGroup
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
@@ -206,6 +206,11 @@ def validate_args(args: Args) -> None:
 
     if not args.env_ids:
         fail("--env-ids needs at least one task")
+    if args.capture_video:
+        try:
+            check_video_support()
+        except ValueError as e:
+            fail(str(e))
     if args.mode not in ("sequential", "simultaneous", "separate"):
         fail(f"--mode must be sequential, simultaneous or separate, not {args.mode!r}")
     if args.start_method not in ("spawn", "forkserver"):

@@ -84,7 +84,7 @@ import tyro
 
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, make_run_name
+from common.logger import RunLogger, check_video_support, make_run_name
 from common.processes import ActorDied, ProcessGroup
 
 
@@ -208,6 +208,11 @@ def validate_args(args: Args) -> None:
         raise SystemExit(f"error: --policy-gradient must be beta-loo or tislr, not {args.policy_gradient!r}")
     if args.start_method not in ("spawn", "forkserver"):
         raise SystemExit("error: --start-method must be spawn or forkserver")
+    if args.capture_video:
+        try:
+            check_video_support()
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     checks = [
         (args.num_actors >= 1, "--num-actors must be >= 1"),
         (args.batch_size >= 1 and args.sequence_length >= 1, "--batch-size and --sequence-length must be >= 1"),
