@@ -10,6 +10,8 @@ What this module gives:
     size 7); the variant of level `s` is `s % k`.
 - `MiniGridVecEnv`: a vector env whose members live in worker processes (one per core by default) and start every
   new episode on a level (reset seed) chosen by the caller: the same interface as `common.procgen_env.ProcgenVecEnv`.
+- `MiniGrid-DistShiftStraight-7x5-v0` / `MiniGrid-DistShiftDetour-7x5-v0`: two registered layouts whose routes
+  conflict (each walks into the other's lava), for forgetting experiments with clear_impala.py.
 - `level_difficulty(env_id, seed)`: the difficulty label of a level (room count, maze variant) for curriculum plots.
 
 A level is a reset seed: `env.reset(seed=s)` is deterministic in MiniGrid.
@@ -31,6 +33,18 @@ from minigrid.envs.obstructedmaze import ObstructedMaze_1Dlhb, ObstructedMaze_Fu
 from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
 
 MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "ObstructedMazeGamut-Medium")
+
+# Two small DistShift layouts whose routes conflict, for showing forgetting on a CPU (clear_impala.py task sequences):
+# 7x5 grid, agent at (1, 2) facing right, goal at (5, 1). "Straight" has lava at (3, 1) and (3, 3) (the route is
+# straight along row 2); "Detour" has lava at (3, 1) and (3, 2) (the route goes down to row 3). Each task's route
+# walks into the other's lava, and the two start views differ in one cell.
+for _name, _lava_row in (("MiniGrid-DistShiftStraight-7x5-v0", 3), ("MiniGrid-DistShiftDetour-7x5-v0", 2)):
+    if _name not in gym.registry:
+        gym.register(
+            id=_name,
+            entry_point="minigrid.envs.distshift:DistShiftEnv",
+            kwargs={"width": 7, "height": 5, "strip2_row": _lava_row, "agent_start_pos": (1, 2)},
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------

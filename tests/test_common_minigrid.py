@@ -107,3 +107,19 @@ def test_dead_worker_is_reported_in_one_line():
                 envs.step(np.zeros(2, dtype=np.int64))
     finally:
         envs.close()
+
+
+def test_distshift_pair_routes_conflict():
+    """Straight's route (forward along row 2) reaches its goal region safely but walks into Detour's lava."""
+    straight = make_minigrid_env("MiniGrid-DistShiftStraight-7x5-v0", fully_observable=False)
+    detour = make_minigrid_env("MiniGrid-DistShiftDetour-7x5-v0", fully_observable=False)
+    s_obs, _ = straight.reset(seed=0)
+    d_obs, _ = detour.reset(seed=0)
+    assert s_obs.shape == (7, 7, 3) and not np.array_equal(s_obs, d_obs)
+    _, reward, terminated, _, _ = detour.step(2)  # forward from (1,2) to (2,2)
+    assert not terminated
+    _, reward, terminated, _, _ = detour.step(2)  # forward into (3,2): lava in Detour
+    assert terminated and reward == 0
+    straight.step(2)
+    _, _, terminated, _, _ = straight.step(2)  # (3,2) is free in Straight
+    assert not terminated
