@@ -37,8 +37,9 @@ Gymnasium autoreset mode
 ------------------------
 SAME_STEP, through common.procgen_env.ProcgenVecEnv / common.minigrid_env.MiniGridVecEnv: at an episode end the
 adapter asks `next_level(i)` (here `LevelSampler.sample`) for the next level and returns its first observation;
-`info["level_seed"]` is the level each transition was played on; MiniGrid also returns `info["final_obs"]`, which
-is used to bootstrap time-limit truncations.
+`info["level_seed"]` is the level each transition was played on; `info["final_obs"]` holds the true last
+observation of time-limit truncations, which GAE bootstraps from (the Procgen adapter applies the game's limit one
+step early so that it can show that frame).
 
 Differences from the paper
 --------------------------
@@ -53,8 +54,9 @@ Differences from the paper
   more uncertain). The paper's Table 1 writes Σ π log π and p1 - p2.
 - value_l1 / gae scores use PPO's own GAE, which at a rollout's end bootstraps from V(s_T) of the unfinished
   episode (as the authors' code); partial-episode scores are merged step-weighted (Algorithm 4's S~).
-- Procgen does not expose the last frame of a finished episode, so a Procgen time-limit truncation is treated as a
-  termination (as the authors' code and CleanRL do); MiniGrid truncations bootstrap from V(final_obs).
+- Time-limit truncations bootstrap from V(final_obs) in both domains (the authors' code and CleanRL treat a Procgen
+  timeout as a termination). Procgen episodes are cut one step before the game's own limit (999 steps, maze 499)
+  because Procgen never shows the last frame of an episode it ends itself.
 - Return normalization uses γ = args.gamma (the authors' code used 0.99 there), clip ±10.
 - In unbounded mode a new level is scored while staged and enters the M-level buffer when its first episode ends
   (replacing l_min only if S(l_min) < its score), as the authors' extended code does.
@@ -803,7 +805,6 @@ if __name__ == "__main__":
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2) if device.type == "cpu" else 1)
 
     # SETUP: envs, network, optimizer, level sampler
-    procgen = is_procgen(args.env_id)
     N, T = args.num_envs, args.num_steps
     batch_size = N * T
     minibatch_size = batch_size // args.num_minibatches
@@ -916,7 +917,7 @@ if __name__ == "__main__":
                 rewards_buf[step] = torch.as_tensor(reward, device=device)
                 term_buf[step] = torch.as_tensor(terminated, device=device)
                 done_buf[step] = torch.as_tensor(done, device=device)
-                if info["final_obs"] is not None and truncated.any():  # bootstrap truncations from V(s_final)
+                if truncated.any():  # bootstrap truncations from V(s_final)
                     idx = np.flatnonzero(truncated)
                     with torch.no_grad():
                         _, v_final = agent(torch.as_tensor(info["final_obs"][idx], device=device))
@@ -929,11 +930,8 @@ if __name__ == "__main__":
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
                 _, next_value = agent(torch.as_tensor(next_obs, device=device))
-            if procgen:  # no final obs: a time-limit truncation is treated as a termination (authors' code, CleanRL)
-                no_bootstrap, final_values = done_buf, torch.zeros_like(values_buf)
-            else:  # MiniGrid: truncated episodes bootstrap from V(final_obs)
-                no_bootstrap, final_values = term_buf, final_values_buf
-            advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, no_bootstrap, done_buf, final_values,
+            # truncated episodes bootstrap from V(final_obs); terminated ones do not
+            advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf,
                                              args.gamma, args.gae_lambda)  # fmt: skip
             returns = advantages + values_buf
             t1 = time.time()

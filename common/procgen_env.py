@@ -1,9 +1,11 @@
 """Procgen as a numpy vector env whose every episode can start on a level chosen by the caller (for PLR).
 
 `ProcgenVecEnv` wraps the gym3 `ProcgenGym3Env` (procgen 0.10.7, C++ envs stepped in native threads) and gives:
-- numpy outputs: obs (N, 64, 64, 3) uint8, reward float32, explicit `terminated` / `truncated`: Procgen does not
-  tell a timeout from a death, so an episode that ends at the game's own step limit (`PROCGEN_TIMEOUTS`: 1000,
-  maze 500) is reported as truncated, every other end as terminated;
+- numpy outputs: obs (N, 64, 64, 3) uint8, reward float32, explicit `terminated` / `truncated`. Procgen does not
+  tell a timeout from a death and never shows the last frame of an episode it ends, so the adapter applies the time
+  limit itself, one step before the game's own limit (`PROCGEN_TIMEOUTS`: 1000, maze 500): an episode that reaches
+  `timeout - 1` steps is reported as truncated, its true last frame goes to `info["final_obs"]` (bootstrap from
+  it), and the env moves to the next level; every end Procgen reports itself is a termination;
 - per-env episode return and length, and the level seed of every transition;
 - `set_level(i, seed)`: puts env i on level `seed` in about 0.3 ms. The start state of each level is built once
   with a throw-away 1-env `ProcgenGym3Env(start_level=seed, num_levels=1)` and cached; switching is the C
@@ -11,8 +13,8 @@
   Stock procgen offers no per-env seeding; level-replay used a patched fork (minqi/procgen) for this.
 
 Autoreset is SAME_STEP: when an episode ends, `step` asks `next_level(i)` for the next level (without a callback
-the env stays on Procgen's own level distribution), and the returned obs[i] is that level's first frame. Procgen
-never exposes the last frame of a finished episode, so `info["final_obs"]` is None.
+the env stays on Procgen's own level distribution), and the returned obs[i] is that level's first frame.
+`info["final_obs"][i]` holds the true last frame of an episode truncated at step i (valid where `truncated`).
 
 Order matters inside `step` (procgen writes reward 0 / first=True into a slot on `set_state`): act, read reward and
 info, then switch the finished slots, then observe again.
@@ -46,7 +48,7 @@ class ProcgenVecEnv:
     step(actions, next_level=None) -> obs, reward, terminated, truncated, info with
         info["level_seed"] (N,) level each transition was played on, info["next_level_seed"] (N,) level of obs,
         info["_episode"] (N,) bool, info["episode_return"], info["episode_length"] valid where _episode,
-        info["final_obs"] = None.
+        info["final_obs"] (N, 64, 64, 3), valid where truncated.
     """
 
     def __init__(
@@ -71,6 +73,8 @@ class ProcgenVecEnv:
             raise ValueError("num_envs must be >= 1, num_levels and start_level >= 0")
         self.env_name, self.num_envs = env_name, num_envs
         self.timeout = PROCGEN_TIMEOUTS[env_name]
+        self._num_levels, self._start_level = int(num_levels), int(start_level)
+        self._rng = np.random.default_rng(rand_seed)
         self._options = dict(env_name=env_name, distribution_mode=distribution_mode)  # gym3 wants plain ints/strs
         self.env = ProcgenGym3Env(
             num=num_envs,
@@ -87,6 +91,12 @@ class ProcgenVecEnv:
         self._ep_return = np.zeros(num_envs, dtype=np.float64)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
         self.levels = self._read_levels()
+
+    def _default_level(self) -> int:
+        """A level of the distribution given at construction (used when we end an episode without a callback)."""
+        if self._num_levels > 0:
+            return int(self._rng.integers(self._start_level, self._start_level + self._num_levels))
+        return int(self._rng.integers(2**31 - 1))
 
     def _read_levels(self) -> np.ndarray:
         return np.array([i["level_seed"] for i in self.env.get_info()], dtype=np.int64)
@@ -133,26 +143,29 @@ class ProcgenVecEnv:
         self.env.act(np.asarray(actions, dtype=np.int32))
         reward, obs, first = self.env.observe()  # gym3 returns copies; read before any set_state
         reward = reward.astype(np.float32)
-        done = first.astype(bool)
+        terminated = first.astype(bool)  # every end Procgen reports itself (our limit comes one step earlier)
         self._ep_return += reward
         self._ep_length += 1
-        truncated = done & (self._ep_length >= self.timeout)
-        terminated = done & ~truncated
+        truncated = ~terminated & (self._ep_length >= self.timeout - 1)
+        done = terminated | truncated
         info = {
             "level_seed": self.levels.copy(),
             "_episode": done.copy(),
             "episode_return": np.where(done, self._ep_return, 0.0),
             "episode_length": np.where(done, self._ep_length, 0),
-            "final_obs": None,
+            "final_obs": obs["rgb"],  # gym3 returned a copy: still the true last frame of truncated episodes
         }
         done_idx = np.flatnonzero(done)
         if len(done_idx):
             if next_level is not None:
                 for i in done_idx:
                     self._set_state(int(i), next_level(int(i)))
-                obs = self.env.observe()[1]
-            else:  # Procgen already moved these envs to a level of its own distribution
+            else:  # terminated envs are already on a level of Procgen's own distribution; truncated ones get one
                 self.levels[done_idx] = self._read_levels()[done_idx]
+                for i in np.flatnonzero(truncated):
+                    self._set_state(int(i), self._default_level())
+            if next_level is not None or truncated.any():
+                obs = self.env.observe()[1]
             self._ep_return[done_idx] = 0.0
             self._ep_length[done_idx] = 0
         info["next_level_seed"] = self.levels.copy()

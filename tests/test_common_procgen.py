@@ -75,20 +75,30 @@ def test_after_episode_end_env_is_on_the_chosen_level():
     assert ended >= 3
 
 
-def test_timeout_is_truncation_and_episode_stats():
-    """maze never ends by itself under the no-op action (4): its 500-step timeout is reported as truncation."""
+def test_timeout_is_truncation_with_true_final_frame_and_episode_stats():
+    """maze never ends by itself under the no-op action (4); the adapter cuts it one step before the game's own
+    500-step limit, reports a truncation and keeps the true last frame in info["final_obs"]."""
     env = ProcgenVecEnv("maze", 2, num_threads=0)
     env.reset([5, 6])
+    fresh = _fresh(5, "maze")
     returns = np.zeros(2)
     for t in range(600):
-        obs, reward, terminated, truncated, info = env.step(np.full(2, 4))
+        obs, reward, terminated, truncated, info = env.step(np.full(2, 4), next_level=lambda i: 7)
+        fresh.act(np.array([4], dtype=np.int32))
         returns += reward
         if info["_episode"].any():
             break
-    assert t == 499 and truncated.all() and not terminated.any()
-    np.testing.assert_array_equal(info["episode_length"], [500, 500])
+    assert t == 498 and truncated.all() and not terminated.any()
+    np.testing.assert_array_equal(info["episode_length"], [499, 499])
     np.testing.assert_allclose(info["episode_return"], returns)
-    assert info["final_obs"] is None
+    assert np.array_equal(info["final_obs"][0], fresh.observe()[1]["rgb"][0]), "final_obs is the true last frame"
+    assert np.array_equal(obs[0], _fresh(7, "maze").observe()[1]["rgb"][0]), "obs is the next level's first frame"
+    np.testing.assert_array_equal(info["next_level_seed"], [7, 7])
+    plain = ProcgenVecEnv("maze", 1, num_threads=0, num_levels=3, start_level=10)  # no callback: a level of the range
+    plain.reset()
+    for _ in range(499):
+        obs, reward, terminated, truncated, info = plain.step(np.full(1, 4))
+    assert truncated[0] and 10 <= info["next_level_seed"][0] < 13
 
 
 def test_level_completion_is_termination():
