@@ -73,7 +73,7 @@ Differences from the paper
   after the checkpoint (a few unrolls after the model snapshot), not at the same instant.
 
 Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
-common/processes.py.
+common/processes.py, common/video.py.
 """
 import collections
 import json
@@ -91,8 +91,9 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, check_video_support, make_run_name
+from common.logger import RunLogger, make_run_name
 from common.processes import ActorDied, ProcessGroup
+from common.video import check_video_support
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
     "ALE/SpaceInvaders-v5", "ALE/Krull-v5", "ALE/BeamRider-v5", "ALE/Hero-v5", "ALE/StarGunner-v5", "ALE/MsPacman-v5")

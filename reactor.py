@@ -67,7 +67,7 @@ Differences from the paper
   frame 33 gives pi(.|x_{t+n}) for the last backup, the target network's output at frame 1 is unused.
 - Actors write transitions into shared-memory chunk buffers and send only buffer indices to the learner.
 
-Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
+Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
 """
 import os
 import queue
@@ -84,8 +84,9 @@ import tyro
 
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, check_video_support, make_run_name
+from common.logger import RunLogger, make_run_name
 from common.processes import ActorDied, ProcessGroup
+from common.video import check_video_support
 
 
 @dataclass

@@ -73,7 +73,7 @@ Differences from the paper
 - Not implemented: the authors' `farpolfrac` forgetting, the residual layer is off by default (`--residual`), DDPG and
   NAF with ReF-ER (other algorithms of the paper), the parameterized advantage of App. E.
 
-Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py.
+Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
 """
 import os
 import signal
@@ -93,6 +93,7 @@ from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
 from common.processes import ActorDied, ProcessGroup
+from common.video import check_video_support
 
 
 @dataclass
@@ -226,9 +227,9 @@ def validate_args(args: Args) -> None:
         raise SystemExit("error: --start-method must be spawn or forkserver")
     if args.capture_video:
         try:
-            import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
-        except ImportError:
-            raise SystemExit("error: --capture-video needs the moviepy package, which is not installed") from None
+            check_video_support()
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     if args.ring_size < 2:
         raise SystemExit("error: --ring-size must be >= 2")
 

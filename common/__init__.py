@@ -8,4 +8,5 @@ No algorithm logic lives here. Each script names the modules it needs in its doc
 - logger.py        runs/{run_name}: TensorBoard, metrics.jsonl, summary.json, progress line, optional wandb
 - checkpoint.py    seeding, RNG state, device choice, atomic checkpoints
 - processes.py     actor process start / death detection / shutdown
+- video.py         the --capture-video support check (RecordVideo needs moviepy)
 """

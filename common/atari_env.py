@@ -25,7 +25,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, RecordVideo
 
-from common.logger import check_video_support
+from common.video import check_video_support
 
 gym.register_envs(ale_py)
 

@@ -147,12 +147,3 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a metrics.jsonl file back into a list of dicts (for plots, tests and README tables)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def check_video_support() -> None:
-    """Raise a one-line error unless gymnasium's RecordVideo can write files (it needs moviepy, which is not in
-    requirements.txt: its ffmpeg wheel pin clashes with gym3's; install `moviepy` to use --capture-video)."""
-    try:
-        import moviepy  # noqa: F401
-    except Exception as e:  # ImportError, or a broken ffmpeg backend
-        raise ValueError(f"--capture-video needs a working moviepy ({type(e).__name__}: {e}); install it to record videos") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gymnasium as gym
 from gymnasium.wrappers import RecordVideo
 
-from common.logger import check_video_support
+from common.video import check_video_support
 
 MUJOCO_ENV_IDS = tuple(
     sorted(k for k, spec in gym.registry.items() if "mujoco" in str(spec.entry_point) and k.endswith("-v5"))
