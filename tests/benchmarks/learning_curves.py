@@ -1,0 +1,111 @@
+"""Learning-curve tables (and an optional plot) from runs' metrics.jsonl (not collected by pytest).
+
+Prints, for each run directory, the mean of a metric in bins of environment steps, as the markdown table the README
+Results sections use, plus the mean over the last `--last` values. `--eval-vracer K` also plays K episodes with the
+deterministic policy (mean action) from each run's checkpoint.pt (vracer_refer.py runs only).
+
+Usage:
+  python tests/benchmarks/learning_curves.py runs/Hopper-v5__a runs/Hopper-v5__b [--bin 100000]
+      [--metric charts/episodic_return] [--last 20] [--plot curves.png] [--eval-vracer 10]
+      [--with refer/beta refer/far_policy_frac refer/kl]   (one more table per run: bin means of these metrics)
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from common.logger import read_metrics  # noqa: E402
+
+
+def binned(rows, metric: str, bin_size: int):
+    """{bin end: mean of `metric` over the rows whose global_step falls in (end - bin_size, end]}."""
+    steps = np.array([r["global_step"] for r in rows if metric in r], dtype=np.int64)
+    vals = np.array([r[metric] for r in rows if metric in r], dtype=np.float64)
+    if len(steps) == 0:
+        return {}, vals
+    ends = ((steps - 1) // bin_size + 1) * bin_size
+    return {int(e): float(vals[ends == e].mean()) for e in np.unique(ends)}, vals
+
+
+def eval_vracer(run_dir: str, episodes: int) -> float:
+    import torch
+
+    import vracer_refer as vr
+    ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), map_location="cpu", weights_only=False)
+    a = ckpt["args"]
+    obs_dim, act_dim = ckpt["dims"]
+    agent = vr.Agent(obs_dim, act_dim, a["hidden_size"], a["init_std"], a["std_map"], a["residual"])
+    agent.load_state_dict(ckpt["model"])
+    returns = vr.evaluate(agent, a["env_id"], a["seed"] + 10_000, episodes, ckpt["obs_mean"], ckpt["obs_std"],
+                          torch.device("cpu"), a["clip_actions"])
+    return float(np.mean(returns)), ckpt["global_step"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--metric", default="charts/episodic_return")
+    p.add_argument("--bin", type=int, default=100_000)
+    p.add_argument("--last", type=int, default=20)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--eval-vracer", type=int, default=0)
+    p.add_argument("--with", dest="extra", nargs="*", default=[])
+    a = p.parse_args()
+    tables, lasts, names = [], [], []
+    for d in a.runs:
+        rows = read_metrics(os.path.join(d, "metrics.jsonl"))
+        t, vals = binned(rows, a.metric, a.bin)
+        tables.append(t)
+        lasts.append(float(vals[-a.last:].mean()) if len(vals) else float("nan"))
+        names.append(os.path.basename(os.path.normpath(d)))
+    ends = sorted(set().union(*tables))
+    print("| env steps | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for e in ends:
+        print(f"| {e:,} | " + " | ".join(f"{t[e]:.0f}" if e in t else "-" for t in tables) + " |")
+    print(f"| mean of last {a.last} | " + " | ".join(f"{v:.0f}" for v in lasts) + " |")
+    if a.eval_vracer:
+        cells = []
+        for d in a.runs:
+            m, step = eval_vracer(d, a.eval_vracer)
+            cells.append(f"{m:.0f} (at {step:,})")
+        print(f"| deterministic policy, {a.eval_vracer} episodes | " + " | ".join(cells) + " |")
+    for d, name in zip(a.runs, names) if a.extra else ():
+        rows = read_metrics(os.path.join(d, "metrics.jsonl"))
+        ret, _ = binned(rows, a.metric, a.bin)
+        count = {e: n for e, n in zip(*np.unique(((np.array([r["global_step"] for r in rows if a.metric in r]) - 1)
+                                                   // a.bin + 1) * a.bin, return_counts=True))}
+        cols = [binned(rows, m, a.bin)[0] for m in a.extra]
+        print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
+        print("|---|---|---|" + "---|" * len(a.extra))
+        for e in sorted(ret):
+            print(f"| {e:,} | {count.get(e, 0)} | {ret[e]:.0f} | "
+                  + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for d, name in zip(a.runs, names):
+            rows = [r for r in read_metrics(os.path.join(d, "metrics.jsonl")) if a.metric in r]
+            x = np.array([r["global_step"] for r in rows])
+            y = np.array([r[a.metric] for r in rows])
+            k = max(1, a.last)
+            if len(y) >= k:
+                y = np.convolve(y, np.ones(k) / k, mode="valid")
+                x = x[k - 1:]
+            ax.plot(x, y, label=name)
+        ax.set_xlabel("environment steps")
+        ax.set_ylabel(a.metric + f" (moving mean of {a.last})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=100)
+        print(f"plot: {a.plot}")
+    print(json.dumps({"runs": names, "last_mean": lasts}))
+
+
+if __name__ == "__main__":
+    main()
