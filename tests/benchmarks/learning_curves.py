@@ -20,6 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from common.logger import read_metrics  # noqa: E402
 
 
+def label(end: int, bin_size: int) -> str:
+    """'600k-700k' for the bin (600k, 700k]."""
+    k = lambda x: f"{x / 1e6:g}M" if x >= 1_000_000 and x % 1_000_000 == 0 else f"{x / 1e3:g}k"
+    return f"{k(end - bin_size) if end > bin_size else '0'}-{k(end)}"
+
+
 def binned(rows, metric: str, bin_size: int):
     """{bin end: mean of `metric` over the rows whose global_step falls in (end - bin_size, end]}."""
     steps = np.array([r["global_step"] for r in rows if metric in r], dtype=np.int64)
@@ -65,7 +71,7 @@ def main():
     print("| env steps | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for e in ends:
-        print(f"| {e:,} | " + " | ".join(f"{t[e]:.0f}" if e in t else "-" for t in tables) + " |")
+        print(f"| {label(e, a.bin)} | " + " | ".join(f"{t[e]:.0f}" if e in t else "-" for t in tables) + " |")
     print(f"| mean of last {a.last} | " + " | ".join(f"{v:.0f}" for v in lasts) + " |")
     if a.eval_vracer:
         cells = []
@@ -82,7 +88,7 @@ def main():
         print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
         print("|---|---|---|" + "---|" * len(a.extra))
         for e in sorted(ret):
-            print(f"| {e:,} | {count.get(e, 0)} | {ret[e]:.0f} | "
+            print(f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
                   + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
     if a.plot:
         import matplotlib
