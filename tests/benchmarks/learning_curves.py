@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from common.checkpoint import load_checkpoint  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
 
 
@@ -27,20 +28,25 @@ def label(end: int, bin_size: int) -> str:
 
 
 def binned(rows, metric: str, bin_size: int):
-    """{bin end: mean of `metric` over the rows whose global_step falls in (end - bin_size, end]}."""
+    """({bin end: mean of `metric` over the rows whose global_step falls in (end - bin_size, end]},
+    {bin end: number of those rows}, all values in order)."""
     steps = np.array([r["global_step"] for r in rows if metric in r], dtype=np.int64)
     vals = np.array([r[metric] for r in rows if metric in r], dtype=np.float64)
-    if len(steps) == 0:
-        return {}, vals
     ends = ((steps - 1) // bin_size + 1) * bin_size
-    return {int(e): float(vals[ends == e].mean()) for e in np.unique(ends)}, vals
+    bins = np.unique(ends)
+    return ({int(e): float(vals[ends == e].mean()) for e in bins},
+            {int(e): int((ends == e).sum()) for e in bins}, vals)
 
 
-def eval_vracer(run_dir: str, episodes: int) -> float:
+def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
+    """Mean return of `episodes` deterministic-policy episodes from run_dir/checkpoint.pt, and its env step."""
     import torch
 
     import vracer_refer as vr
-    ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), map_location="cpu", weights_only=False)
+    try:
+        ckpt = load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"error: {e} (run with --checkpoint-every N to have one)") from None
     a = ckpt["args"]
     obs_dim, act_dim = ckpt["dims"]
     agent = vr.Agent(obs_dim, act_dim, a["hidden_size"], a["init_std"], a["std_map"], a["residual"])
@@ -63,7 +69,7 @@ def main():
     tables, lasts, names = [], [], []
     for d in a.runs:
         rows = read_metrics(os.path.join(d, "metrics.jsonl"))
-        t, vals = binned(rows, a.metric, a.bin)
+        t, _, vals = binned(rows, a.metric, a.bin)
         tables.append(t)
         lasts.append(float(vals[-a.last:].mean()) if len(vals) else float("nan"))
         names.append(os.path.basename(os.path.normpath(d)))
@@ -81,9 +87,7 @@ def main():
         print(f"| deterministic policy, {a.eval_vracer} episodes | " + " | ".join(cells) + " |")
     for d, name in zip(a.runs, names) if a.extra else ():
         rows = read_metrics(os.path.join(d, "metrics.jsonl"))
-        ret, _ = binned(rows, a.metric, a.bin)
-        count = {e: n for e, n in zip(*np.unique(((np.array([r["global_step"] for r in rows if a.metric in r]) - 1)
-                                                   // a.bin + 1) * a.bin, return_counts=True))}
+        ret, count, _ = binned(rows, a.metric, a.bin)
         cols = [binned(rows, m, a.bin)[0] for m in a.extra]
         print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
         print("|---|---|---|" + "---|" * len(a.extra))
