@@ -66,9 +66,9 @@ def main():
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
     a = p.parse_args()
+    runs_rows = [read_metrics(os.path.join(d, "metrics.jsonl")) for d in a.runs]  # read each file once
     tables, lasts, names = [], [], []
-    for d in a.runs:
-        rows = read_metrics(os.path.join(d, "metrics.jsonl"))
+    for d, rows in zip(a.runs, runs_rows):
         t, _, vals = binned(rows, a.metric, a.bin)
         tables.append(t)
         lasts.append(float(vals[-a.last:].mean()) if len(vals) else float("nan"))
@@ -85,8 +85,7 @@ def main():
             m, step = eval_vracer(d, a.eval_vracer)
             cells.append(f"{m:.0f} (at {step:,})")
         print(f"| deterministic policy, {a.eval_vracer} episodes | " + " | ".join(cells) + " |")
-    for d, name in zip(a.runs, names) if a.extra else ():
-        rows = read_metrics(os.path.join(d, "metrics.jsonl"))
+    for rows, name in zip(runs_rows, names) if a.extra else ():
         ret, count, _ = binned(rows, a.metric, a.bin)
         cols = [binned(rows, m, a.bin)[0] for m in a.extra]
         print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
@@ -99,8 +98,8 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
-        for d, name in zip(a.runs, names):
-            rows = [r for r in read_metrics(os.path.join(d, "metrics.jsonl")) if a.metric in r]
+        for all_rows, name in zip(runs_rows, names):
+            rows = [r for r in all_rows if a.metric in r]
             x = np.array([r["global_step"] for r in rows])
             y = np.array([r[a.metric] for r in rows])
             k = max(1, a.last)
