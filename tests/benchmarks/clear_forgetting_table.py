@@ -61,8 +61,10 @@ def main() -> None:
     K, L = len(env_ids), runs[0]["args"]["steps_per_task"]
     V = K * runs[0]["args"]["num_cycles"]
     for r in runs:
-        if r["args"]["env_ids"] != env_ids or r["args"]["steps_per_task"] != L or r["summary"]["global_step"] < K * L:
-            raise SystemExit("error: runs differ in tasks or steps per task, or one did not finish")
+        same = (r["args"]["env_ids"], r["args"]["steps_per_task"], r["args"]["num_cycles"]) == (
+            env_ids, L, runs[0]["args"]["num_cycles"])
+        if not same or r["summary"]["global_step"] < V * L:
+            raise SystemExit("error: runs differ in tasks, steps per task or cycles, or one did not finish")
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in sorted(runs, key=lambda r: (r["args"]["replay_ratio"], not r["args"]["behavior_cloning"])):
         groups[config_name(r["args"])].append(r)  # no replay first, then CLEAR + BC, then CLEAR without BC
