@@ -55,7 +55,9 @@ Episode ends: termination vs truncation
 `done` (terminated or truncated) cuts the V-trace recursion (discount 0), so no value leaks from the next episode
 (pytorch/rl #4209). On a time-limit truncation the value of the true last observation is still bootstrapped: the
 actor stores `final_value = V_mu(x_final)`, and the learner folds it into the reward (`r + gamma * final_value`,
-discount 0), which gives exactly the target r_t + gamma V(x_{t+1}) of the truncated step.
+discount 0), which gives exactly the target r_t + gamma V(x_{t+1}) of the truncated step. `--no-bootstrap-truncation`
+treats a time limit as a termination instead (IMPALA/monobeast's choice for every episode end; right for a task
+whose limit is part of the task, such as MiniGrid, whose reward counts steps).
 
 Differences from the paper
 --------------------------
@@ -192,7 +194,12 @@ class Args:
     """with --checkpoint-every: each actor also saves its replay buffer (replay_actor{i}.npz next to checkpoint.pt,
     written at the actor's next unroll boundary), and --resume restores the buffers found next to the checkpoint"""
     minigrid_max_steps: int | None = None
-    """override MiniGrid's episode limit (truncation, bootstrapped)"""
+    """override MiniGrid's episode limit (truncation, bootstrapped unless --no-bootstrap-truncation)"""
+    bootstrap_truncation: bool = True
+    """on a time-limit truncation, bootstrap from V_mu of the true last observation (Pardo et al. 2018: right when
+    the limit is not part of the task); --no-bootstrap-truncation treats it as a termination, as IMPALA/monobeast do
+    for every episode end, which fits tasks whose limit IS part of the task (MiniGrid: the reward 1 - 0.9 t/T counts
+    steps, and at t = T nothing more can be earned)"""
     test_actor_max_sps: float = 0.0
     """cap on each test actor's agent steps per second (0 = as fast as it can; a cap keeps CPU for training on small
     machines; not in the paper, whose test actors have their own machines)"""
@@ -568,16 +575,18 @@ def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
     return (((values - behaviour_values) ** 2) * replay_mask).sum()
 
 
-def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_threshold):
+def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_threshold, bootstrap_truncation=True):
     """V-trace losses (CLEAR Sec. 3) on an aligned batch; returns (pg_loss, value_loss, entropy_loss, vtrace returns).
-    Sums over [T, B] as in scalable_agent/torchbeast."""
+    Sums over [T, B] as in scalable_agent/torchbeast. bootstrap_truncation=False treats a time limit as a termination."""
     log_pi = F.log_softmax(u.target_logits, dim=-1)
     log_mu = F.log_softmax(u.behaviour_logits, dim=-1)
     a = u.actions.unsqueeze(-1)
     target_logp = log_pi.gather(-1, a).squeeze(-1)
     behaviour_logp = log_mu.gather(-1, a).squeeze(-1)
     discounts = gamma * (~u.done).float()  # an episode end (either kind) cuts the trace
-    rewards = u.rewards + gamma * u.truncated.float() * u.final_value  # truncation: bootstrap from the true last obs
+    rewards = u.rewards
+    if bootstrap_truncation:
+        rewards = rewards + gamma * u.truncated.float() * u.final_value  # truncation: bootstrap from the true last obs
     vt = vtrace_from_importance_weights(
         (target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(), u.bootstrap_value.detach(),
         clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold)
@@ -592,7 +601,7 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     (loss, dict of detached components)."""
     u = align_unroll(logits_all, values_all, batch)
     pg_loss, value_loss, entropy_loss, _ = impala_losses(u, args.gamma, args.clip_rho_threshold,
-                                                         args.clip_pg_rho_threshold)
+                                                         args.clip_pg_rho_threshold, args.bootstrap_truncation)
     pc_loss = policy_cloning_loss(u.target_logits, u.behaviour_logits, replay_mask)
     vc_loss = value_cloning_loss(u.values, u.behaviour_values, replay_mask)
     loss = args.pg_cost * pg_loss + args.baseline_cost * value_loss + args.entropy_cost * entropy_loss

@@ -148,6 +148,10 @@ def test_truncation_bootstraps_from_final_value_and_termination_does_not():
     assert vt.vs[k, 0] == pytest.approx(1.0 + 0.9 * 5.0)  # r + gamma V(x_final), the next episode not used
     assert vt.vs[k, 1] == pytest.approx(1.0)  # termination: r only
     assert vt.pg_advantages[k, 0] == pytest.approx(1.0 + 0.9 * 5.0 - float(values[k, 0]))
+    # --no-bootstrap-truncation: a time limit is a termination (IMPALA/monobeast), the final value is ignored
+    _, _, _, vt_term = ci.impala_losses(u, 0.9, 1.0, 1.0, bootstrap_truncation=False)
+    assert vt_term.vs[k, 0] == pytest.approx(1.0) and vt_term.vs[k, 1] == pytest.approx(1.0)
+    assert torch.allclose(vt_term.vs[k + 1:], vt.vs[k + 1:])  # the next episode is the same either way
 
 
 # ----------------------------------------------------------------------------------------------------------------
