@@ -64,7 +64,7 @@ Differences from the paper
 - Feed-forward networks only (no LSTM, no last-reward/last-action inputs); the paper's DMLab/Atari nets are IMPALA's.
 - The truncation bootstrap uses the ACTOR's value of the final observation (V_mu, stale for old replay unrolls), since
   recomputing it on the learner would mean storing a second frame per truncation. IMPALA/monobeast instead treat a
-  truncation as a termination.
+  truncation as a termination (`--no-bootstrap-truncation`).
 - RMSProp: PyTorch adds eps OUTSIDE the square root (theta -= lr g / (sqrt(v) + eps)) and starts v at 0; TensorFlow's
   RMSProp (IMPALA) adds it inside (sqrt(v + eps)) and starts v at 1. We keep torchbeast's choice (torch RMSprop,
   eps = 0.01), which is not numerically the TF optimizer.
