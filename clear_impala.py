@@ -756,7 +756,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
                 action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
             obs, reward, terminated, truncated, info = env.step(action)
             final_value = 0.0
-            if truncated and not terminated:  # time limit: keep V_mu of the true last observation for the bootstrap
+            if args.bootstrap_truncation and truncated and not terminated:  # time limit: keep V_mu(final obs)
                 with torch.no_grad():
                     final_value = float(model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))[1])
             if "episode" in info:
