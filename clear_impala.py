@@ -725,9 +725,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
     rep = {k: slots[k][actor_id, 1].numpy() for k in UNROLL_FIELDS}
     task, env, episode = -1, None, 0
     while not stop.is_set():
-        if not slot_free[actor_id].wait(timeout=0.2):  # the learner has not read our last pair yet
+        if not slot_free[actor_id].acquire(timeout=0.2):  # the learner has not read our last pair yet
             continue
-        slot_free[actor_id].clear()
         if ckpt_request.value != saved_request:  # the learner wrote a checkpoint: save our buffer next to it
             saved_request = ckpt_request.value
             if buffer is not None and args.checkpoint_replay:
@@ -920,9 +919,9 @@ if __name__ == "__main__":
     # per slot: task, start step, policy version, replay valid, replay task, buffer fill
     meta = torch.zeros(args.num_actors, 6, dtype=torch.int64).share_memory_()
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
-    slot_free = [ctx.Event() for _ in range(args.num_actors)]
-    for e in slot_free:
-        e.set()
+    # one semaphore per actor's slot (1 = free). Not an Event: Event.set() waits for every process sleeping in wait()
+    # to acknowledge, so a learner setting the event of an actor killed inside wait() would hang forever
+    slot_free = [ctx.Semaphore(1) for _ in range(args.num_actors)]
     global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
     policy_version = ctx.Value("q", sum(learner_steps), lock=False)
     frames_done = ctx.Value("q", 0)
@@ -972,7 +971,7 @@ if __name__ == "__main__":
                     stale_after_switch[global_step.value // args.steps_per_task] += 1
             global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
             for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step
-                slot_free[a_id].set()
+                slot_free[a_id].release()
 
             # LEARN
             model, optimizer = models[net], optimizers[net]

@@ -465,8 +465,13 @@ def test_dead_actor_stops_the_run_and_leaves_no_process(tmp_path):
     import signal
     import time
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    import threading
     proc = subprocess.Popen([sys.executable, "-u", SCRIPT, *TINY, "--steps-per-task", "1000000", "--progress"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    # a hang (the learner never noticing the death) must fail the test, not block the suite: kill the whole group
+    watchdog = threading.Timer(120, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
     try:
         for line in proc.stdout:  # wait for the first learner step
             if line.startswith("step"):
@@ -478,6 +483,7 @@ def test_dead_actor_stops_the_run_and_leaves_no_process(tmp_path):
         out = proc.stdout.read()
         assert proc.wait(timeout=60) == 1
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
     assert "died (exit code -9)" in out, out[-2000:]
