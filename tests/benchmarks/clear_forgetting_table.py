@@ -30,10 +30,11 @@ def load_run(run_dir: str) -> dict:
 
 
 def config_name(args: dict) -> str:
+    timeouts = "" if args.get("bootstrap_truncation", True) else ", --no-bootstrap-truncation"
     if args["replay_ratio"] == 0:
-        return "no replay (--replay-ratio 0)"
+        return f"no replay (--replay-ratio 0{timeouts})"
     bc = "+ BC" if args["behavior_cloning"] else "no BC (--no-behavior-cloning)"
-    return f"CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}"
+    return f"CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{timeouts}"
 
 
 def per_visit_means(records: np.ndarray, num_tasks: int, steps_per_task: int, num_visits: int) -> np.ndarray:
