@@ -11,7 +11,8 @@ What this module gives:
 - `MiniGridVecEnv`: a vector env whose members live in worker processes (one per core by default) and start every
   new episode on a level (reset seed) chosen by the caller: the same interface as `common.procgen_env.ProcgenVecEnv`.
 - `MiniGrid-DistShiftStraight-7x5-v0` / `MiniGrid-DistShiftDetour-7x5-v0`: two registered layouts whose routes
-  conflict (each walks into the other's lava), for forgetting experiments with clear_impala.py.
+  conflict (each walks into the other's lava), for forgetting experiments with clear_impala.py;
+  `MiniGrid-DistShiftDetourBlue-7x5-v0` is Detour on a blue floor, so that every view tells the tasks apart.
 - `level_difficulty(env_id, seed)`: the difficulty label of a level (room count, maze variant) for curriculum plots.
 
 A level is a reset seed: `env.reset(seed=s)` is deterministic in MiniGrid.
@@ -28,6 +29,8 @@ import numpy as np
 from minigrid.core.constants import COLOR_NAMES
 from minigrid.core.mission import MissionSpace
 from minigrid.core.roomgrid import RoomGrid
+from minigrid.core.world_object import Floor
+from minigrid.envs.distshift import DistShiftEnv
 from minigrid.envs.multiroom import MultiRoomEnv
 from minigrid.envs.obstructedmaze import ObstructedMaze_1Dlhb, ObstructedMaze_Full, ObstructedMazeEnv
 from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
@@ -38,11 +41,33 @@ MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "Obstr
 # 7x5 grid, agent at (1, 2) facing right, goal at (5, 1). "Straight" has lava at (3, 1) and (3, 3) (the route is
 # straight along row 2); "Detour" has lava at (3, 1) and (3, 2) (the route goes down to row 3). Each task's route
 # walks into the other's lava, and the two start views differ in one cell.
-for _name, _lava_row in (("MiniGrid-DistShiftStraight-7x5-v0", 3), ("MiniGrid-DistShiftDetour-7x5-v0", 2)):
+# `MiniGrid-DistShiftDetourBlue-7x5-v0` is Detour with every free cell of the room covered by a blue floor tile
+# (walkable, no effect on reward): the same conflicting route, but every view tells the two tasks apart, as the
+# paper's DMLab tasks do.
+class _DistShiftFloorEnv(DistShiftEnv):
+    """DistShiftEnv whose free room cells are `Floor(floor_color)` tiles (a whole-room context cue)."""
+
+    def __init__(self, floor_color: str = "blue", **kwargs):
+        self.floor_color = floor_color
+        super().__init__(**kwargs)
+
+    def _gen_grid(self, width, height):
+        super()._gen_grid(width, height)
+        for x in range(1, width - 1):
+            for y in range(1, height - 1):
+                if self.grid.get(x, y) is None:
+                    self.grid.set(x, y, Floor(self.floor_color))
+
+
+for _name, _lava_row, _entry in (
+    ("MiniGrid-DistShiftStraight-7x5-v0", 3, "minigrid.envs.distshift:DistShiftEnv"),
+    ("MiniGrid-DistShiftDetour-7x5-v0", 2, "minigrid.envs.distshift:DistShiftEnv"),
+    ("MiniGrid-DistShiftDetourBlue-7x5-v0", 2, _DistShiftFloorEnv),
+):
     if _name not in gym.registry:
         gym.register(
             id=_name,
-            entry_point="minigrid.envs.distshift:DistShiftEnv",
+            entry_point=_entry,
             kwargs={"width": 7, "height": 5, "strip2_row": _lava_row, "agent_start_pos": (1, 2)},
         )
 
