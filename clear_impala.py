@@ -991,9 +991,10 @@ if __name__ == "__main__":
             learner_steps[net] += 1
             policy_version.value += 1
             learn_time += time.time() - t_learn
+            # loss parts stay on the device and are summed there: one sync per log line, not 7 per batch
             for k, v in parts.items():
-                metrics_acc[k] += float(v)
-            metrics_acc["losses/grad_norm"] += float(grad_norm)
+                metrics_acc[k] += v
+            metrics_acc["losses/grad_norm"] += grad_norm.detach()
             metrics_acc["charts/replay_fraction"] += float(which.float().mean())
             metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
             metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
@@ -1013,7 +1014,7 @@ if __name__ == "__main__":
             now = time.time()
             if now - last_log >= args.log_every_seconds or gs >= TOTAL:
                 frames = frames_done.value
-                out = {k: v / n_acc for k, v in metrics_acc.items()}
+                out = {k: float(v) / n_acc for k, v in metrics_acc.items()}
                 out.update({
                     "charts/SPS": int((gs - start_step) / (now - start_time)),
                     "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
