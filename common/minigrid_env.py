@@ -12,7 +12,8 @@ What this module gives:
   new episode on a level (reset seed) chosen by the caller: the same interface as `common.procgen_env.ProcgenVecEnv`.
 - `MiniGrid-DistShiftStraight-7x5-v0` / `MiniGrid-DistShiftDetour-7x5-v0`: two registered layouts whose routes
   conflict (each walks into the other's lava), for forgetting experiments with clear_impala.py;
-  `MiniGrid-DistShiftDetourBlue-7x5-v0` is Detour on a blue floor, so that every view tells the tasks apart.
+  `MiniGrid-DistShiftStraightYellow-7x5-v0` / `MiniGrid-DistShiftDetourBlue-7x5-v0` are the same layouts on a
+  yellow / blue floor, so that every view tells the tasks apart.
 - `level_difficulty(env_id, seed)`: the difficulty label of a level (room count, maze variant) for curriculum plots.
 
 A level is a reset seed: `env.reset(seed=s)` is deterministic in MiniGrid.
@@ -41,9 +42,9 @@ MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "Obstr
 # 7x5 grid, agent at (1, 2) facing right, goal at (5, 1). "Straight" has lava at (3, 1) and (3, 3) (the route is
 # straight along row 2); "Detour" has lava at (3, 1) and (3, 2) (the route goes down to row 3). Each task's route
 # walks into the other's lava, and the two start views differ in one cell.
-# `MiniGrid-DistShiftDetourBlue-7x5-v0` is Detour with every free cell of the room covered by a blue floor tile
-# (walkable, no effect on reward): the same conflicting route, but every view tells the two tasks apart, as the
-# paper's DMLab tasks do.
+# `MiniGrid-DistShiftStraightYellow-7x5-v0` / `MiniGrid-DistShiftDetourBlue-7x5-v0` are the same layouts with every
+# free cell of the room covered by a yellow / blue floor tile (walkable, no effect on reward): the same conflicting
+# routes, but every view tells the tasks apart (also from Empty-5x5's black floor), as the paper's DMLab tasks do.
 class _DistShiftFloorEnv(DistShiftEnv):
     """DistShiftEnv whose free room cells are `Floor(floor_color)` tiles (a whole-room context cue)."""
 
@@ -59,16 +60,18 @@ class _DistShiftFloorEnv(DistShiftEnv):
                     self.grid.set(x, y, Floor(self.floor_color))
 
 
-for _name, _lava_row, _entry in (
-    ("MiniGrid-DistShiftStraight-7x5-v0", 3, "minigrid.envs.distshift:DistShiftEnv"),
-    ("MiniGrid-DistShiftDetour-7x5-v0", 2, "minigrid.envs.distshift:DistShiftEnv"),
-    ("MiniGrid-DistShiftDetourBlue-7x5-v0", 2, _DistShiftFloorEnv),
+_DISTSHIFT = "minigrid.envs.distshift:DistShiftEnv"
+for _name, _lava_row, _entry, _extra in (
+    ("MiniGrid-DistShiftStraight-7x5-v0", 3, _DISTSHIFT, {}),
+    ("MiniGrid-DistShiftDetour-7x5-v0", 2, _DISTSHIFT, {}),
+    ("MiniGrid-DistShiftStraightYellow-7x5-v0", 3, _DistShiftFloorEnv, {"floor_color": "yellow"}),
+    ("MiniGrid-DistShiftDetourBlue-7x5-v0", 2, _DistShiftFloorEnv, {"floor_color": "blue"}),
 ):
     if _name not in gym.registry:
         gym.register(
             id=_name,
             entry_point=_entry,
-            kwargs={"width": 7, "height": 5, "strip2_row": _lava_row, "agent_start_pos": (1, 2)},
+            kwargs={"width": 7, "height": 5, "strip2_row": _lava_row, "agent_start_pos": (1, 2), **_extra},
         )
 
 

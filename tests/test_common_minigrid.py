@@ -125,31 +125,37 @@ def test_distshift_pair_routes_conflict():
     assert not terminated
 
 
-def test_distshift_detour_blue_is_detour_on_a_blue_floor():
-    """DetourBlue has Detour's lava and goal, every free room cell is a blue floor, and the floor changes nothing
-    but the view: the same action sequences end the same way in both."""
+@pytest.mark.parametrize("plain_id, floor_id, color, routes", [
+    ("MiniGrid-DistShiftDetour-7x5-v0", "MiniGrid-DistShiftDetourBlue-7x5-v0", "blue",
+     (([2, 2], "lava"), ([1, 2, 0, 2, 2, 2, 2, 0, 2, 2], "goal"))),
+    ("MiniGrid-DistShiftStraight-7x5-v0", "MiniGrid-DistShiftStraightYellow-7x5-v0", "yellow",
+     (([1, 2, 0, 2, 2], "lava"), ([2, 2, 2, 2, 0, 2], "goal"))),
+])
+def test_distshift_floor_variant_differs_only_in_the_view(plain_id, floor_id, color, routes):
+    """The floor variant has the plain layout's lava and goal, every free room cell is a floor of its colour, and the
+    floor changes nothing but the view: the same action sequences end the same way (lava or goal) in both."""
     from minigrid.core.constants import COLOR_TO_IDX, OBJECT_TO_IDX
 
-    detour = make_minigrid_env("MiniGrid-DistShiftDetour-7x5-v0", fully_observable=False)
-    blue = make_minigrid_env("MiniGrid-DistShiftDetourBlue-7x5-v0", fully_observable=False)
-    d_obs, _ = detour.reset(seed=0)
-    b_obs, _ = blue.reset(seed=0)
-    grid = blue.unwrapped.grid
+    plain = make_minigrid_env(plain_id, fully_observable=False)
+    floor = make_minigrid_env(floor_id, fully_observable=False)
+    plain_obs, _ = plain.reset(seed=0)
+    floor_obs, _ = floor.reset(seed=0)
+    grid = floor.unwrapped.grid
     floors = [(x, y) for x in range(1, 6) for y in range(1, 4) if grid.get(x, y) is not None and grid.get(x, y).type == "floor"]
-    assert floors and all(grid.get(x, y).color == "blue" for x, y in floors)
+    assert floors and all(grid.get(x, y).color == color for x, y in floors)
     for x in range(7):
         for y in range(5):
-            d_cell, b_cell = detour.unwrapped.grid.get(x, y), grid.get(x, y)
-            if d_cell is None:
-                assert b_cell is not None and b_cell.type == "floor"
+            plain_cell, floor_cell = plain.unwrapped.grid.get(x, y), grid.get(x, y)
+            if plain_cell is None:
+                assert floor_cell is not None and floor_cell.type == "floor"
             else:
-                assert b_cell.type == d_cell.type
-    is_blue_floor = (b_obs[..., 0] == OBJECT_TO_IDX["floor"]) & (b_obs[..., 1] == COLOR_TO_IDX["blue"])
-    assert is_blue_floor.any() and not np.array_equal(d_obs, b_obs)
-    for actions, ends_in in (([2, 2], "lava"), ([1, 2, 0, 2, 2, 2, 2, 0, 2, 2], "goal")):
-        detour.reset(seed=0)
-        blue.reset(seed=0)
+                assert floor_cell.type == plain_cell.type
+    is_floor_tile = (floor_obs[..., 0] == OBJECT_TO_IDX["floor"]) & (floor_obs[..., 1] == COLOR_TO_IDX[color])
+    assert is_floor_tile.any() and not np.array_equal(plain_obs, floor_obs)
+    for actions, ends_in in routes:
+        plain.reset(seed=0)
+        floor.reset(seed=0)
         for a in actions:
-            d_step, b_step = detour.step(a), blue.step(a)
-            assert d_step[1:4] == b_step[1:4]
-        assert d_step[2] and (d_step[1] > 0) == (ends_in == "goal")
+            plain_step, floor_step = plain.step(a), floor.step(a)
+            assert plain_step[1:4] == floor_step[1:4]
+        assert plain_step[2] and (plain_step[1] > 0) == (ends_in == "goal")
