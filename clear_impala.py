@@ -781,8 +781,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             replay_valid, replay_task = 1, int(buffer.task[row])
         meta[actor_id] = torch.tensor([task, start_step, version, replay_valid, replay_task,
                                        buffer.size if buffer else 0])
-        with frames_done.get_lock():
-            frames_done.value += T
+        frames_done[actor_id] += T  # our own counter: no lock a killed actor could leave held
         full_queues[net_for_task(task, args)].put(actor_id)
     if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
         buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
@@ -924,7 +923,7 @@ if __name__ == "__main__":
     slot_free = [ctx.Semaphore(1) for _ in range(args.num_actors)]
     global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
     policy_version = ctx.Value("q", sum(learner_steps), lock=False)
-    frames_done = ctx.Value("q", 0)
+    frames_done = ctx.Array("q", args.num_actors, lock=False)  # one counter per actor, each its only writer
     ckpt_request = ctx.Value("q", 0, lock=False)  # bumped at each checkpoint: actors then save their buffers
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
     procs = ProcessGroup(ctx)
@@ -1013,7 +1012,7 @@ if __name__ == "__main__":
                 logger.log(gs, {f"eval/{name}/episodic_return": ret, f"eval/{name}/episodic_length": length})
             now = time.time()
             if now - last_log >= args.log_every_seconds or gs >= TOTAL:
-                frames = frames_done.value
+                frames = sum(frames_done)
                 out = {k: float(v) / n_acc for k, v in metrics_acc.items()}
                 out.update({
                     "charts/SPS": int((gs - start_step) / (now - start_time)),

@@ -1019,9 +1019,11 @@ if __name__ == "__main__":
     shared_net.load_state_dict(net.state_dict())
     shared_net.share_memory()
     ctx = torch.multiprocessing.get_context(args.start_method)
-    weights_version = ctx.Value("l", 0)
-    actor_steps = ctx.Array("l", args.num_actors)
-    learner_steps = ctx.Value("l", 0)
+    # unlocked shared counters, one writer each (the learner; actor i for actor_steps[i]): a killed actor can never
+    # leave a lock held that the learner would then wait on forever
+    weights_version = ctx.Value("l", 0, lock=False)
+    actor_steps = ctx.Array("l", args.num_actors, lock=False)
+    learner_steps = ctx.Value("l", 0, lock=False)
     # on resume, actors count from the resumed step so the acting:learning ratio carries on
     actor_steps[0] = global_step
     learner_steps.value = learn_steps

@@ -4,8 +4,13 @@
 `multiprocessing.get_context("spawn" | "forkserver")`; never `fork` once a learner may hold a CUDA context).
 In each child, SIGINT is ignored (Ctrl-C reaches the whole process group; the parent alone handles it and stops the
 children), torch uses one thread, and an exception's traceback is sent back to the parent through a queue.
-Actors receive `group.stop_event` and return when it is set. `check()` raises `ActorDied` naming the process, its
-exit code and its traceback; `stop()` sets the event, then joins, terminates and kills; it is safe to call twice.
+Actors receive `group.stop_event` (a lock-free `StopFlag`) and return when it is set. `check()` raises `ActorDied`
+naming the process, its exit code and its traceback; `stop()` sets the flag, then joins, terminates and kills; it is
+safe to call twice.
+
+No lock is shared between the parent and the actors for supervision: a child killed while holding a lock (SIGKILL,
+out-of-memory) would leave it held forever, and the parent would hang on its next acquire. So the stop signal is one
+shared byte (single writer: the parent), and counters written by actors are unlocked shared values, one writer each.
 """
 from __future__ import annotations
 
@@ -38,6 +43,24 @@ def _guarded(target: Callable, args: tuple, name: str, error_queue) -> None:
         raise SystemExit(1)
 
 
+class StopFlag:
+    """A shared stop signal with `set()` / `is_set()` like `multiprocessing.Event`, but without a lock.
+
+    `Event.is_set()` takes the event's internal lock, so an actor killed inside it would leave that lock held and the
+    parent's `set()` would then block forever. Here the parent alone writes one shared byte and children only read it.
+    Pass it to children as a `Process` argument (it holds a `RawValue`, which can only be inherited at start).
+    """
+
+    def __init__(self, ctx):
+        self._flag = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return self._flag.value != 0
+
+
 class ProcessGroup:
     """The actor processes of one run."""
 
@@ -45,7 +68,7 @@ class ProcessGroup:
         self.ctx = ctx
         self.procs: list[Any] = []
         self.errors = ctx.Queue()
-        self.stop_event = ctx.Event()  # pass to actors: they return when it is set
+        self.stop_event = StopFlag(ctx)  # pass to actors: they return when it is set
         self.stopping = False
         self._tracebacks: dict[str, str] = {}
 

@@ -3,6 +3,8 @@ import json
 import multiprocessing as mp
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -118,6 +120,35 @@ def _crashing_actor(delay):
 def _waiting_actor(stop_event):
     while not stop_event.is_set():
         time.sleep(0.01)
+
+
+def _spinning_actor(stop_event, started, i):
+    started[i] = 1
+    while not stop_event.is_set():  # polls as fast as it can, so a kill lands inside is_set() most of the time
+        pass
+
+
+def test_stop_does_not_hang_after_actors_are_killed_while_polling_the_stop_flag():
+    # With multiprocessing.Event, is_set() takes a lock; an actor SIGKILLed inside it leaves the lock held and
+    # stop()'s set() then blocks forever. Each kill below lands inside is_set() with high probability.
+    ctx = mp.get_context("spawn")
+    group = ProcessGroup(ctx)
+    started = ctx.RawArray("b", 8)
+    for i in range(8):
+        group.start(_spinning_actor, (group.stop_event, started, i), f"actor-{i}")
+    deadline = time.time() + 60
+    while sum(started) < 8 and time.time() < deadline:
+        time.sleep(0.05)
+    assert sum(started) == 8
+    time.sleep(0.2)
+    for proc in group.procs:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=5)
+    stopper = threading.Thread(target=group.stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=20)
+    assert not stopper.is_alive(), "ProcessGroup.stop() hung on a lock held by a killed actor"
+    assert group.stop_event.is_set()
 
 
 def test_process_group_reports_dead_actor_and_stops():
