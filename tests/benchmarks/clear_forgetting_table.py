@@ -5,9 +5,13 @@ prints, grouped by configuration (replay ratio, behavioural cloning):
 1. the paper's Figure 8 table: final cumulative return per task (`final_cumulative_return` in summary.json, the time
    average of the test return over the whole run), mean over seeds, with each seed's value;
 2. the per-visit table: each task's mean test return during each visit of the sequence (mean over seeds), which shows
-   when a task is learned and when it is forgotten.
+   when a task is learned and when it is forgotten;
+3. with `--displaced A --displacing B` (task indices): per run, the moment B is first learned in its first visit
+   (the first 2.5k-step window whose mean test return reaches 0.5), and A's mean test return in the 5k steps before
+   that moment, in the 5k steps after it, and in the last 5k steps of the visit after B's. This separates the
+   collapse of A when B is learned from A's recovery (from replay only) while other tasks train.
 
-    python tests/benchmarks/clear_forgetting_table.py runs/<run 1> runs/<run 2> ...
+    python tests/benchmarks/clear_forgetting_table.py runs/<run 1> runs/<run 2> ... [--displaced 1 --displacing 2]
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ def load_run(run_dir: str) -> dict:
 
 
 def config_name(args: dict) -> str:
-    timeouts = "" if args.get("bootstrap_truncation", True) else ", --no-bootstrap-truncation"
+    flags = "" if args.get("bootstrap_truncation", True) else ", --no-bootstrap-truncation"
+    if args.get("entropy_cost", 0.005) != 0.005:
+        flags += f", --entropy-cost {args['entropy_cost']:g}"
     if args["replay_ratio"] == 0:
-        return f"no replay (--replay-ratio 0{timeouts})"
+        return f"no replay (--replay-ratio 0{flags})"
     bc = "+ BC" if args["behavior_cloning"] else "no BC (--no-behavior-cloning)"
-    return f"CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{timeouts}"
+    return f"CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{flags}"
 
 
 def per_visit_means(records: np.ndarray, num_tasks: int, steps_per_task: int, num_visits: int) -> np.ndarray:
@@ -49,6 +55,25 @@ def per_visit_means(records: np.ndarray, num_tasks: int, steps_per_task: int, nu
     return out
 
 
+def window_mean(records: np.ndarray, task: int, start: float, end: float) -> float:
+    """Mean test return of `task` over episodes reported in [start, end) steps; nan where none ended."""
+    m = (records[:, 1] == task) & (records[:, 0] >= start) & (records[:, 0] < end)
+    return float(records[m, 2].mean()) if m.any() else float("nan")
+
+
+def collapse_and_recovery(records: np.ndarray, displaced: int, displacing: int, num_tasks: int, steps_per_task: int,
+                          threshold: float = 0.5, step: int = 2500, window: int = 5000):
+    """(t_learned, before, after, end_of_next_visit) for the displaced task around the moment the displacing task
+    is first learned in its first visit; t_learned is None (and before/after nan) if it is not learned there."""
+    v0, v1 = displacing * steps_per_task, (displacing + 1) * steps_per_task  # the displacing task's first visit
+    end_next = window_mean(records, displaced, v1 + steps_per_task - window, v1 + steps_per_task)
+    for t in range(v0, v1, step):
+        if window_mean(records, displacing, t, t + step) >= threshold:
+            return (t, window_mean(records, displaced, t - window, t),
+                    window_mean(records, displaced, t + step, t + step + window), end_next)
+    return None, float("nan"), float("nan"), end_next
+
+
 def short(env_id: str) -> str:
     return env_id.replace("MiniGrid-", "").replace("-v0", "")
 
@@ -56,6 +81,8 @@ def short(env_id: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+")
+    p.add_argument("--displaced", type=int, help="task index whose collapse and recovery to report (e.g. 1)")
+    p.add_argument("--displacing", type=int, help="task index whose first learning displaces it (e.g. 2)")
     cli = p.parse_args()
     runs = [load_run(d) for d in cli.runs]
     env_ids = runs[0]["args"]["env_ids"]
@@ -91,6 +118,18 @@ def main() -> None:
         for k in range(K):
             print(f"| {short(env_ids[k])} | " + " | ".join(
                 (f"**{pv[k, v]:.2f}**" if v % K == k else f"{pv[k, v]:.2f}") for v in range(V)) + " |")
+
+    if cli.displaced is not None and cli.displacing is not None:
+        a, b = cli.displaced, cli.displacing
+        print(f"\n{short(env_ids[a])} around the moment {short(env_ids[b])} is first learned (test return >= 0.5 "
+              f"in a 2.5k-step window of its first visit), and at the end of the next visit")
+        print(f"| run, seed | {short(env_ids[b])} learned at | before (5k) | after (5k) | end of next visit (5k) |")
+        print("|---|---|---|---|---|")
+        for name, rs in groups.items():
+            for r in sorted(rs, key=lambda r: r["args"]["seed"]):
+                t, before, after, end_next = collapse_and_recovery(r["records"], a, b, K, L)
+                when = "not learned" if t is None else f"{t / 1000:g}k"
+                print(f"| {name}, {r['args']['seed']} | {when} | {before:.2f} | {after:.2f} | {end_next:.2f} |")
 
 
 if __name__ == "__main__":
