@@ -561,6 +561,15 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
         final_value=batch["final_value"][1:])
 
 
+@torch.no_grad()
+def truncated_importance_weights(u: AlignedUnroll) -> torch.Tensor:
+    """V-trace's rho_t = min(1, pi(a_t|x_t) / mu(a_t|x_t)), [T, B]. Logged per replayed task as a diagnostic: it is the
+    weight V-trace gives each replayed step, so near 0 means replay no longer teaches the actions stored there."""
+    a = u.actions.unsqueeze(-1)
+    log_rhos = F.log_softmax(u.target_logits, -1).gather(-1, a) - F.log_softmax(u.behaviour_logits, -1).gather(-1, a)
+    return torch.exp(log_rhos.squeeze(-1)).clamp(max=1.0)
+
+
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
     """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed
     over time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
@@ -946,6 +955,7 @@ if __name__ == "__main__":
         train_returns = collections.deque(maxlen=100)
         window = collections.defaultdict(lambda: collections.deque(maxlen=20))  # last test returns per task
         metrics_acc = collections.defaultdict(float)
+        rho_sum, rho_count = torch.zeros(K, device=device), torch.zeros(K, device=device)  # per replayed task
         n_acc = 0
         learn_time = 0.0
         while global_step.value < TOTAL:
@@ -995,6 +1005,11 @@ if __name__ == "__main__":
                 metrics_acc[k] += v
             metrics_acc["losses/grad_norm"] += grad_norm.detach()
             metrics_acc["charts/replay_fraction"] += float(which.float().mean())
+            # DIAGNOSTIC: mean rho_t of each replayed unroll, summed per task it came from (no sync here)
+            rho_unroll = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch)).mean(0)
+            replay_source = m[:, 4].clamp(min=0).to(device)
+            rho_sum.index_add_(0, replay_source, rho_unroll * replay_mask)
+            rho_count.index_add_(0, replay_source, replay_mask)
             metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
             metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
             n_acc += 1
@@ -1022,6 +1037,11 @@ if __name__ == "__main__":
                     "charts/task": task_for_actor(0, gs, args),
                     "charts/task_mismatch": task_mismatch,
                 })
+                for k, (rho, count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist())):
+                    if count > 0:
+                        out[f"replay/{args.env_ids[k].replace('/', '_')}/importance_weight"] = rho / count
+                rho_sum.zero_()
+                rho_count.zero_()
                 logger.log(gs, out)
                 evals = " ".join(f"{np.mean(window[k]):.2f}" if window[k] else "-" for k in range(K))
                 logger.progress(
