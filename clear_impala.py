@@ -562,12 +562,14 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
 
 
 @torch.no_grad()
-def truncated_importance_weights(u: AlignedUnroll) -> torch.Tensor:
-    """V-trace's rho_t = min(1, pi(a_t|x_t) / mu(a_t|x_t)), [T, B]. Logged per replayed task as a diagnostic: it is the
-    weight V-trace gives each replayed step, so near 0 means replay no longer teaches the actions stored there."""
+def truncated_importance_weights(u: AlignedUnroll) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho_t, mu_t), both [T, B]: V-trace's weight rho_t = min(1, pi(a_t|x_t) / mu(a_t|x_t)) and the behaviour
+    probability mu(a_t|x_t) of the stored action. A diagnostic, logged per replayed task: rho_t is the weight V-trace
+    gives a replayed step, so near 0 on steps the stored policy was sure of means replay no longer teaches them."""
     a = u.actions.unsqueeze(-1)
-    log_rhos = F.log_softmax(u.target_logits, -1).gather(-1, a) - F.log_softmax(u.behaviour_logits, -1).gather(-1, a)
-    return torch.exp(log_rhos.squeeze(-1)).clamp(max=1.0)
+    log_pi = F.log_softmax(u.target_logits, -1).gather(-1, a).squeeze(-1)
+    log_mu = F.log_softmax(u.behaviour_logits, -1).gather(-1, a).squeeze(-1)
+    return torch.exp(log_pi - log_mu).clamp(max=1.0), log_mu.exp()
 
 
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
@@ -1005,11 +1007,13 @@ if __name__ == "__main__":
                 metrics_acc[k] += v
             metrics_acc["losses/grad_norm"] += grad_norm.detach()
             metrics_acc["charts/replay_fraction"] += float(which.float().mean())
-            # DIAGNOSTIC: mean rho_t of each replayed unroll, summed per task it came from (no sync here)
-            rho_unroll = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch)).mean(0)
+            # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour policy was sure of
+            # (mu >= 0.5), summed per task the unroll came from (no sync here)
+            rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch))
+            confident = (mu_taken >= 0.5).float() * replay_mask
             replay_source = m[:, 4].clamp(min=0).to(device)
-            rho_sum.index_add_(0, replay_source, rho_unroll * replay_mask)
-            rho_count.index_add_(0, replay_source, replay_mask)
+            rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
+            rho_count.index_add_(0, replay_source, confident.sum(0))
             metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
             metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
             n_acc += 1

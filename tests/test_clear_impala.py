@@ -160,15 +160,17 @@ def test_truncated_importance_weights_are_min_one_pi_over_mu_of_the_taken_action
     target, behaviour = torch.randn(T, B, A, generator=g), torch.randn(T, B, A, generator=g)
     actions = torch.randint(0, A, (T, B), generator=g)
     u = make_aligned(T, B, A, target_logits=target, behaviour_logits=behaviour, actions=actions)
-    rho = ci.truncated_importance_weights(u)
+    rho, mu_taken = ci.truncated_importance_weights(u)
     for t in range(T):
         for b in range(B):
             a = int(actions[t, b])
-            ratio = float(torch.softmax(target[t, b], 0)[a] / torch.softmax(behaviour[t, b], 0)[a])
+            mu = float(torch.softmax(behaviour[t, b], 0)[a])
+            ratio = float(torch.softmax(target[t, b], 0)[a]) / mu
             assert float(rho[t, b]) == pytest.approx(min(1.0, ratio), rel=1e-5)
+            assert float(mu_taken[t, b]) == pytest.approx(mu, rel=1e-5)
     assert (rho < 1).any() and (rho == 1).any()  # the random case exercises both sides of the truncation
     on_policy = make_aligned(T, B, A, target_logits=target, behaviour_logits=target, actions=actions)
-    assert torch.allclose(ci.truncated_importance_weights(on_policy), torch.ones(T, B))
+    assert torch.allclose(ci.truncated_importance_weights(on_policy)[0], torch.ones(T, B))
 
 
 # ----------------------------------------------------------------------------------------------------------------
