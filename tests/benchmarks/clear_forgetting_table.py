@@ -61,7 +61,7 @@ def window_mean(records: np.ndarray, task: int, start: float, end: float) -> flo
     return float(records[m, 2].mean()) if m.any() else float("nan")
 
 
-def collapse_and_recovery(records: np.ndarray, displaced: int, displacing: int, num_tasks: int, steps_per_task: int,
+def collapse_and_recovery(records: np.ndarray, displaced: int, displacing: int, steps_per_task: int,
                           threshold: float = 0.5, step: int = 2500, window: int = 5000):
     """(t_learned, before, after, end_of_next_visit) for the displaced task around the moment the displacing task
     is first learned in its first visit; t_learned is None (and before/after nan) if it is not learned there."""
@@ -127,7 +127,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for name, rs in groups.items():
             for r in sorted(rs, key=lambda r: r["args"]["seed"]):
-                t, before, after, end_next = collapse_and_recovery(r["records"], a, b, K, L)
+                t, before, after, end_next = collapse_and_recovery(r["records"], a, b, L)
                 when = "not learned" if t is None else f"{t / 1000:g}k"
                 print(f"| {name}, {r['args']['seed']} | {when} | {before:.2f} | {after:.2f} | {end_next:.2f} |")
 
