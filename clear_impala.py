@@ -1007,13 +1007,13 @@ if __name__ == "__main__":
                 metrics_acc[k] += v
             metrics_acc["losses/grad_norm"] += grad_norm.detach()
             metrics_acc["charts/replay_fraction"] += float(which.float().mean())
-            # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour policy was sure of
-            # (mu >= 0.5), summed per task the unroll came from (no sync here)
-            rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch))
-            confident = (mu_taken >= 0.5).float() * replay_mask
-            replay_source = m[:, 4].clamp(min=0).to(device)
-            rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
-            rho_count.index_add_(0, replay_source, confident.sum(0))
+            if args.replay_ratio > 0:  # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour
+                # policy was sure of (mu >= 0.5), summed per task the unroll came from (no sync here)
+                rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch))
+                confident = (mu_taken >= 0.5).float() * replay_mask
+                replay_source = m[:, 4].clamp(min=0).to(device)
+                rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
+                rho_count.index_add_(0, replay_source, confident.sum(0))
             metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
             metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
             n_acc += 1
