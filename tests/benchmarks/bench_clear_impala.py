@@ -68,10 +68,10 @@ def bench_learner(cfg, B, T, iters, device, threads):
         rest = {k: x.to(device) for k, x in batch.items() if k != "obs"}
         logits_all, values_all, replay_mask = lg.view(T + 1, B, A), v.view(T + 1, B), which.float().to(device)
         loss, parts = ci.clear_loss(logits_all, values_all, rest, replay_mask, args)
-        # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
-        rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
-        confident = (mu_taken >= 0.5).float() * replay_mask
-        rho_sum.index_add_(0, torch.zeros(B, dtype=torch.int64, device=device), (rho * confident).sum(0))
+        if ratio > 0:  # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
+            rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
+            confident = (mu_taken >= 0.5).float() * replay_mask
+            rho_sum.index_add_(0, torch.zeros(B, dtype=torch.int64, device=device), (rho * confident).sum(0))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 40.0)
