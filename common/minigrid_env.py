@@ -48,7 +48,7 @@ MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "Obstr
 class _DistShiftFloorEnv(DistShiftEnv):
     """DistShiftEnv whose free room cells are `Floor(floor_color)` tiles (a whole-room context cue)."""
 
-    def __init__(self, floor_color: str = "blue", **kwargs):
+    def __init__(self, floor_color: str, **kwargs):
         self.floor_color = floor_color
         super().__init__(**kwargs)
 
