@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from common.atari_env import make_atari_env  # noqa: E402
+from common.minatar_env import MINATAR_GAMES, make_minatar_env  # noqa: E402
 from common.minigrid_env import MiniGridVecEnv, make_minigrid_env  # noqa: E402
 from common.mujoco_env import make_mujoco_env  # noqa: E402
 from common.procgen_env import ProcgenVecEnv  # noqa: E402
@@ -54,6 +55,8 @@ if __name__ == "__main__":
         ("Procgen", "bigfish easy, 64 envs, Procgen's levels", vec_env_sps(ProcgenVecEnv("bigfish", 64), s)),
         ("Procgen", "bigfish easy, 64 envs, set_level at every episode end (200 levels)",
          vec_env_sps(ProcgenVecEnv("bigfish", 64), s, lambda i: int(rng.integers(200)), list(range(64)))),
+        *[("MinAtar", f"{g}-v0, single env, 6 actions, sticky 0.1",
+           single_env_sps(make_minatar_env(f"MinAtar/{g}-v0", 0), s)) for g in MINATAR_GAMES],
         ("MiniGrid", "MultiRoom-N4-Random, full view, single env", single_env_sps(make_minigrid_env("MultiRoom-N4-Random"), s)),
         ("MiniGrid", "MultiRoom-N4-Random, full view, 16 envs in 2 workers",
          vec_env_sps(MiniGridVecEnv("MultiRoom-N4-Random", 16, num_workers=2), s, lambda i: int(rng.integers(4000)), list(range(16)))),
