@@ -1,12 +1,18 @@
-"""Learning-curve tables (and an optional plot) from runs' metrics.jsonl (not collected by pytest).
+"""Learning-curve tables and figures from runs' metrics.jsonl (not collected by pytest).
 
 Prints, for each run directory, the mean of a metric in bins of environment steps, as the markdown table the README
 Results sections use, plus the mean over the last `--last` values. `--eval-vracer K` also plays K episodes with the
 deterministic policy (mean action) from each run's checkpoint.pt (vracer_refer.py runs only).
 
+`--plot FILE.png` draws one curve per configuration: runs are grouped by their directory name without seed and time
+(`{env}__{exp_name}__{seed}__{time}` -> `{env}__{exp_name}`, or `--labels`, one per run); the line is the mean over
+seeds of the per-bin means and the band spans the lowest to the highest seed. Only measured bins are drawn, and only
+those that every seed of the configuration reached (a mean over fewer seeds would jump); the legend gives the seeds. README figures
+go to tests/benchmarks/results/ (small PNGs).
+
 Usage:
   python tests/benchmarks/learning_curves.py runs/Hopper-v5__a runs/Hopper-v5__b [--bin 100000]
-      [--metric charts/episodic_return] [--last 20] [--plot curves.png] [--eval-vracer 10]
+      [--metric charts/episodic_return] [--last 20] [--plot curves.png] [--title T] [--labels A B] [--eval-vracer 10]
       [--with refer/beta refer/far_policy_frac refer/kl]   (one more table per run: bin means of these metrics)
 """
 import argparse
@@ -38,6 +44,37 @@ def binned(rows, metric: str, bin_size: int):
             {int(e): int((ends == e).sum()) for e in bins}, vals)
 
 
+def config_name(run_dir: str) -> str:
+    """'Hopper-v5__vracer_refer' for runs/Hopper-v5__vracer_refer__3__1700000000 (the seed and start time dropped)."""
+    parts = os.path.basename(os.path.normpath(run_dir)).split("__")
+    return "__".join(parts[:-2]) if len(parts) >= 4 else "__".join(parts)
+
+
+def plot_groups(tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str) -> None:
+    """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for group in dict.fromkeys(groups):  # first-seen order
+        members = [t for t, g in zip(tables, groups) if g == group]
+        ends = sorted(set.intersection(*(set(t) for t in members)))  # bins every seed reached
+        vals = [[t[e] for t in members if e in t] for e in ends]
+        mean = np.array([np.mean(v) for v in vals])
+        (line,) = ax.plot(ends, mean, label=f"{group} ({len(members)} seed{'s' * (len(members) > 1)})")
+        ax.fill_between(ends, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel(f"{metric}\n(mean per {bin_size:,} steps)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
+
+
 def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     """Mean return of `episodes` deterministic-policy episodes from run_dir/checkpoint.pt, and its env step."""
     import torch
@@ -63,6 +100,8 @@ def main():
     p.add_argument("--bin", type=int, default=100_000)
     p.add_argument("--last", type=int, default=20)
     p.add_argument("--plot", default=None)
+    p.add_argument("--title", default="")
+    p.add_argument("--labels", nargs="*", default=None)
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
     a = p.parse_args()
@@ -77,8 +116,8 @@ def main():
     print("| env steps | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for e in ends:
-        print(f"| {label(e, a.bin)} | " + " | ".join(f"{t[e]:.0f}" if e in t else "-" for t in tables) + " |")
-    print(f"| mean of last {a.last} | " + " | ".join(f"{v:.0f}" for v in lasts) + " |")
+        print(f"| {label(e, a.bin)} | " + " | ".join(f"{t[e]:.4g}" if e in t else "-" for t in tables) + " |")
+    print(f"| mean of last {a.last} | " + " | ".join(f"{v:.4g}" for v in lasts) + " |")
     if a.eval_vracer:
         cells = []
         for d in a.runs:
@@ -94,25 +133,9 @@ def main():
             print(f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
                   + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
     if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for all_rows, name in zip(runs_rows, names):
-            rows = [r for r in all_rows if a.metric in r]
-            x = np.array([r["global_step"] for r in rows])
-            y = np.array([r[a.metric] for r in rows])
-            k = max(1, a.last)
-            if len(y) >= k:
-                y = np.convolve(y, np.ones(k) / k, mode="valid")
-                x = x[k - 1:]
-            ax.plot(x, y, label=name)
-        ax.set_xlabel("environment steps")
-        ax.set_ylabel(a.metric + f" (moving mean of {a.last})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=100)
-        print(f"plot: {a.plot}")
+        if a.labels and len(a.labels) != len(a.runs):
+            raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
+        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.metric, a.bin, a.title)
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
 
