@@ -6,6 +6,9 @@
 - `metrics.jsonl`: one flat JSON object per `log()` call, e.g.
   `{"global_step": 2048, "time": 12.3, "charts/SPS": 171.0, "losses/value_loss": 0.41}`;
 - `summary.json`: written once by `summary()` at the end of a run (atomically).
+A resumed run (`resume_step=S`, the checkpoint's global step) writes into the same folder: records logged after step
+S (between the checkpoint and the stop) are dropped from metrics.jsonl and purged from TensorBoard, and the `time`
+column continues from the last kept record, so neither steps nor times ever go backwards.
 It also prints a compact progress line (`progress()`, switched off with `progress=False`) and mirrors everything to
 Weights & Biases when `track=True` (imported lazily, so wandb is not a dependency).
 
@@ -71,10 +74,19 @@ class RunLogger:
         wandb_entity: str | None = None,
         progress: bool = True,
         root: str | os.PathLike = "runs",
+        resume_step: int | None = None,
     ):
         self.run_name = run_name
         self.dir = Path(root) / run_name
         self.dir.mkdir(parents=True, exist_ok=True)
+        elapsed = 0.0
+        if resume_step is not None:  # keep what was logged up to the checkpoint, continue the time column
+            kept = [r for r in read_metrics(self.dir / "metrics.jsonl") if r["global_step"] <= resume_step] if (
+                self.dir / "metrics.jsonl").exists() else []
+            elapsed = max((float(r["time"]) for r in kept), default=0.0)
+            with open(self.dir / ".metrics.jsonl.tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(self.dir / ".metrics.jsonl.tmp", self.dir / "metrics.jsonl")
         self.show_progress = progress
         config = _to_jsonable(args)
         self.wandb = None
@@ -90,12 +102,12 @@ class RunLogger:
                 name=run_name,
                 save_code=True,
             )
-        self.writer = SummaryWriter(str(self.dir))
+        self.writer = SummaryWriter(str(self.dir), purge_step=None if resume_step is None else resume_step + 1)
         table = "\n".join(f"|{k}|{v}|" for k, v in (config.items() if isinstance(config, dict) else []))
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         write_json_atomic(self.dir / "args.json", config)
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: one record per line
-        self.start_time = time.time()
+        self.start_time = time.time() - elapsed
 
     def log(self, global_step: int, metrics: dict[str, Any]) -> None:
         """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl."""

@@ -1,0 +1,81 @@
+"""Command-line arguments shared by the four scripts: declarative range checks and the one `--resume` rule.
+
+- `check_args(args, rules)`: each rule names a field and what it must be, e.g. `{"learning_rate": "> 0",
+  "gamma": "[0, 1]", "num_actors": ">= 1", "mode": ("sequential", "simultaneous")}`; the first violation stops the
+  script with one line `error: --gamma must be in [0, 1], got 1.5`. A `None` value (an optional flag left unset)
+  passes. Checks between fields stay a few explicit lines in each script.
+- `resume_args(args, argv, ckpt_args, fixed)`: the resume rule of every script. A resumed run takes the
+  checkpoint's flags; only the flags given on this command line override them, and a given flag named in `fixed`
+  (one that changes the experiment: environment, seed, network, method) must equal the checkpoint's value. The
+  resumed run writes into the checkpoint's run directory (`RunLogger(..., resume_step=...)` drops what was logged
+  after the checkpoint, so metrics never go backwards).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Iterable
+
+_COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def flag(name: str) -> str:
+    """`--learning-rate` for the field `learning_rate`."""
+    return "--" + name.replace("_", "-")
+
+
+def _satisfies(value: Any, rule: str | tuple) -> bool:
+    if isinstance(rule, tuple):  # a set of choices
+        return value in rule
+    rule = rule.strip()
+    if rule[0] in "[(":  # an interval: [a, b], (a, b], [a, b), (a, b)
+        low, high = (float(x) for x in rule[1:-1].split(","))
+        above = low <= value if rule[0] == "[" else low < value
+        return above and (value <= high if rule[-1] == "]" else value < high)
+    op, bound = rule.split()
+    return _COMPARISONS[op](value, float(bound))
+
+
+def check_args(args: Any, rules: dict[str, str | tuple]) -> None:
+    """Raise SystemExit('error: ...') on the first field of `args` that breaks its rule (see the module docstring)."""
+    for name, rule in rules.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not _satisfies(value, rule):
+            what = f"one of {', '.join(map(str, rule))}" if isinstance(rule, tuple) else (
+                f"in {rule}" if rule.strip()[0] in "[(" else rule)
+            raise SystemExit(f"error: {flag(name)} must be {what}, got {value!r}")
+
+
+def explicit_flags(argv: Iterable[str], fields: Iterable[str]) -> set[str]:
+    """The fields set on the command line `argv` (tyro style: `--total-timesteps 5`, `--x=5`, `--cuda`, `--no-cuda`)."""
+    fields = set(fields)
+    given = set()
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name not in fields and name.startswith("no_") and name[3:] in fields:
+            name = name[3:]
+        if name in fields:
+            given.add(name)
+    return given
+
+
+def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable[str]) -> tuple[Any, list[str]]:
+    """(the resumed run's args, the names of the flags this command line overrides); see the module docstring."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    given = explicit_flags(argv, fields) - {"resume"}
+    restored = {}
+    for name, value in ckpt_args.items():
+        if name not in fields or name in given or name == "resume":
+            continue  # a flag the script no longer has, one this command line sets, or the path resumed from
+        restored[name] = tuple(value) if isinstance(getattr(args, name), tuple) and value is not None else value
+    for name in sorted(given & set(fixed)):
+        old = ckpt_args.get(name)
+        old = tuple(old) if isinstance(getattr(args, name), tuple) and old is not None else old
+        if name in ckpt_args and getattr(args, name) != old:
+            raise SystemExit(f"error: --resume: {flag(name)} {getattr(args, name)!r} differs from the checkpoint's "
+                             f"{old!r}; it would change the experiment (leave it out to keep the checkpoint's value)")
+    return dataclasses.replace(args, **restored), sorted(given)

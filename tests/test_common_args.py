@@ -1,0 +1,95 @@
+"""common/args.py (range checks, the resume rule) and RunLogger's resume mode."""
+import dataclasses
+import json
+
+import pytest
+
+from common.args import check_args, explicit_flags, resume_args
+from common.logger import RunLogger, read_metrics
+
+
+@dataclasses.dataclass
+class Args:
+    env_id: str = "Pong"
+    seed: int = 1
+    total_timesteps: int = 1000
+    learning_rate: float = 1e-3
+    gamma: float = 0.99
+    env_ids: tuple = ("a", "b")
+    cuda: bool = True
+    resume: str | None = None
+    mode: str = "sequential"
+
+
+RULES = {"total_timesteps": "> 0", "learning_rate": "> 0", "gamma": "[0, 1]", "seed": ">= 0",
+         "mode": ("sequential", "simultaneous"), "resume": "> 0"}  # resume: None passes
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    ({"total_timesteps": 0}, "error: --total-timesteps must be > 0, got 0"),
+    ({"learning_rate": -1.0}, "error: --learning-rate must be > 0, got -1.0"),
+    ({"gamma": 1.5}, "error: --gamma must be in [0, 1], got 1.5"),
+    ({"gamma": 1.0}, None),
+    ({"seed": -1}, "error: --seed must be >= 0, got -1"),
+    ({"mode": "separat"}, "error: --mode must be one of sequential, simultaneous, got 'separat'"),
+])
+def test_check_args_gives_one_error_line(change, message):
+    args = dataclasses.replace(Args(), **change)
+    if message is None:
+        check_args(args, RULES)
+    else:
+        with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
+            check_args(args, RULES)
+        assert str(e.value) == message
+
+
+def test_interval_bounds():
+    for rule, inside, outside in [("(0, 1]", [1e-9, 1.0], [0.0, 1.1]), ("[0, 1)", [0.0, 0.5], [1.0, -0.1])]:
+        for v in inside:
+            check_args(Args(gamma=v), {"gamma": rule})
+        for v in outside:
+            with pytest.raises(SystemExit):
+                check_args(Args(gamma=v), {"gamma": rule})
+
+
+def test_explicit_flags_reads_tyro_style_command_lines():
+    fields = [f.name for f in dataclasses.fields(Args)]
+    argv = ["--total-timesteps", "5", "--gamma=0.9", "--no-cuda", "--resume", "x.pt", "--unknown", "3", "-h"]
+    assert explicit_flags(argv, fields) == {"total_timesteps", "gamma", "cuda", "resume"}
+
+
+def test_resume_takes_the_checkpoints_flags_and_only_given_ones_override():
+    ckpt = dataclasses.asdict(Args(total_timesteps=65536, learning_rate=5e-4, env_ids=["x", "y"], cuda=False))
+    ckpt["removed_flag"] = 3  # a flag the script no longer has is ignored
+    cli = Args(total_timesteps=200_000, resume="c.pt")  # parsed command line: defaults + given flags
+    args, given = resume_args(cli, ["--resume", "c.pt", "--total-timesteps", "200000"], ckpt, fixed=("env_id",))
+    assert given == ["total_timesteps"]
+    assert args.total_timesteps == 200_000 and args.learning_rate == 5e-4 and args.cuda is False
+    assert args.env_ids == ("x", "y") and args.resume == "c.pt"
+    args, _ = resume_args(Args(resume="c.pt"), ["--resume", "c.pt"], ckpt, fixed=("env_id",))
+    assert args.total_timesteps == 65536  # not the default 1000: the checkpoint's budget
+
+
+def test_resume_refuses_a_given_flag_that_changes_the_experiment():
+    ckpt = dataclasses.asdict(Args(env_id="Pong", env_ids=["a", "b"]))
+    with pytest.raises(SystemExit, match="error: --resume: --env-id 'Breakout' differs from the checkpoint's 'Pong'"):
+        resume_args(Args(env_id="Breakout"), ["--env-id", "Breakout"], ckpt, fixed=("env_id", "env_ids"))
+    args, given = resume_args(Args(env_id="Pong"), ["--env-id", "Pong"], ckpt, fixed=("env_id",))  # same: fine
+    assert args.env_id == "Pong" and given == ["env_id"]
+    args, _ = resume_args(Args(env_ids=("a", "b")), ["--env-ids", "a", "b"], ckpt, fixed=("env_ids",))
+    assert args.env_ids == ("a", "b")  # a list in the checkpoint equals the same tuple
+
+
+def test_resumed_logger_drops_records_after_the_checkpoint_and_continues_time(tmp_path):
+    logger = RunLogger("run", Args(), root=tmp_path, progress=False)
+    for step in (100, 200, 300, 400):
+        logger.log(step, {"charts/SPS": step})
+    logger.close()
+    times = {r["global_step"]: r["time"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    logger = RunLogger("run", Args(), root=tmp_path, progress=False, resume_step=250)  # checkpoint at 250
+    logger.log(260, {"charts/SPS": 1.0})
+    logger.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["global_step"] for r in rows] == [100, 200, 260]
+    assert rows[2]["time"] >= times[200] and all(isinstance(json.dumps(r), str) for r in rows)
