@@ -94,7 +94,7 @@ import tyro
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup
+from common.processes import ActorDied, ProcessGroup, set_learner_threads
 from common.video import check_video_support
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
@@ -887,8 +887,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    if device.type == "cpu":  # leave the cores to the actor processes (one thread each)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - args.num_actors - K * args.num_test_actors))
+    set_learner_threads(args.num_actors + K * args.num_test_actors)  # the cores the actors leave free
 
     # SETUP: networks (one per task in separate mode), shared CPU copies for the actors, optimizers, lr schedules
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]

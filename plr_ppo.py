@@ -80,6 +80,7 @@ from torch.distributions import Categorical
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
+from common.processes import set_learner_threads
 
 SCORE_STRATEGIES = ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random")
 TRANSFORMS = ("rank", "power", "greedy")
@@ -802,7 +803,8 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2) if device.type == "cpu" else 1)
+    # the cores the env workers leave free: MiniGridVecEnv's processes (Procgen steps its envs in this process)
+    set_learner_threads(0 if is_procgen(args.env_id) else min(args.num_envs, args.num_workers or os.cpu_count() or 1))
 
     # SETUP: envs, network, optimizer, level sampler
     N, T = args.num_envs, args.num_steps

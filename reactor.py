@@ -85,7 +85,7 @@ import tyro
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup
+from common.processes import ActorDied, ProcessGroup, set_learner_threads
 from common.video import check_video_support
 
 
@@ -977,6 +977,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
+    set_learner_threads(args.num_actors)  # the cores the actors leave free
     rng = np.random.default_rng(args.seed)
 
     # SETUP: network, target network, optimizer, replay, shared weights, actors

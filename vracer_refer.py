@@ -92,7 +92,7 @@ import tyro
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import ActorDied, ProcessGroup
+from common.processes import ActorDied, ProcessGroup, set_learner_threads
 from common.video import check_video_support
 
 
@@ -189,8 +189,6 @@ class Args:
     """actor processes stepping one environment each (CPU, one thread each)"""
     ring_size: int = 4096
     """transitions each actor can stream ahead of the learner (shared-memory ring)"""
-    learner_threads: int = 1
-    """torch threads of the learner on CPU"""
     max_grad_steps_per_iter: int = 64
     """gradient steps between two reads of the actor rings"""
     log_every: int = 1000
@@ -906,8 +904,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    if device.type == "cpu":
-        torch.set_num_threads(args.learner_threads)
+    set_learner_threads(args.num_actors)  # the cores the actors leave free
 
     # SETUP: envs/actors, network, optimizer, replay
     try:

@@ -11,6 +11,9 @@ safe to call twice.
 No lock is shared between the parent and the actors for supervision: a child killed while holding a lock (SIGKILL,
 out-of-memory) would leave it held forever, and the parent would hang on its next acquire. So the stop signal is one
 shared byte (single writer: the parent), and counters written by actors are unlocked shared values, one writer each.
+
+Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
+its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
 """
 from __future__ import annotations
 
@@ -19,6 +22,30 @@ import queue
 import signal
 import traceback
 from typing import Any, Callable
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, as in a container or under taskset), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def set_learner_threads(num_actor_processes: int) -> int:
+    """Give the learner's torch the cores that the actor/worker processes (1 thread each) do not use, at least 1.
+
+    Pass every other CPU-bound process of the run (actors, test actors, env workers). The rule is the same with the
+    learner on an accelerator: its CPU-side work (batch assembly, copies) must not fight the actors either.
+    Prints one start-up line, the same in every script, and returns the learner's thread count.
+    """
+    import torch
+
+    cores = available_cores()
+    threads = max(1, cores - num_actor_processes)
+    torch.set_num_threads(threads)
+    print(f"threads: learner {threads} ({cores} cores, {num_actor_processes} actor processes, 1 thread each)", flush=True)
+    return threads
 
 
 class ActorDied(RuntimeError):

@@ -14,7 +14,7 @@ import torch
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name, read_metrics
-from common.processes import ActorDied, ProcessGroup
+from common.processes import ActorDied, ProcessGroup, available_cores, set_learner_threads
 
 
 @dataclass
@@ -166,3 +166,24 @@ def test_process_group_reports_dead_actor_and_stops():
     assert all(not p.is_alive() for p in group.procs)
     group.check()  # no error while stopping
     group.stop()  # idempotent
+
+
+@pytest.mark.parametrize("actors", [0, 1, 2, 64])
+def test_set_learner_threads_gives_the_learner_the_cores_the_actors_leave(actors, monkeypatch, capsys):
+    cores = 3  # pretend: the rule must not depend on this machine's core count
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert available_cores() == cores
+    before = torch.get_num_threads()
+    try:
+        n = set_learner_threads(actors)
+        assert n == max(1, cores - actors) == torch.get_num_threads()
+        assert capsys.readouterr().out == f"threads: learner {n} ({cores} cores, {actors} actor processes, 1 thread each)\n"
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+
+
+def test_available_cores_falls_back_to_cpu_count(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert available_cores() == 5
