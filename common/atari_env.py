@@ -20,6 +20,8 @@ Use: `obs, info = env.reset(seed=seed)` (a seeded reset always starts a new game
 """
 from __future__ import annotations
 
+import multiprocessing
+
 import ale_py
 import gymnasium as gym
 import numpy as np
@@ -134,6 +136,8 @@ def make_atari_env(
         raise ValueError("capture_video needs a video_folder")
     if capture_video:
         check_video_support()
+    if multiprocessing.parent_process() is not None:  # actor processes: the ALE banner is printed once, by the main one
+        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
     env = gym.make(
         env_id,
         frameskip=1,

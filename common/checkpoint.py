@@ -5,6 +5,8 @@
 - `save_checkpoint(path, obj)`: `torch.save` to a temporary file in the same folder, fsync, then `os.replace`, so a
   crash mid-write never leaves a truncated checkpoint (the old one stays valid until the rename).
 - `load_checkpoint(path)`: the inverse, with a one-line error for a missing or unreadable file.
+- `load_run_checkpoint(path, script)`: for `--resume`: SystemExit('error: --resume: ...') unless `path` is a
+  readable checkpoint written by `script` (every script stores `"script": "<name>.py"` in its checkpoints).
 - `select_device(cuda)`: CUDA when asked for and present, else CPU.
 Multi-process runs are seeded, not bitwise deterministic: actors race with the learner.
 """
@@ -75,3 +77,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         return torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # noqa: BLE001 - one clear line instead of an unpickling traceback
         raise RuntimeError(f"checkpoint {str(path)!r} could not be read: {type(e).__name__}: {e}") from None
+
+
+def load_run_checkpoint(path: str | os.PathLike, script: str, map_location: str | torch.device = "cpu") -> dict:
+    """Load a checkpoint to resume `script` (e.g. "reactor.py") from, or stop with one `error: --resume: ...` line."""
+    try:
+        ckpt = load_checkpoint(path, map_location)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"error: --resume: {e}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("script") != script:
+        found = ckpt.get("script", "an unknown script") if isinstance(ckpt, dict) else "an unknown script"
+        raise SystemExit(f"error: --resume: {path} is a checkpoint of {found}, not of {script}")
+    return ckpt

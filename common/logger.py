@@ -108,6 +108,8 @@ class RunLogger:
         write_json_atomic(self.dir / "args.json", config)
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: one record per line
         self.start_time = time.time() - elapsed
+        print(f"run directory: {self.dir}" + (f" (resumed at step {resume_step:,})" if resume_step is not None else ""),
+              flush=True)
 
     def log(self, global_step: int, metrics: dict[str, Any]) -> None:
         """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl."""
