@@ -12,6 +12,12 @@ No lock is shared between the parent and the actors for supervision: a child kil
 out-of-memory) would leave it held forever, and the parent would hang on its next acquire. So the stop signal is one
 shared byte (single writer: the parent), and counters written by actors are unlocked shared values, one writer each.
 
+Signals and stop reasons, the same in every script: `stop_on_signals()` makes SIGINT (Ctrl-C, also when the run was
+started with SIGINT ignored, as a background job) and SIGTERM raise `Interrupted` in the main process; the script's
+main loop catches it (and `ActorDied`), stops its processes in `finally`, and `stop_reason(error)` gives summary.json's
+`stop_reason` ("completed", "interrupted by SIGTERM", "actor-1 died (exit code -9): ...") and the exit code (0,
+128 + signal, 1).
+
 Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
 its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
 """
@@ -46,6 +52,45 @@ def set_learner_threads(num_actor_processes: int) -> int:
     torch.set_num_threads(threads)
     print(f"threads: learner {threads} ({cores} cores, {num_actor_processes} actor processes, 1 thread each)", flush=True)
     return threads
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main process by SIGINT (Ctrl-C) or SIGTERM once `stop_on_signals()` is installed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise `Interrupted` in the main process, so the run stops its actors, writes summary.json
+    and exits 130 / 143. Installed explicitly, so a run started in the background with SIGINT ignored still stops.
+    Only the first signal raises: a second one must not break off the shutdown it started (which is bounded:
+    `ProcessGroup.stop` kills what does not stop in time)."""
+    received = []
+
+    def handler(signum, frame):
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stop_reason(error: BaseException | None) -> tuple[str, int]:
+    """(summary.json's `stop_reason`, the exit code) for how the main loop ended: normally (None), by a signal, by
+    a dead actor or worker, or by another exception."""
+    if error is None:
+        return "completed", 0
+    if isinstance(error, Interrupted):
+        return f"interrupted by {error}", error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(error, ActorDied):
+        return str(error), 1
+    return f"error: {type(error).__name__}: {error}", 1
 
 
 class ActorDied(RuntimeError):

@@ -187,3 +187,27 @@ def test_available_cores_falls_back_to_cpu_count(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert available_cores() == 5
+
+
+def test_stop_on_signals_raises_once_and_stop_reason_names_the_end():
+    import signal as sig
+
+    from common.processes import ActorDied, Interrupted, stop_on_signals, stop_reason
+
+    old = sig.getsignal(sig.SIGINT), sig.getsignal(sig.SIGTERM)
+    try:
+        stop_on_signals()
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), sig.SIGTERM)
+            time.sleep(1)
+        assert stop_reason(e.value) == ("interrupted by SIGTERM", 143)
+        os.kill(os.getpid(), sig.SIGINT)  # a second signal during the shutdown is ignored
+        time.sleep(0.2)
+    finally:
+        sig.signal(sig.SIGINT, old[0])
+        sig.signal(sig.SIGTERM, old[1])
+    assert stop_reason(None) == ("completed", 0)
+    assert stop_reason(Interrupted(sig.SIGINT)) == ("interrupted by SIGINT", 130)
+    assert stop_reason(ActorDied("actor-1 died (exit code -9): no traceback")) == (
+        "actor-1 died (exit code -9): no traceback", 1)
+    assert stop_reason(RuntimeError("MiniGrid worker 0 died (exit code -9)"))[1] == 1
