@@ -1,79 +1,35 @@
 # docs and results: README.md#clear-impala
-"""CLEAR: Continual Learning with Experience And Replay (Rolnick, Ahuja, Schwarz, Lillicrap, Wayne 2019,
-https://arxiv.org/abs/1811.11682) on an IMPALA actor-learner (Espeholt et al. 2018, https://arxiv.org/abs/1802.01561),
-one self-contained file.
+"""CLEAR (Rolnick et al. 2019, https://arxiv.org/abs/1811.11682) on IMPALA (https://arxiv.org/abs/1802.01561).
 
 Paper parts implemented here
-----------------------------
-- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread each) act with a CPU copy of the
-  policy that the learner refreshes through shared memory; each actor owns one preallocated shared-memory slot that
-  holds a (new unroll, replay unroll) pair; only slot indices travel through queues. As in App. A.1, an actor waits
-  until the learner has read its last pair before it creates the next one, so no actor puts two pairs in one batch.
-- V-trace targets and policy-gradient advantages: `vtrace_from_importance_weights`  (IMPALA Eq. (1); CLEAR Sec. 3
-  "v_s := ..."); losses `impala_losses`  (CLEAR Sec. 3: L_value, L_policy-gradient, L_entropy).
-- Per-actor reservoir replay of whole unrolls: `ReservoirBuffer`  (CLEAR App. A.3: "each unroll associated with a
-  random number between 0 and 1 ... threshold rises"; capacity in frames split equally over actors).
-- New/replay mixing per pair: `select_pairs`  (CLEAR App. A.1 "Learner": the learner takes the new or the replay unroll
-  of each pair; `--replay-ratio` 0 / 0.25 / 0.5 / 1 = plain IMPALA / 75-25 / 50-50 / 100% replay, Sec. 4.3).
-- Behavioural cloning on replay unrolls only: `policy_cloning_loss` = KL(mu || pi_theta) and `value_cloning_loss`
-  = ||V_theta - V_replay||^2  (CLEAR Sec. 3, weights 0.01 / 0.005 from App. A.4), time-aligned by `align_unroll`.
-- Task sequences with a learner-counted switch point for all actors: `task_for_actor`  (CLEAR App. A.6); modes
-  `sequential`, `simultaneous`, `separate` (one network per task) for Fig. 1.
-- Evaluation by always-on test-actor pools, one pool per task, no buffer, never feeding the learner: `test_actor_loop`
-  (CLEAR App. A.5); final cumulative reward per task (App. C, Figs. 8/13) in summary.json: `cumulative_returns`;
-  per-task plot and cumulative-sum plot: `plot_task_returns`.
+- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread) act with a shared-memory policy
+  copy; each actor's shared slot holds a (new, replay) unroll pair, and it waits until the learner has read it.
+- V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / policy-gradient / entropy losses (CLEAR Sec. 3)
+  `impala_losses`.
+- Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
+  `--replay-ratio`, Sec. 4.3) `select_pairs`.
+- Behavioural cloning on replay unrolls only (Sec. 3): `policy_cloning_loss` (KL(mu || pi)), `value_cloning_loss`,
+  time-aligned by `align_unroll`.
+- Task sequences (App. A.6; sequential / simultaneous / separate for Fig. 1) `task_for_actor`; test-actor pools per
+  task (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`, `plot_task_returns`.
 
 Defaults and their source
--------------------------
-- unroll_length T = 20, batch_size B = 32, gamma = 0.99, grad-norm clip 40, RMSProp momentum 0, alpha 0.99,
-  eps 0.01, lr 6e-4 annealed linearly to 0 (IMPALA Table G.1, Atari). The lr anneals over the WHOLE run (all tasks
-  and cycles), not per task (continual_rl resets it per task, notes P9).
-- rho_bar = c_bar = rho_bar_pg = 1 (IMPALA Sec. 5.2.2 / Sec. 4.2; torchbeast defaults).
-- pg / value / entropy weights 1 / 0.5 / 0.005 (CLEAR App. A.4 "1, 0.5, and ~0.005"); policy / value cloning weights
-  0.01 / 0.005 (CLEAR App. A.4).
-- replay_ratio = 0.5 (CLEAR Sec. 3 "50-50 mixture"); buffer = half of all training frames (CLEAR App. A.3 "capped at
-  half the number of environment frames on which the network is trained") unless `--buffer-frames` is given.
-- Loss reductions are SUMS over time and batch, as in scalable_agent/torchbeast (the published weights assume them);
-  the value loss is 0.5 * 1/2 * sum (v_s - V)^2 as in scalable_agent `compute_baseline_loss` (paper is silent on 1/2).
-- Atari: the paper's 6-game sequence with the full 18-action space (CLEAR Sec. 4.6 / P&C), 84x84 grey, frame-skip 4,
-  frame-stack 4, 30 no-ops, reward clip [-1, 1], a lost life ends the learning episode (IMPALA Table G.1), no sticky
-  actions (IMPALA used none; `--sticky-action-prob` to change). MiniGrid: 7x7 egocentric view, Discrete(7) shared.
-- Networks: Nature CNN (IMPALA "shallow", monobeast AtariNet, no LSTM), IMPALA ResNet 16/32/32 + FC 256 (IMPALA
-  "deep"), and a small 3-conv CNN for the 7x7x3 MiniGrid view (not in the paper: our choice, rl-starter-files style).
-
-Units: a "frame" / "step" everywhere in this file is one agent step (one stored observation; Atari = 4 ALE frames).
-`--steps-per-task`, `--buffer-frames` and the x-axis (`global_step`) all count agent steps of NEW experience generated
-by the training actors (replay unrolls and test actors do not count, as in minerl_agent / continual_rl).
-
-Gymnasium autoreset mode
-------------------------
-None: every actor drives one plain gymnasium env and calls reset() itself after terminated or truncated, so the true
-final observation of a time-limit truncation is available to the actor (it stores V_mu of it, see below).
-
-Episode ends: termination vs truncation
----------------------------------------
-`done` (terminated or truncated) cuts the V-trace recursion (discount 0), so no value leaks from the next episode
-(pytorch/rl #4209). On a time-limit truncation the value of the true last observation is still bootstrapped: the
-actor stores `final_value = V_mu(x_final)`, and the learner folds it into the reward (`r + gamma * final_value`,
-discount 0), which gives exactly the target r_t + gamma V(x_{t+1}) of the truncated step. `--no-bootstrap-truncation`
-treats a time limit as a termination instead (IMPALA/monobeast's choice for every episode end; right for a task
-whose limit is part of the task, such as MiniGrid, whose reward counts steps).
+- T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the whole run, alpha 0.99, eps 0.01
+  (IMPALA Table G.1); rho_bar = c_bar = 1 (IMPALA Sec. 4.2); pg / value / entropy 1 / 0.5 / 0.005, cloning
+  0.01 / 0.005 (CLEAR App. A.4); replay_ratio 0.5 (Sec. 3); buffer = half the training frames (App. A.3).
+- Loss sums over time and batch (scalable_agent); Atari: the 6-game sequence, 18 actions, IMPALA preprocessing, no
+  sticky actions (Sec. 4.6, IMPALA Table G.1). A "frame" / "step" is one agent step of NEW experience.
 
 Differences from the paper
---------------------------
-- Feed-forward networks only (no LSTM, no last-reward/last-action inputs); the paper's DMLab/Atari nets are IMPALA's.
-- The truncation bootstrap uses the ACTOR's value of the final observation (V_mu, stale for old replay unrolls), since
-  recomputing it on the learner would mean storing a second frame per truncation. IMPALA/monobeast instead treat a
-  truncation as a termination (`--no-bootstrap-truncation`).
-- RMSProp: PyTorch adds eps OUTSIDE the square root (theta -= lr g / (sqrt(v) + eps)) and starts v at 0; TensorFlow's
-  RMSProp (IMPALA) adds it inside (sqrt(v + eps)) and starts v at 1. We keep torchbeast's choice (torch RMSprop,
-  eps = 0.01), which is not numerically the TF optimizer.
-- The paper trains on 100s of millions of frames with 100s of actors; here everything is scaled down to CPU budgets.
-- Test actors SAMPLE from pi (like the training actors); the paper does not say sampled or greedy.
-- `--resume` restores model(s), optimizer(s), lr schedule, step counter, task position, RNG and evaluation history;
-  the replay buffers only with `--checkpoint-replay`, and then as each actor saved it at its first unroll boundary
-  after the checkpoint (a few unrolls after the model snapshot), not at the same instant.
+- Feed-forward networks only (no LSTM); a small 3-conv CNN for MiniGrid (our choice).
+- A time-limit truncation bootstraps from the actor's V_mu of the final observation (`--no-bootstrap-truncation`
+  treats it as a termination, as IMPALA does); `done` always cuts the V-trace recursion.
+- torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast, not TensorFlow's RMSProp.
+- Scaled down to CPU budgets; test actors sample from pi (the paper does not say).
+- `--resume` restores replay only with `--checkpoint-replay`, each actor's copy a few unrolls after the model's.
+Long form: README.md, section clear_impala.py.
 
+Gymnasium autoreset mode: none (each actor resets its plain env itself, so the true final observation is available).
 Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
 common/processes.py, common/video.py.
 """

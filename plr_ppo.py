@@ -1,70 +1,37 @@
 # docs and results: README.md#plr_ppo
-"""Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934),
-for Procgen and MiniGrid, one self-contained file.
+"""Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934).
+
+For Procgen and MiniGrid, one file.
 
 Paper parts implemented here
-----------------------------
-- Level scores (Sec. 3.1, Table 1): `step_scores` (per-step quantities) averaged per episode by
-  `LevelSampler.update_with_rollouts`: GAE magnitude = L1 value loss (Eq. (2), default `value_l1`), signed GAE
-  (`gae`), one-step TD error (`one_step_td`), policy entropy, least confidence, min-margin; `random` is the
-  uniform-sampling baseline P_train = Uniform(Λ_train).
-- Score-prioritized distribution P_S (Eq. (3)) with h = 1/rank (rank), h = S (power/proportional) or greedy:
-  `score_distribution`.
-- Staleness distribution P_C (Eq. (4)): `staleness_distribution`.
-- Replay distribution P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)): `replay_distribution`.
-- Replay decision P_D and P_new (Sec. 3, Algorithm 2 / sampleNextLevel of Algorithm 4): `LevelSampler.sample`;
-  P_D(replay) = |Λ_seen|/|Λ_train| (`proportionate`) or a fixed Bernoulli (`fixed`).
-- T-step rollouts with partial-episode scores S~ stitched across rollouts (Algorithm 3/4): `update_with_rollouts`
-  (`--plr-commit episode`, default); the authors' code commits every partial score after each update
-  (`--plr-commit update`, `LevelSampler.after_update`).
-- Unbounded level distribution with a top-M level buffer, l_min = argmin_l P_replay(l) (App. B.3).
-- PPO with GAE (Schulman et al. 2016/2017), IMPALA ResNet for Procgen and a 3-layer 2x2 CNN for MiniGrid
-  (App. A), return normalization (Table 3): `compute_gae`, `ppo_loss`, `ImpalaAgent`, `MiniGridAgent`.
+- Level scores (Sec. 3.1, Table 1) `step_scores`, averaged per episode by `LevelSampler.update_with_rollouts`:
+  value_l1 (Eq. (2), default), gae, one_step_td, policy_entropy, least_confidence, min_margin; `random` = uniform.
+- P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
+  P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
+- Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed.
+- Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`);
+  the authors' commit after every update: `--plr-commit update`, `LevelSampler.after_update`.
+- Unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
+- PPO with GAE, IMPALA ResNet (Procgen) / 3-layer CNN (MiniGrid), return normalization (App. A, Table 3):
+  `compute_gae`, `ppo_loss`, `ImpalaAgent`, `MiniGridAgent`, `ReturnNormalizer`.
 
 Defaults and their source
--------------------------
-- Procgen: 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5, γ 0.999, λ 0.95, clip 0.2,
-  entropy 0.01, value 0.5, return normalization, 25M steps, 200 training levels, easy (paper Table 3, Sec. 4).
-- MiniGrid: the same but lr 7e-4, 4 epochs (Table 3); 4000 / 3000 / 6000 training levels for MultiRoom-N4-Random /
-  ObstructedMazeGamut-Easy / -Medium (App. A.2); 64 final conv channels for the gamut (App. A.2).
-- PLR: value_l1, rank, β = 0.1, ρ = 0.1 (Procgen) / 0.3 (MiniGrid) (Table 3); P_D = |Λ_seen|/|Λ_train| (Sec. 3);
-  score EWA α = 1 (authors' code; the paper overwrites, which is α = 1).
-- Grad-norm clip 0.5, clipped value loss, whole-batch advantage normalization: authors' code (not in the paper).
-- Fixed replay probability 0.95 for `fixed` / unbounded mode and buffer M = 4000: authors' full-distribution
-  setting (App. B.3 found p = 0.5 best for MultiRoom, 0.95 for ObstructedMazeGamut-Easy).
-
-Gymnasium autoreset mode
-------------------------
-SAME_STEP, through common.procgen_env.ProcgenVecEnv / common.minigrid_env.MiniGridVecEnv: at an episode end the
-adapter asks `next_level(i)` (here `LevelSampler.sample`) for the next level and returns its first observation;
-`info["level_seed"]` is the level each transition was played on; `info["final_obs"]` holds the true last
-observation of time-limit truncations, which GAE bootstraps from (the Procgen adapter applies the game's limit one
-step early so that it can show that frame).
+- Procgen (Table 3, Sec. 4): 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5, γ 0.999,
+  λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid: lr 7e-4, 4 epochs (Table 3),
+  4000 / 3000 / 6000 levels (App. A.2).
+- PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid) (Table 3), P_D proportionate (Sec. 3). Authors' code:
+  grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
 
 Differences from the paper
---------------------------
-- A level enters Λ_seen when it is sampled with S_i = 0 (Algorithm 2), not when its score is first committed as in
-  the authors' code. Staleness is kept as c - C_i directly (+1 for every level per sampled level, 0 for the chosen).
-- P_C falls back to uniform over Λ_seen when every staleness is 0, and P_S to uniform over Λ_seen when every
-  power weight is 0 (the authors' code falls back to uniform over all levels or crashes).
-- Ranks are taken among seen levels only (Sec. 3.1); ties are broken by level index. The authors' code ranks over
-  all levels with unseen ones at score 0.
-- One-step TD uses δ_t = r_t + γ V(s_{t+1}) - V(s_t) with the episode end masked (Table 1); the authors' code drops
-  γ and the last step. Entropy is normalized by log|A| and min-margin is 1 - (p1 - p2) (authors' code; higher =
-  more uncertain). The paper's Table 1 writes Σ π log π and p1 - p2.
-- value_l1 / gae scores use PPO's own GAE, which at a rollout's end bootstraps from V(s_T) of the unfinished
-  episode (as the authors' code); partial-episode scores are merged step-weighted (Algorithm 4's S~).
-- Time-limit truncations bootstrap from V(final_obs) in both domains (the authors' code and CleanRL treat a Procgen
-  timeout as a termination). Procgen episodes are cut one step before the game's own limit (999 steps, maze 499)
-  because Procgen never shows the last frame of an episode it ends itself.
-- Return normalization uses γ = args.gamma (the authors' code used 0.99 there), clip ±10.
-- In unbounded mode a new level is scored while staged and enters the M-level buffer when its first episode ends
-  (replacing l_min only if S(l_min) < its score), as the authors' extended code does.
-- Evaluation uses a stochastic policy, 10 episodes per set every `eval_every` updates and `final_eval_episodes`
-  (default 100; the paper used 100 on Procgen test levels) at the end.
-- On `--resume` the environments restart their current levels from the first frame (emulator states are not saved);
-  the run continues with the checkpoint's flags except those in RESUME_FROM_CLI (budget, logging, evaluation).
+- A level enters Λ_seen when sampled (Alg. 2), not at its first committed score (authors' code).
+- Ranks among seen levels only, ties by index; P_C / P_S fall back to uniform over Λ_seen.
+- one_step_td keeps γ and the last step (the authors' code drops them); entropy and min-margin as the authors' code.
+- Truncations bootstrap from V(final_obs) in both domains; Procgen episodes end one step before the game's limit.
+- Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy.
+- `--resume` restarts the current levels from their first frame.
+Long form: README.md, section plr_ppo.py.
 
+Gymnasium autoreset mode: SAME_STEP (ProcgenVecEnv / MiniGridVecEnv: `next_level(i)`, `info["final_obs"]`).
 Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
 common/processes.py.
 """

@@ -1,72 +1,36 @@
-"""Reactor (Gruslys, Dabney, Azar, Piot, Bellemare, Munos 2018, https://arxiv.org/abs/1704.04651), one self-contained file.
+"""Reactor (Gruslys, Dabney, Azar, Piot, Bellemare, Munos 2018, https://arxiv.org/abs/1704.04651), one file.
 
-Retrace-Actor: an off-policy actor-critic with a recurrent network, trained from prioritized replay of sequences.
-Actors (CPU processes) act with the latest weights and stream transitions to the learner, which owns the replay,
-samples sequences of 33 observations, and trains the categorical Q head with distributional Retrace and the policy
-head with the beta-leave-one-out policy gradient.
+Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional
+Retrace and a policy head with beta-LOO, from prioritized replay of 33-observation sequences.
 
 Paper parts implemented here
-----------------------------
-- Retrace (Eqs. (3)-(4)), scalar, the "ND" ablation:             `retrace_returns`
-- C51 projection kernel h_{z_i} (C51 Eq. (7), quoted in 3.2):       `categorical_projection`
-- Distributional Retrace as an alpha-mixture of n-step backups
-  (3.2: alpha_{n,a}, q*_i, Eq. (12) KL loss):                       `distributional_retrace_target`, `reactor_loss`
-- beta-LOO policy gradient (Eq. (10), beta = min(c, 1/mu(A)))        `beta_loo_policy_loss`
-- TISLR (ACER's truncated IS likelihood ratio, 3.1), the ablation    `tislr_policy_loss`
-- Prioritized sequence replay with lazy initialization (3.3):
-  priorities for all overlapping sequences keyed by start time, unknown ones estimated from the known neighbours
-  weighted by cell sizes, epsilon-uniform mix, IS weights with exponent 1: `LazyPriorities`, `SequenceReplay`
-- Priorities: mean |TD| along the sequence (ND), total variation (distributional) (3.3): `reactor_loss`
-- Network (3.4.1): conv torso on single frames, shared linear layer, separate policy and Q LSTMs, policy LSTM
-  gradients blocked from the torso, categorical Q = value logits + action logits (no mean subtraction),
-  policy softmax mixed with a fixed uniform distribution, concatenated ReLU: `ReactorNetwork`
-- Decoupled acting and learning with an enforced acting:learning ratio, target network every 1000 learning
-  steps, Adam lr 5e-5 with zero first-moment momentum (3.4, 4.1): `__main__`
-- Evaluation with no-op starts and whole games (no life-loss ends), real game scores (4.1): `evaluate`
+- Retrace (Eqs. (3)-(4), the scalar "ND" ablation) `retrace_returns`; C51 projection (C51 Eq. (7))
+  `categorical_projection`; distributional Retrace as an alpha-mixture of n-step backups with the KL loss
+  (3.2, Eq. (12)) `distributional_retrace_target`, `reactor_loss`.
+- beta-LOO policy gradient (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1)
+  `tislr_policy_loss`.
+- Prioritized sequence replay with lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean
+  |TD| (ND) or total variation (distributional) in `reactor_loss`.
+- Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
+  policy, CReLU `ReactorNetwork`; acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts,
+  whole games, real scores (4.1) `evaluate`.
 
 Defaults and their source
--------------------------
-- sequence_length = 32 transitions (33 observations), batch_size = 4           (paper 3.4)
-- replay_ratio = 4 acting steps per learning step                               (paper 3.4: "4-6")
-- target_update_period = 1000 learning steps, retrace_lambda = 1.0             (paper 4.1)
-- beta_loo_c = 1.0 (beta-LOO with beta = 1 in all reported runs)               (paper 4.1, Fig. 3)
-- learning_rate = 5e-5, Adam beta1 = 0 ("zero momentum")                         (paper 3.4.1)
-- importance-sampling exponent = 1 (fixed)                                     (paper 3.3)
-- NOT IN THE RECOVERED PAPER (its appendix was lost), our choices, all flags:
-  num_atoms = 51, v_min = -10, v_max = 10, gamma = 0.99 (C51 defaults, cleanrl/c51_atari.py);
-  conv 16-32-32 / linear 128 / LSTM 128 / head linear 32 with CReLU (an unconfirmed recollection of Table 3);
-  policy_uniform_eps = 0.01; entropy_coef = 0.01 (A3C / CleanRL); replay_uniform_eps = 0.1;
-  priority_exponent = 1.0 (3.3 samples "proportionally to" the estimate); adam_beta2 = 0.999, adam_eps = 1e-8
-  (torch defaults); max_grad_norm = 40 (A3C); tislr_c = 10 (ACER); replay_size = 1e6 transitions;
-  learning_starts = 10_000; sticky actions 0 (the paper used the DQN pipeline of 2015; ALE v5 would use 0.25);
-  the LSTM state of each step is stored at acting time and used as the sequence's initial state (R2D2's
-  "stored state"; the paper does not say).
-
-Gymnasium autoreset mode
-------------------------
-None: every actor runs one `make_atari_env` env and calls `env.reset()` itself after `terminated or truncated`,
-so the observation returned with `truncated=True` is the true last frame, stored as a "pad" slot and bootstrapped
-from. A life loss ends the learning episode (`terminated`, discount and traces cut) without resetting the game.
+- 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
+  Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3).
+- Not in the recovered paper (its appendix was lost), our choices: 51 atoms on [-10, 10], gamma 0.99 (C51); conv
+  16-32-32, LSTM 128, CReLU; policy_uniform_eps 0.01, entropy 0.01, replay_uniform_eps 0.1, priority exponent 1,
+  grad clip 40, tislr_c 10, replay 1e6, learning_starts 10k, no sticky actions; stored LSTM states (R2D2).
 
 Differences from the paper
---------------------------
-- One machine: N actor processes + one learner process with one local replay instead of 10 actor-learner
-  workers with a parameter server. The actors read the learner's weights from shared memory (hogwild-style: a
-  read may see a half-written update).
-- The Contextual Priority Tree (AVL tree, appendix 6.3, lost) is replaced by an equivalent structure that
-  satisfies the constraints of 3.3: three sum trees over the key space (valid keys, keys with a known priority,
-  cell masses). Cell I_i = the known key s_i and the unknown keys after it up to the next known key (in index
-  order, circular over the whole replay); J(t) = the cell of t and its two neighbour cells. Index order is time
-  order inside each actor's ring segment, except at the write head and at segment borders (2 * num_actors places),
-  where neighbouring cells are not temporal neighbours. Insert, sample, update and evict are O(log n).
-- The CPT re-inserts an updated key as a leaf; we have no such tree-shape detail.
-- R(A) in beta-LOO is the scalar Retrace return on the expected target-network Q (Eq. (3)); the distributional
-  target's mean equals it unless atoms are clipped at v_min/v_max.
-- The IS weights are normalized by their batch maximum (as most PER code does).
-- Both networks unroll all 33 frames (the paper: online over frames 1-32, target over 2-33); the online policy at
-  frame 33 gives pi(.|x_{t+n}) for the last backup, the target network's output at frame 1 is unused.
-- Actors write transitions into shared-memory chunk buffers and send only buffer indices to the learner.
+- One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
+- The lost Contextual Priority Tree is replaced by three sum trees (valid keys, known priorities, cell masses) that
+  meet the constraints of 3.3 in O(log n); cells are not temporal neighbours at 2 * num_actors ring borders.
+- R(A) in beta-LOO is the scalar Retrace return; IS weights are normalized by their batch maximum.
+- Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33).
+Long form: README.md, section reactor.py.
 
+Gymnasium autoreset mode: none (each actor resets its env; a truncation's true last frame is stored, bootstrapped).
 Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
 """
 import os

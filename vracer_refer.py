@@ -1,78 +1,36 @@
 # docs and results: README.md#v-racer-with-remember-and-forget-experience-replay-vracer_referpy
-"""V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827),
-one self-contained file, for gymnasium MuJoCo tasks.
+"""V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827).
+
+For gymnasium MuJoCo tasks, one file.
 
 Paper parts implemented here
-----------------------------
-- Network (Sec. 2, App. A): `Agent`: one MLP 2 x 128 Softsign, Glorot-uniform hidden layers, output layer
-  U(+-0.1/sqrt(fan_in)) so outputs start near zero; outputs V(s) and the Gaussian mean; a state-independent diagonal
-  std through a softplus, initial covariance Sigma = 0.2 I.
-- Off-policy policy gradient (Eq. (5)) with rho = pi/mu: `refer_loss`.
-- Retrace / V^tbc (Eqs. (6)-(8)): `vtbc_targets` (one episode), `reverse_linear_scan` (the vectorized recursion),
-  stored per step as Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} and refreshed for all prior steps of a sampled step's
-  episode (`EpisodeReplay.update_samples` -> `refresh_delta`; `refresh` is the plain scan), vectorized over all
-  sampled episodes at once.
-- Value loss (Eq. (9)): `refer_loss`.
-- ReF-ER Rule 1 (far-policy samples give zero gradient) and Rule 2 (KL penalty, Eqs. (10)-(11)): `refer_loss`,
-  `gaussian_kl`; beta update (Eq. (12)): `refer_beta_update`; annealing of c_max and the learning rate (Eq. (13)):
-  `refer_cmax`, `annealed_lr`. Far-policy counts come from each stored step's most recent rho (`EpisodeReplay`).
-- Ablations (Sec. 5): `--refer full|rule1|rule2|none` (none = conventional ER) and `--per rank` (rank-based
-  prioritized experience replay, Schaul et al. 2015, the paper's comparison).
-- Replay memory (Sec. 3, App. B, App. C Alg. 1-3): `EpisodeReplay`: whole episodes, FIFO removal that keeps at least
-  N samples; state standardisation (Eqs. (14)-(15)) and reward scaling by the RMS (Eq. (16)) from replay statistics.
-- Actions from a normal truncated at 3 sigma (App. A), linearly rescaled to the action bounds (App. B):
-  `sample_noise`, `to_env_action`.
-- Master algorithm (App. C Alg. 1): `--num-actors` actor processes (`actor_loop`) step their environments with the
-  latest weights (shared memory) and stream transitions with the behaviour mean/std and V(s) through shared-memory
-  rings; the learner keeps F = env steps / gradient steps.
+- Network (Sec. 2, App. A) `Agent`: MLP 2 x 128 Softsign, V(s) and the Gaussian mean, a state-independent std.
+- Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
+  `vtbc_targets`, `reverse_linear_scan`, stored as Q^ret and refreshed by `EpisodeReplay.update_samples`.
+- ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
+  lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
+- Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
+  (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
+- Master algorithm (App. C Alg. 1): `actor_loop` processes stream transitions through shared-memory rings; the
+  learner keeps F = env steps / gradient steps.
 
 Defaults and their source
--------------------------
-- gamma = 0.995, C = 4, A = 5e-7, D = 0.1, N = buffer_size = 2**18, B = 256, lr = 1e-4, F = 1   (App. A, Sec. 3)
-- learning_starts = 2**18 (App. C Alg. 1 N_start; the authors' settings use N_start = N)
-- init_std = sqrt(0.2) (App. A: "Sigma = 0.2 I" is a covariance; the authors' scripts use explNoise = 0.4472)
-- std_map = softplus (App. A); alternative cheap_softplus 0.5 (x + sqrt(1 + x^2)) is the authors' code
-- kl_direction = mu_pi, i.e. D_KL(mu || pi) (Eq. (11)); alternative pi_mu is what the authors' code computes
-- beta_init = 0.0: the paper does not state it; the authors' ICML-era code (smarties 12018e6) starts at 0
-- beta_lr (eta in Eq. (12)) = 1e-4, fixed: the paper says "the NN's learning rate" (1e-4 at start); the authors'
-  code hard-codes 1e-4 without annealing
-- logrho_clip = 7: not in the paper; the authors' code clips log rho to +-7
-- rule2 clips rho at 1e3 in the policy gradient (Sec. 5.3)
-- action_noise = truncnorm (true truncated normal, App. A); `smarties` = the authors' uniform refill of |z| > 3
-- per_alpha = 0.5, per_beta0 = 0.5 annealed to 1 with A (the authors' PER baseline: p = 1/sqrt(rank))
-- stats_every = 1000 (App. B), state stats frozen after the start (App. B; the authors' code moves them at rate
-  1e-3: `--state-stats-rate 1e-3`), eps = 1e-7 (App. B)
-- Adam eps = 1.19e-7 (the authors' code), no gradient clipping, no target network (paper and code)
-
-Gymnasium autoreset mode
-------------------------
-None: each actor steps a single env (common.mujoco_env, no autoreset), so the observation returned with
-truncated=True is the true s_T and V(s_T) is bootstrapped on time-limit truncation; termination bootstraps 0.
+- gamma 0.995, C 4, A 5e-7, D 0.1, N 2**18, B 256, lr 1e-4, F 1 (App. A, Sec. 3); learning_starts = N (Alg. 1);
+  Sigma = 0.2 I, softplus std, D_KL(mu || pi) (App. A); stats_every 1000, eps 1e-7 (App. B).
+- Not in the paper: beta_init 0, beta_lr 1e-4 fixed, log rho clip 7, Adam eps 1.19e-7 (authors' code); PER
+  alpha 0.5, beta0 0.5 (authors' PER baseline); no gradient clipping, no target network.
 
 Differences from the paper
---------------------------
-- The replay stores Q^ret_t (what the authors' code stores) rather than V^tbc_t; the gradient at a sampled step uses
-  V^tbc_t = V(s_t) + min(1, rho_t)(Q^ret_t - V(s_t)) (Eq. (7)) with the fresh V and rho, which is the paper's V^tbc
-  with the current network outputs.
-- Refresh of prior steps happens once per gradient step, after the update, for all sampled episodes together (the
-  authors' code does the same back-pass after the step); the result equals the full Eq. (8) recursion over the
-  stored V and rho. Stored targets are also fully recomputed whenever the reward scale is updated (every 1000 steps)
-  so old and new reward scales never mix (the 2019 code mixed them).
-- The far-policy count n_far is kept incrementally from the most recent rho of each sampled step and recounted
-  exactly every `stats_every` steps (the 2019 code never recounted, HEAD recounts every 1000 steps).
-- Hidden layers use Glorot uniform U(+-sqrt(6/(fi+fo))) for weights and biases (the authors' code); the paper
-  prints U(+-6/sqrt(fi+fo)), which we read as a typo.
-- rho and the KL use untruncated Gaussian densities (the truncation constant cancels in pi/mu; as the authors' code).
-- Actors may act with weights up to one learner iteration old and a torn weight copy is possible; each transition
-  stores the mean/std actually used, so rho stays exact.
-- `--resume` restores the learner exactly (network, Adam, beta, k, statistics, learner RNGs, optionally the replay);
-  the actors restart their episodes and are re-seeded with seed + 1000 i + resumed env step (their RNG streams and
-  unfinished episodes are not restored). Without the replay memory, a resumed run refills N_start samples first.
-- `--per rank` re-sorts priorities every `stats_every` steps (Schaul et al. use an approximately sorted heap); new
-  episodes are sampled uniformly until the next re-sort, then enter with the maximal priority.
-- Not implemented: the authors' `farpolfrac` forgetting, the residual layer is off by default (`--residual`), DDPG and
-  NAF with ReF-ER (other algorithms of the paper), the parameterized advantage of App. E.
+- The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
+- Prior steps are refreshed once per gradient step; targets are recomputed at every reward-scale update; n_far is
+  kept incrementally and recounted every `stats_every` steps.
+- Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
+- Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
+- `--resume` restores the learner exactly; the actors restart their episodes, re-seeded.
+- Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
+Long form: README.md, section vracer_refer.py.
 
+Gymnasium autoreset mode: none (each actor steps one env and resets it; truncation bootstraps from the true s_T).
 Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
 """
 import os
