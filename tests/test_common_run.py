@@ -63,7 +63,7 @@ def test_progress_can_be_switched_off(tmp_path, capsys):
     logger = RunLogger("quiet", _Args(), root=tmp_path, progress=False)
     logger.progress(1, 1.0)
     logger.close()
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out == f"run directory: {tmp_path / 'quiet'}\n"  # the start-up line only, no progress
 
 
 def test_checkpoint_round_trip_and_atomicity(tmp_path):
