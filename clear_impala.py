@@ -37,7 +37,7 @@ import collections
 import json
 import os
 import queue
-import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -48,9 +48,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, resume_args
+from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup, set_learner_threads
+from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
 from common.video import check_video_support
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
@@ -163,8 +164,22 @@ class Args:
     """how often the learner writes metrics and the progress line"""
 
 
+# the flags a resumed run may not change (tasks, seed, network, method; replay and tasks are per actor), range rules
+FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "unroll_length", "replay_ratio", "behavior_cloning")
+ARG_RULES = {
+    "mode": ("sequential", "simultaneous", "separate"), "start_method": ("spawn", "forkserver"),
+    "torso": ("auto", "nature", "resnet", "minigrid"), "steps_per_task": ">= 1", "num_cycles": ">= 1",
+    "num_actors": ">= 1", "num_test_actors": ">= 0", "batch_size": ">= 1", "unroll_length": ">= 1",
+    "replay_ratio": "[0, 1]", "buffer_frames": ">= -1", "policy_cloning_cost": ">= 0", "value_cloning_cost": ">= 0",
+    "gamma": "[0, 1]", "pg_cost": ">= 0", "baseline_cost": ">= 0", "entropy_cost": ">= 0", "clip_rho_threshold": "> 0",
+    "clip_pg_rho_threshold": "> 0", "learning_rate": "> 0", "rmsprop_alpha": "[0, 1]", "rmsprop_eps": ">= 0",
+    "rmsprop_momentum": ">= 0", "max_grad_norm": "> 0", "sticky_action_prob": "[0, 1]", "max_episode_frames": ">= 1",
+    "minigrid_max_steps": ">= 1", "test_actor_max_sps": ">= 0", "log_every_seconds": ">= 0", "checkpoint_every": ">= 0",
+}
+
+
 def validate_args(args: Args) -> None:
-    """Fail at start-up with one clear line (raise SystemExit(f"error: ...")) on bad flags."""
+    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
     def fail(msg):
         raise SystemExit(f"error: {msg}")
 
@@ -175,19 +190,6 @@ def validate_args(args: Args) -> None:
             check_video_support()
         except ValueError as e:
             fail(str(e))
-    if args.mode not in ("sequential", "simultaneous", "separate"):
-        fail(f"--mode must be sequential, simultaneous or separate, not {args.mode!r}")
-    if args.start_method not in ("spawn", "forkserver"):
-        fail(f"--start-method must be spawn or forkserver (fork is unsafe with threads), not {args.start_method!r}")
-    if args.torso not in ("auto", "nature", "resnet", "minigrid"):
-        fail(f"--torso must be auto, nature, resnet or minigrid, not {args.torso!r}")
-    for name in ("steps_per_task", "num_cycles", "num_actors", "batch_size", "unroll_length"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1")
-    if args.num_test_actors < 0:
-        fail("--num-test-actors must be >= 0")
-    if not 0.0 <= args.replay_ratio <= 1.0:
-        fail(f"--replay-ratio must be in [0, 1], got {args.replay_ratio}")
     k = len(args.env_ids)
     if args.mode == "separate":
         if args.num_actors < k * args.batch_size:
@@ -626,9 +628,9 @@ def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, to
     return out
 
 
-def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
-    """Per-task test returns against training steps (current sequential task shaded) and the cumulative-mean version
-    (CLEAR Figs. 1-6 and App. C)."""
+def plot_task_returns(records, env_ids, args: Args, path_prefix, total: int) -> list[str]:
+    """Per-task test returns against training steps up to `total` (the steps reached; current sequential task shaded)
+    and the cumulative-mean version (CLEAR Figs. 1-6 and App. C)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -636,7 +638,7 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
     for cumulative in (False, True):
         fig, ax = plt.subplots(figsize=(8, 4))
         for task, env_id in enumerate(env_ids):
-            steps, y = binned_returns(records, task, total_steps(args))
+            steps, y = binned_returns(records, task, total)
             if not len(y):
                 continue
             if cumulative:
@@ -645,7 +647,8 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
             if args.mode == "sequential":
                 for visit in range(args.num_cycles):
                     start = (visit * len(env_ids) + task) * args.steps_per_task
-                    ax.axvspan(start, start + args.steps_per_task, color=line.get_color(), alpha=0.08)
+                    if start < total:
+                        ax.axvspan(start, min(start + args.steps_per_task, total), color=line.get_color(), alpha=0.08)
         ax.set_xlabel("training steps (agent steps, all tasks)")
         ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (per 1% of training)")
         ax.set_title(f"{args.exp_name} ({args.mode}, replay {args.replay_ratio}); shaded: task being trained")
@@ -660,14 +663,12 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix) -> list[str]:
 
 
 def memory_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (no limit where it cannot be read)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1 << 62
 
 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
@@ -789,10 +790,6 @@ def resolve_torso(args: Args, obs_shape) -> str:
     return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
 
 
-def raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def drain(q, limit=10_000):
     out = []
     for _ in range(limit):
@@ -804,11 +801,14 @@ def drain(q, limit=10_000):
 
 
 if __name__ == "__main__":
-    # Ctrl-C and SIGTERM stop the run cleanly even when the shell started us with SIGINT ignored (background jobs)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, raise_interrupt)
+    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     args = tyro.cli(Args)
-    validate_args(args)           # one-line errors before anything heavy starts
+    ckpt = None
+    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
+        ckpt = load_run_checkpoint(args.resume, "clear_impala.py")
+        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    check_args(args, ARG_RULES)
+    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     obs_shape, num_actions, kind = probe_envs(args)
     torso = resolve_torso(args, obs_shape)
     if torso == "minigrid" and kind != "minigrid":
@@ -819,6 +819,9 @@ if __name__ == "__main__":
     T, B = args.unroll_length, args.batch_size
     num_nets = K if args.mode == "separate" else 1
     TOTAL = total_steps(args)
+    if ckpt and ckpt["global_step"] >= TOTAL:
+        raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
+                         f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
 
     # MEMORY: report per stored frame, refuse what cannot fit (issue: robustness and memory)
     capacity = buffer_capacity_per_actor(args)
@@ -835,10 +838,11 @@ if __name__ == "__main__":
         raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
                          f"{avail / 2**30:.1f} GiB of RAM is available; lower --buffer-frames")
 
-    run_name = make_run_name("+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks",
-                             args.exp_name, args.seed)
+    run_name = ckpt["run_name"] if ckpt else make_run_name(
+        "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks", args.exp_name, args.seed)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress)
+                       wandb_entity=args.wandb_entity, progress=args.progress,
+                       resume_step=ckpt["global_step"] if ckpt else None)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -859,10 +863,7 @@ if __name__ == "__main__":
                   for o in optimizers]
     global_step_value, learner_steps = 0, [0] * num_nets
     eval_records: list[tuple[int, int, float]] = []  # (global_step, task, return)
-    if args.resume:
-        ckpt = load_checkpoint(args.resume)
-        if ckpt["args"]["env_ids"] != args.env_ids or ckpt["args"]["mode"] != args.mode:
-            raise SystemExit("error: --resume checkpoint was made with other --env-ids or --mode")
+    if ckpt:  # restore, then one line
         for i in range(num_nets):
             models[i].load_state_dict(ckpt["models"][i])
             shared_models[i].load_state_dict(ckpt["models"][i])
@@ -871,8 +872,12 @@ if __name__ == "__main__":
         global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
         eval_records = [tuple(r) for r in ckpt["eval_records"]]
         set_rng_state(ckpt["rng"])
-        task_now = task_for_actor(0, global_step_value, args)
-        print(f"resumed from {args.resume} at step {global_step_value} (task {task_now})")
+        saved = [os.path.join(os.path.dirname(args.resume), f"replay_actor{i}.npz") for i in range(args.num_actors)]
+        restored = sum(map(os.path.exists, saved)) if args.checkpoint_replay and capacity else 0  # the actors load them
+        print(f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), lr schedule, RNG, task "
+              f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
+              f"{restored}/{args.num_actors} actors (the others start empty); flags from this command line: "
+              f"{', '.join(overridden) or 'none'}; runs to step {TOTAL:,}", flush=True)
 
     # SETUP: shared-memory slots, one (new, replay) pair per actor; only indices travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -894,9 +899,9 @@ if __name__ == "__main__":
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
     procs = ProcessGroup(ctx)
     stop = procs.stop_event  # actors return when it is set
-    exit_code = 0
     rng = np.random.default_rng(args.seed)
     task_mismatch, stale_after_switch = 0, collections.Counter()
+    error = None
     try:
         for i in range(args.num_actors):
             procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues,
@@ -1015,27 +1020,30 @@ if __name__ == "__main__":
             if args.checkpoint_every and (gs - last_ckpt >= args.checkpoint_every or gs >= TOTAL):
                 last_ckpt = gs
                 save_checkpoint(logger.dir / "checkpoint.pt", {
-                    "args": vars(args), "models": [x.state_dict() for x in models],
+                    "script": "clear_impala.py", "run_name": run_name, "args": vars(args),
+                    "models": [x.state_dict() for x in models],
                     "optimizers": [o.state_dict() for o in optimizers],
                     "schedulers": [s.state_dict() for s in schedulers], "global_step": gs,
                     "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
                 ckpt_request.value += 1
             procs.check()
-    except KeyboardInterrupt:
-        print("interrupted: stopping actors")
-        exit_code = 130
-    except ActorDied as e:
-        print(getattr(e, "traceback", "") or "")
-        print(f"error: {e}")
-        exit_code = 1
+    except (KeyboardInterrupt, ActorDied) as e:
+        error = e
     finally:
-        stop.set()
         procs.stop()
+        if args.start_method == "forkserver":  # the fork server too, so that no process outlives the run
+            from multiprocessing import forkserver
+            forkserver._forkserver._stop()
+    reason, exit_code = stop_reason(error)
+    if isinstance(error, ActorDied) and error.traceback:
+        print(error.traceback, flush=True)
+    if exit_code:
+        print(f"stopped: {reason}", flush=True)
 
-    # SAVE + SUMMARY
+    # SAVE + SUMMARY: returns averaged and plotted over the steps reached (an interrupted run: its measured part)
     for task, ret, length in drain(eval_queue):
         eval_records.append((global_step.value, task, ret))
-    cum = cumulative_returns(eval_records, K, max(TOTAL, global_step.value))
+    cum = cumulative_returns(eval_records, K, global_step.value)
     summary = {
         "global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
         "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
@@ -1045,20 +1053,21 @@ if __name__ == "__main__":
                                 for k in range(K)},
         "num_eval_episodes": {args.env_ids[k]: sum(1 for _, t, _ in eval_records if t == k) for k in range(K)},
         "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch),
-        "exit_code": exit_code,
+        "stop_reason": reason,
     }
     with open(logger.dir / "eval_records.json", "w") as f:
         json.dump(eval_records, f)
     try:
-        summary["plots"] = plot_task_returns(eval_records, args.env_ids, args, str(logger.dir / "task_returns"))
+        summary["plots"] = plot_task_returns(eval_records, args.env_ids, args, str(logger.dir / "task_returns"),
+                                             global_step.value)
     except Exception as e:  # a plotting failure must not lose the summary
         print(f"warning: plot failed: {e}")
-    if args.save_model:
+    if args.save_model and not exit_code:
         path = logger.dir / f"{args.exp_name}.model"
         torch.save({"models": [x.state_dict() for x in models], "args": vars(args)}, path)
         print(f"model saved to {path}")
     logger.summary(summary)
     logger.close()
-    print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
+    print(json.dumps({k: summary[k] for k in ("stop_reason", "global_step", "final_cumulative_return", "task_mismatch")}))
     if exit_code:
         raise SystemExit(exit_code)
