@@ -35,6 +35,7 @@ Copying this file: it needs common/atari_env.py, common/logger.py, common/checkp
 """
 import os
 import queue
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,10 +47,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
+from common.args import check_args, resume_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup, set_learner_threads
+from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
 from common.video import check_video_support
 
 
@@ -164,40 +166,41 @@ class Args:
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
+# the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
+FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "lstm_size", "crelu", "distributional", "num_atoms", "v_min",
+                   "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size", "sequence_length")
+ARG_RULES = {
+    "start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
+    "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
+    "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
+    "adam_beta2": "[0, 1)", "adam_eps": "> 0", "max_grad_norm": ">= 0", "target_update_period": ">= 1",
+    "gamma": "[0, 1]", "retrace_lambda": "[0, 1]", "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0",
+    "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)", "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]",
+    "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]", "noop_max": ">= 0", "actor_sync_every": ">= 1",
+    "eval_episodes": ">= 0", "log_every": ">= 1", "checkpoint_every": ">= 0", "memory_fraction": "(0, 1]",
+}
+
+
 def validate_args(args: Args) -> None:
-    """Fail at start-up with one clear line on bad flags."""
+    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
+    def fail(msg):
+        raise SystemExit(f"error: {msg}")
+
     if args.env_id not in ATARI_ENV_IDS:
-        raise SystemExit(f"error: reactor.py is for Atari (discrete actions, pixel frames): {args.env_id!r} is not "
-                         f"a registered ALE id (try ALE/Pong-v5)")
-    if args.policy_gradient not in ("beta-loo", "tislr"):
-        raise SystemExit(f"error: --policy-gradient must be beta-loo or tislr, not {args.policy_gradient!r}")
-    if args.start_method not in ("spawn", "forkserver"):
-        raise SystemExit("error: --start-method must be spawn or forkserver")
+        fail(f"reactor.py is for Atari (discrete actions, pixel frames): {args.env_id!r} is not a registered ALE id "
+             f"(try ALE/Pong-v5)")
     if args.capture_video:
         try:
             check_video_support()
         except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-    checks = [
-        (args.num_actors >= 1, "--num-actors must be >= 1"),
-        (args.batch_size >= 1 and args.sequence_length >= 1, "--batch-size and --sequence-length must be >= 1"),
-        (args.replay_ratio > 0, "--replay-ratio must be > 0"),
-        (args.v_max > args.v_min and args.num_atoms >= 2, "need --v-max > --v-min and --num-atoms >= 2"),
-        (0.0 <= args.policy_uniform_eps < 1.0, "--policy-uniform-eps must be in [0, 1)"),
-        (0.0 <= args.replay_uniform_eps <= 1.0, "--replay-uniform-eps must be in [0, 1]"),
-        (args.beta_loo_c >= 1.0, "--beta-loo-c must be >= 1 (paper 3.1: c >= 1)"),
-        (0.0 <= args.retrace_lambda <= 1.0 and 0.0 <= args.gamma <= 1.0, "--retrace-lambda and --gamma in [0, 1]"),
-        (args.actor_chunk >= 1, "--actor-chunk must be >= 1"),
-        (args.policy_uniform_eps > 0 or args.policy_gradient == "beta-loo",
-         "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise SystemExit(f"error: {message}")
-    seg = args.replay_size // args.num_actors
-    if seg < 2 * (args.sequence_length + 1) + args.actor_chunk + 2:
-        raise SystemExit(f"error: --replay-size {args.replay_size} is too small: each of the {args.num_actors} actors "
-                         f"needs >= {2 * (args.sequence_length + 1) + args.actor_chunk + 2} slots")
+            fail(str(e))
+    if args.v_max <= args.v_min:
+        fail(f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
+    if args.policy_gradient == "tislr" and args.policy_uniform_eps == 0:
+        fail("tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions")
+    if args.replay_size // args.num_actors < 2 * (args.sequence_length + 1) + args.actor_chunk + 2:
+        fail(f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= "
+             f"{2 * (args.sequence_length + 1) + args.actor_chunk + 2} slots")
 
 
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
@@ -925,9 +928,21 @@ def evaluate(net, args: Args, episodes: int, device, seed: int):
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     args = tyro.cli(Args)
-    validate_args(args)  # one-line errors before anything heavy starts
-    run_name = make_run_name(args.env_id, args.exp_name, args.seed)
+    ckpt = None
+    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
+        ckpt = load_run_checkpoint(args.resume, "reactor.py")
+        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    check_args(args, ARG_RULES)
+    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
+    if ckpt:  # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
+        learns_from = ckpt["global_step"] + (args.learning_starts if ckpt["replay"] is None else 0)
+        if args.total_timesteps <= learns_from:
+            raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}" + (
+                f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
+                + f": give --total-timesteps > {learns_from:,}")
+    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
     args.run_name = run_name  # for the actors' video folder
     probe = make_env(args.env_id, args.seed, args)
     if not hasattr(probe.action_space, "n"):
@@ -936,7 +951,8 @@ if __name__ == "__main__":
     probe.close()
     check_replay_memory(args, num_actions)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress)
+                       wandb_entity=args.wandb_entity, progress=args.progress,
+                       resume_step=ckpt["global_step"] if ckpt else None)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -958,27 +974,25 @@ if __name__ == "__main__":
     replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
                             args.replay_uniform_eps, args.prioritized)
     global_step, learn_steps, episodes_done = 0, 0, 0
-    if args.resume:
-        try:
-            ckpt = load_checkpoint(args.resume, map_location=device)
-        except (FileNotFoundError, RuntimeError) as e:
-            raise SystemExit(f"error: {e}")
-        try:
-            net.load_state_dict(ckpt["model"])
-            target_net.load_state_dict(ckpt["target_model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise SystemExit(f"error: {args.resume} does not match these flags (env, network, --distributional): "
-                             f"{str(e).splitlines()[0]}")
+    # the acting:learning ratio counts from (env step, learning step) = ratio_base
+    ratio_base = (args.learning_starts, 0)
+    if ckpt:  # restore, then one line
+        net.load_state_dict(ckpt["model"])
+        target_net.load_state_dict(ckpt["target_model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
-        if ckpt.get("replay") is not None:
-            if ckpt["replay"]["obs"].shape[0] != replay.capacity or len(ckpt["replay"]["written"]) != args.num_actors:
-                raise SystemExit("error: the checkpoint's replay has another size than --replay-size/--num-actors")
+        if ckpt["replay"] is not None:
             replay.load_state_dict(ckpt["replay"])
-            print(f"replay restored: {len(replay):,} sequences, {replay.index.num_known:,} with a priority", flush=True)
+            what = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
+        else:  # the first learning_starts steps refill the replay; the ratio counts from there
+            ratio_base = (learns_from, learn_steps)
+            what = (f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill "
+                    f"it, the acting:learning ratio counts from step {learns_from:,}")
         set_rng_state(ckpt["rng"])
         rng = ckpt["np_rng"]
-        print(f"resumed from {args.resume} at step {global_step:,} ({learn_steps:,} learning steps)", flush=True)
+        print(f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
+              f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
+              f"runs to step {args.total_timesteps:,}", flush=True)
 
     shared_net = build()
     shared_net.load_state_dict(net.state_dict())
@@ -992,10 +1006,6 @@ if __name__ == "__main__":
     # on resume, actors count from the resumed step so the acting:learning ratio carries on
     actor_steps[0] = global_step
     learner_steps.value = learn_steps
-    # the acting:learning ratio counts from (env step, learning step) = ratio_base; resuming without the replay
-    # refills learning_starts steps first
-    resumed_without_replay = bool(args.resume) and len(replay) == 0
-    ratio_base = (global_step + args.learning_starts, learn_steps) if resumed_without_replay else (args.learning_starts, 0)
     data_queue = ctx.Queue()  # small messages only: chunk buffer indices and episode scores
     chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size)
     chunk_views = {k: v.numpy() for k, v in chunk_buffers.items()}
@@ -1004,9 +1014,6 @@ if __name__ == "__main__":
         for j in range(CHUNK_SLOTS):
             q.put(j)
     procs = ProcessGroup(ctx)
-    for i in range(args.num_actors):
-        procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
-                                 chunk_buffers, free_slots[i], data_queue, procs.stop_event), name=f"actor-{i}")
 
     recent_returns = deque(maxlen=100)
     start_time, start_step, last_log_step = time.time(), global_step, learn_steps
@@ -1015,12 +1022,16 @@ if __name__ == "__main__":
 
     def make_checkpoint():
         save_checkpoint(logger.dir / "checkpoint.pt", {
+            "script": "reactor.py", "args": vars(args), "run_name": run_name, "global_step": global_step,
             "model": net.state_dict(), "target_model": target_net.state_dict(), "optimizer": optimizer.state_dict(),
-            "global_step": global_step, "learn_steps": learn_steps, "episodes": episodes_done, "args": vars(args),
-            "rng": rng_state(), "np_rng": rng, "replay": replay.state_dict() if args.checkpoint_replay else None})
+            "learn_steps": learn_steps, "episodes": episodes_done, "rng": rng_state(), "np_rng": rng,
+            "replay": replay.state_dict() if args.checkpoint_replay else None})
 
-    stop_reason, can_learn = "done", False
+    error, can_learn = None, False
     try:
+        for i in range(args.num_actors):
+            procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
+                                     chunk_buffers, free_slots[i], data_queue, procs.stop_event), name=f"actor-{i}")
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent
             got = 0
@@ -1090,24 +1101,24 @@ if __name__ == "__main__":
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 make_checkpoint()
                 next_checkpoint += args.checkpoint_every
-            procs.check()  # dead actor -> ActorDied with the reason
-    except KeyboardInterrupt:
-        stop_reason = "interrupted"
-        print("interrupted: stopping actors", flush=True)
-    except ActorDied as e:
-        stop_reason = f"actor died: {e}"
-        print(f"error: {e}\n{e.traceback}", flush=True)
+            procs.check()  # a dead actor stops the run with its reason
+    except (KeyboardInterrupt, ActorDied) as e:
+        error = e
     finally:
-        procs.stop_event.set()
         procs.stop()
+    logger.log(global_step, {"charts/SPS": (global_step - start_step) / (time.time() - start_time),
+                             "charts/learning_steps": learn_steps})  # the last record is at the last step
+    reason, exit_code = stop_reason(error)
+    if error is not None:  # why the run stopped, after a dead actor's traceback if it sent one
+        print(f"{getattr(error, 'traceback', '')}run stopped: {reason}", file=sys.stderr, flush=True)
 
-    if args.checkpoint_every and stop_reason == "done":
+    if args.checkpoint_every and error is None:
         make_checkpoint()
     # SAVE + EVALUATE
     summary = {"global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
-               "stop_reason": stop_reason,
+               "stop_reason": reason,
                "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None}
-    if args.save_model and stop_reason == "done":
+    if args.save_model and error is None:
         model_path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": net.state_dict(), "args": vars(args)}, model_path)
         print(f"model saved to {model_path}", flush=True)
@@ -1120,5 +1131,5 @@ if __name__ == "__main__":
             print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
     logger.summary(summary)
     logger.close()
-    if stop_reason.startswith("actor died"):
-        raise SystemExit(1)
+    if exit_code:
+        raise SystemExit(exit_code)

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import reactor  # noqa: E402
+from common.args import check_args  # noqa: E402
 from reactor import (  # noqa: E402
     LazyPriorities,
     SequenceReplay,
@@ -572,26 +573,27 @@ def run_script(tmp_path, *flags, timeout=150):
                           timeout=timeout)
 
 
-def test_bad_input_fails_with_one_line(tmp_path):
-    r = run_script(tmp_path, "--env-id", "CartPole-v1")
-    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:") and "Traceback" not in r.stderr
-    with pytest.raises(SystemExit, match="error: --replay-size"):  # the start-up RAM check (in-process: faster)
+def test_bad_input_fails_with_one_line():
+    """In-process (fast); the subprocess cases of the run-lifecycle issue are in tests/test_lifecycle.py."""
+    with pytest.raises(SystemExit, match="error: reactor.py is for Atari"):
+        reactor.validate_args(reactor.Args(env_id="CartPole-v1"))
+    with pytest.raises(SystemExit, match="error: --replay-size"):  # the start-up RAM check
         reactor.check_replay_memory(reactor.Args(replay_size=10**10), 6)
-    with pytest.raises(SystemExit, match="error: --policy-gradient"):
-        reactor.validate_args(reactor.Args(policy_gradient="ppo"))
+    with pytest.raises(SystemExit, match="error: --policy-gradient must be one of beta-loo, tislr"):
+        check_args(reactor.Args(policy_gradient="ppo"), reactor.ARG_RULES)
 
 
-def test_smoke_two_actors_and_resume_round_trip(tmp_path):
+def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
+    """Resume with the replay saved in the checkpoint (--checkpoint-replay); tests/test_lifecycle.py resumes without."""
     common = ["--num-actors", "2", "--replay-size", "1200", "--learning-starts", "100", "--replay-ratio", "60",
               "--ratio-slack", "32", "--log-every", "1", "--lstm-size", "32", "--num-atoms", "11", "--no-progress",
-              "--sequence-length", "8", "--batch-size", "2",
-              "--no-cuda"]
-    r = run_script(tmp_path, *common, "--total-timesteps", "260", "--checkpoint-every", "200", "--checkpoint-replay",
-                   "--start-method", "forkserver")  # forkserver: the actors share one import of torch (faster here)
+              "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "0", "--no-cuda",
+              "--start-method", "forkserver"]  # forkserver: the actors share one import of torch (faster here)
+    r = run_script(tmp_path, *common, "--total-timesteps", "260", "--checkpoint-every", "200", "--checkpoint-replay")
     assert r.returncode == 0, r.stdout + r.stderr
     (run1,) = list((tmp_path / "runs").iterdir())
     summary = json.loads((run1 / "summary.json").read_text())
-    assert summary["stop_reason"] == "done" and summary["global_step"] >= 260 and summary["learning_steps"] >= 1
+    assert summary["stop_reason"] == "completed" and summary["global_step"] >= 260 and summary["learning_steps"] >= 1
     metrics = [json.loads(line) for line in (run1 / "metrics.jsonl").read_text().splitlines()]
     logged = set().union(*metrics)
     for name in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "charts/SPS", "replay/rho_mean",
@@ -599,16 +601,19 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
         assert name in logged, name
     ckpt = torch.load(run1 / "checkpoint.pt", weights_only=False)
     assert ckpt["replay"] is not None and ckpt["learn_steps"] == summary["learning_steps"]
-    # resume from it (with the replay) and run on; the model is saved at the end
-    r = run_script(tmp_path, *common, "--total-timesteps", "360", "--resume", str(run1 / "checkpoint.pt"),
-                   "--save-model", "--eval-episodes", "0", "--checkpoint-every", "1000", "--start-method", "forkserver")
+    # without its replay, the checkpoint must leave --learning-starts steps to refill it: refused in one line
+    torch.save({**ckpt, "replay": None}, tmp_path / "no_replay.pt")
+    r = run_script(tmp_path, "--resume", str(tmp_path / "no_replay.pt"), "--total-timesteps", str(ckpt["global_step"] + 50))
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --resume: ") and "no replay" in r.stderr
+    # resume with the replay and run on (no flag repeated); the model is saved at the end
+    r = run_script(tmp_path, "--total-timesteps", "360", "--resume", str(run1 / "checkpoint.pt"), "--save-model")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"resumed from {run1 / 'checkpoint.pt'} at step {ckpt['global_step']:,}" in r.stdout
-    assert "replay restored" in r.stdout
-    run2 = [p for p in (tmp_path / "runs").iterdir() if p != run1][0]
-    summary2 = json.loads((run2 / "summary.json").read_text())
+    assert f"resumed {run1 / 'checkpoint.pt'} at step {ckpt['global_step']:,}: " in r.stdout
+    assert "replay (" in r.stdout and "flags from this command line: save_model, total_timesteps" in r.stdout
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run1.name]
+    summary2 = json.loads((run1 / "summary.json").read_text())
     assert summary2["global_step"] >= 360 and summary2["learning_steps"] > ckpt["learn_steps"]
-    assert (run2 / "reactor.model").exists()
+    assert (run1 / "reactor.model").exists()
 
 
 def test_learner_fits_a_fixed_batch(float32):
