@@ -34,7 +34,7 @@ Gymnasium autoreset mode: none (each actor steps one env and resets it; truncati
 Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
 """
 import os
-import signal
+import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: actors' 1-row matvecs must not spin BLAS threads
 import time
@@ -47,10 +47,11 @@ import torch
 import torch.nn as nn
 import tyro
 
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, resume_args
+from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import ActorDied, ProcessGroup, set_learner_threads
+from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
 from common.video import check_video_support
 
 
@@ -157,37 +158,34 @@ class Args:
     """episodes of the deterministic (mean-action) policy evaluated after training with --save-model"""
 
 
+# the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
+FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per", "buffer_size")
+ARG_RULES = {
+    "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
+    "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0",
+    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "rule2_rho_max": "> 0",
+    "per_alpha": ">= 0", "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1",
+    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2", "max_grad_steps_per_iter": ">= 1",
+    "log_every": ">= 1", "checkpoint_every": ">= 0", "eval_episodes": ">= 0",
+}
+
+
 def validate_args(args: Args) -> None:
-    """Fail at start-up with one clear line (raise SystemExit(f"error: ...")) on bad flags."""
+    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
     try:
         check_mujoco_env_id(args.env_id)
+        if args.capture_video:
+            check_video_support()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.num_actors < 1:
-        raise SystemExit("error: --num-actors must be >= 1")
-    if args.batch_size < 1 or args.buffer_size < args.batch_size:
-        raise SystemExit("error: need 1 <= --batch-size <= --buffer-size")
+    if args.buffer_size < args.batch_size:
+        raise SystemExit("error: --batch-size must be <= --buffer-size")
     if args.learning_starts > args.buffer_size:
         raise SystemExit("error: --learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)")
     if args.learning_starts < args.batch_size:
         raise SystemExit("error: --learning-starts must be >= --batch-size (the first batch needs that many samples)")
-    if args.F <= 0:
-        raise SystemExit("error: --F must be > 0")
-    if not 0 < args.D < 1 or not 0 <= args.beta_init <= 1 or not 0 < args.beta_lr < 1:
-        raise SystemExit("error: need 0 < --D < 1, 0 <= --beta-init <= 1, 0 < --beta-lr < 1")
     if args.C <= 0 and args.refer != "none":
         raise SystemExit("error: --C must be > 0 with ReF-ER (use --refer none for conventional ER)")
-    if args.init_std <= 0:
-        raise SystemExit("error: --init-std must be > 0")
-    if args.start_method not in ("spawn", "forkserver"):
-        raise SystemExit("error: --start-method must be spawn or forkserver")
-    if args.capture_video:
-        try:
-            check_video_support()
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-    if args.ring_size < 2:
-        raise SystemExit("error: --ring-size must be >= 2")
 
 
 def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
@@ -444,6 +442,11 @@ class EpisodeReplay:
         self.per_order = None  # rank-based PER: slot indices by decreasing priority
         self.per_alpha, self.per_p, self.per_cdf = 0.5, None, None
         self.max_prio = 1.0
+
+    @staticmethod
+    def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
+        """RAM of the arrays above: per slot 2 states, 3 actions (float32), 8 float64, 2 int64 and 2 bools."""
+        return (N + 4 * max_episode_len) * (8 * obs_dim + 12 * act_dim + 8 * 8 + 2 * 8 + 2)
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
@@ -826,6 +829,15 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     env.close()
 
 
+def memory_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (no limit where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1 << 62
+
+
 def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
     """Deterministic policy (mean action) returns."""
     env = make_env(env_id, seed)
@@ -847,31 +859,42 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     args = tyro.cli(Args)
-    validate_args(args)  # one-line errors before anything heavy starts
     ckpt = None
-    if args.resume:
-        try:
-            ckpt = load_checkpoint(args.resume)
-        except (FileNotFoundError, RuntimeError) as e:
-            raise SystemExit(f"error: {e}") from None
+    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
+        ckpt = load_run_checkpoint(args.resume, "vracer_refer.py")
+        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    check_args(args, ARG_RULES)
+    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
+    left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
+    refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts  # env steps before a gradient step
+    if left <= refill:  # a run, resumed or not, that would end before it learns
+        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves {left:,} env steps, not more than the "
+                         f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
+                         f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})")
+
+    # MEMORY: the replay's RAM, refused at start-up when it cannot fit
+    probe = make_env(args.env_id, args.seed)
+    obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
+    max_ep_len = probe.spec.max_episode_steps or 1000
+    probe.close()
+    need, avail = EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), memory_available_bytes()
+    if need > 0.9 * avail:
+        raise SystemExit(f"error: --buffer-size {args.buffer_size:,} needs {need / 2**30:.1f} GiB of replay memory but "
+                         f"only {avail / 2**30:.1f} GiB of RAM is available: lower --buffer-size")
+
     run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress)
+                       wandb_entity=args.wandb_entity, progress=args.progress,
+                       resume_step=ckpt["global_step"] if ckpt else None)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
     set_learner_threads(args.num_actors)  # the cores the actors leave free
 
-    # SETUP: envs/actors, network, optimizer, replay
-    try:
-        probe = make_env(args.env_id, args.seed)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
-    max_ep_len = probe.spec.max_episode_steps or 1000
-    probe.close()
+    # SETUP: network, optimizer, replay, shared memory for the actors
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     rm = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
@@ -880,31 +903,24 @@ if __name__ == "__main__":
     obs_std = torch.ones(obs_dim, device=device)
     state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
     global_step, t0, started, stats_ready = 0, 0, False, False
-    if ckpt:
-        for key in ("env_id", "hidden_size", "residual", "std_map"):  # the network must mean the same thing
-            if ckpt["args"][key] != getattr(args, key):
-                raise SystemExit(f"error: checkpoint has --{key.replace('_', '-')} {ckpt['args'][key]!r}, "
-                                 f"this run {getattr(args, key)!r}")
-        if ckpt["dims"] != (obs_dim, act_dim):
-            raise SystemExit(f"error: checkpoint is for dims {ckpt['dims']}, {args.env_id} has {(obs_dim, act_dim)}")
+    if ckpt:  # restore, then one line
         agent.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
         global_step, stats_ready = ckpt["global_step"], ckpt["stats_ready"]
         obs_mean, obs_std = ckpt["obs_mean"].to(device), ckpt["obs_std"].to(device)
         rm.reward_scale = ckpt["reward_scale"]
-        if ckpt.get("replay") is not None:  # full restore: continue learning at once
+        if ckpt["replay"] is not None:  # full restore: continue learning at once
             rm.load_state_dict(ckpt["replay"])
             started, t0 = True, ckpt["t0"]
         rng = ckpt["np_rng"]
         set_rng_state(ckpt["rng"])
-        print(f"resumed from {args.resume} at env step {global_step}, grad step {state['k']}"
-              f" ({'with' if started else 'without'} replay memory)", flush=True)
+        replay = (f"replay memory ({rm.size:,} samples)" if started else
+                  f"no replay memory (the next {refill:,}+ env steps refill it)")
+        print(f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, state and reward "
+              f"statistics, learner RNGs, {replay}; flags from this command line: {', '.join(overridden) or 'none'}; "
+              f"runs to step {args.total_timesteps:,}", flush=True)
 
-    def on_sigterm(signum, frame):  # `kill` / schedulers: the same clean shutdown as Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
     ctx = torch.multiprocessing.get_context(args.start_method)
     procs = ProcessGroup(ctx)
     n_params = sum(p.numel() for p in agent.parameters())
@@ -928,10 +944,6 @@ if __name__ == "__main__":
     base_step = global_step  # actors count env steps from 0 in this process: control[0] is relative to it
     publish()
     control[0] = allowed_steps() - base_step
-    for i in range(args.num_actors):
-        actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
-        procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
-                                 read, actor_seed, run_name, procs.stop_event, os.getpid()), name=f"actor-{i}")
 
     W = ring_width(obs_dim, act_dim)
     partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
@@ -939,8 +951,12 @@ if __name__ == "__main__":
     acc = torch.zeros(6, dtype=torch.float64)
     acc_n, last_log_k, last_ckpt = 0, state["k"], global_step
     start_time, last_time, last_step = time.time(), time.time(), global_step
-    status, error = "completed", None
+    error = None
     try:
+        for i in range(args.num_actors):
+            actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
+            procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
+                                     read, actor_seed, run_name, procs.stop_event, os.getpid()), name=f"actor-{i}")
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
@@ -1034,7 +1050,8 @@ if __name__ == "__main__":
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
                 save_checkpoint(logger.dir / "checkpoint.pt", {
-                    "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim), "model": agent.state_dict(),
+                    "script": "vracer_refer.py", "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim),
+                    "model": agent.state_dict(),
                     "optimizer": optimizer.state_dict(), "state": dict(state), "global_step": global_step,
                     "t0": t0, "stats_ready": stats_ready, "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(),
                     "reward_scale": rm.reward_scale, "np_rng": rng, "rng": rng_state(),
@@ -1043,25 +1060,24 @@ if __name__ == "__main__":
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
                 break
+            procs.check()  # every iteration: a dead actor stops the run with its reason
             if not did:
-                procs.check()  # dead actor -> ActorDied with the reason
                 time.sleep(0.0005)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        print("interrupted: stopping actors", flush=True)
-    except ActorDied as e:
-        status, error = "actor died", str(e)
-        print(e.traceback, flush=True)
-    except FloatingPointError as e:
-        status, error = "diverged", str(e)
+    except (KeyboardInterrupt, ActorDied, FloatingPointError) as e:  # FloatingPointError: the NaN guard
+        error = e
     finally:
         procs.stop()
+    reason, exit_code = stop_reason(error)
+    if isinstance(error, ActorDied) and error.traceback:
+        print(error.traceback, flush=True)
+    if exit_code:
+        print(f"stopped: {reason}", flush=True)
 
     # SAVE + EVALUATE
-    summary = {"status": status, "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
+    summary = {"stop_reason": reason, "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
                "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
                "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)}
-    if args.save_model and not error:
+    if args.save_model and not exit_code:
         path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
                     "obs_std": obs_std.cpu()}, path)
@@ -1072,9 +1088,7 @@ if __name__ == "__main__":
             for i, r in enumerate(returns):
                 logger.log(global_step, {"eval/episodic_return": r})
             summary["eval_return_mean"] = float(np.mean(returns))
-    if error:
-        summary["error"] = error
     logger.summary(summary)
     logger.close()
-    if error:
-        raise SystemExit(f"error: {error}")
+    if exit_code:
+        raise SystemExit(exit_code)

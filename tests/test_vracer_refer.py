@@ -383,7 +383,7 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     run = next((tmp_path / "runs").iterdir())
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["global_step"] >= 1300
+    assert summary["stop_reason"] == "completed" and summary["global_step"] >= 1300
     assert summary["grad_steps"] >= 600  # F = 1 after learning starts
     names = set()
     for line in (run / "metrics.jsonl").read_text().splitlines():
@@ -394,15 +394,23 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     assert (run / "vracer_refer.model").exists()
     ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ckpt["replay"] is not None and ckpt["state"]["k"] > 0
-    # resume: restores network, optimizer, beta, k, statistics and the replay memory; learning continues at once
-    p2 = run_script(tmp_path, *SMALL, "--total-timesteps", str(ckpt["global_step"] + 300), "--checkpoint-every",
-                    "150", "--resume", str(run / "checkpoint.pt"))
+    # resume (the checkpoint's flags, the same run folder): network, optimizer, beta, k, statistics and the replay
+    # memory come back; learning continues at once
+    p2 = run_script(tmp_path, "--total-timesteps", str(ckpt["global_step"] + 300), "--checkpoint-every", "150",
+                    "--resume", str(run / "checkpoint.pt"))
     assert p2.returncode == 0, p2.stderr[-3000:]
-    assert "with replay memory" in p2.stdout
+    assert "replay memory (" in p2.stdout and "checkpoint_every, cuda, progress, total_timesteps; runs to" in p2.stdout
     ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ckpt2["state"]["k"] > ckpt["state"]["k"]
     assert ckpt2["global_step"] > ckpt["global_step"]
     torch.testing.assert_close(ckpt2["obs_mean"], ckpt["obs_mean"])  # frozen state statistics restored
+    # without its replay memory, a resumed run must have the steps to refill it (learning_starts) and learn, or refuse
+    del ckpt2["replay"]
+    torch.save({**ckpt2, "replay": None}, tmp_path / "no_replay.pt")
+    p3 = run_script(tmp_path, "--total-timesteps", str(ckpt2["global_step"] + 400), "--resume",
+                    str(tmp_path / "no_replay.pt"), timeout=60)
+    assert p3.returncode != 0 and "Traceback" not in p3.stderr, p3.stderr[-2000:]
+    assert p3.stderr.strip().splitlines()[-1].endswith("(--learning-starts; the checkpoint has no replay memory)")
 
 
 def test_bad_inputs_fail_with_one_line(tmp_path):
@@ -410,11 +418,21 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     assert p.returncode != 0
     assert "error: unknown or non-MuJoCo env id 'CartPole-v1'" in p.stderr and "Traceback" not in p.stderr, p.stderr
     for kw in [dict(env_id="NoSuchEnv-v0"), dict(env_id="ALE/Pong-v5"), dict(batch_size=512, learning_starts=100),
-               dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0),
+               dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0), dict(gamma=0.0),
                dict(learning_starts=2**19)]:
-        with pytest.raises(SystemExit, match="^error: "):
-            vr.validate_args(vr.Args(**kw))
-    vr.validate_args(vr.Args())  # the defaults are valid
+        with pytest.raises(SystemExit, match="^error: "):  # the range rules, then the checks between flags
+            args = vr.Args(**kw)
+            vr.check_args(args, vr.ARG_RULES)
+            vr.validate_args(args)
+    vr.check_args(vr.Args(), vr.ARG_RULES)  # the defaults are valid
+    vr.validate_args(vr.Args())
+
+
+def test_replay_memory_need_is_the_size_of_its_arrays():
+    """The start-up refusal of a replay that cannot fit (`--buffer-size`) uses this count before allocating."""
+    rm = vr.EpisodeReplay(3000, 11, 3, 0.99, max_episode_len=1000)
+    arrays = sum(v.nbytes for v in vars(rm).values() if isinstance(v, np.ndarray))
+    assert vr.EpisodeReplay.bytes_needed(3000, 11, 3, 1000) == arrays
 
 
 def test_segmented_scan_matches_plain_scan():
@@ -484,24 +502,3 @@ def test_train_step_all_variants(refer, per):
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
     assert state["k"] == 30
     assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
-
-
-def test_dead_actor_is_reported():
-    """An actor that fails (here: an env id that cannot be made) is reported by the supervision with its reason."""
-    import time
-
-    from common.processes import ActorDied, ProcessGroup
-    procs = ProcessGroup(torch.multiprocessing.get_context("spawn"))
-    args = vr.Args(env_id="NoSuchEnv-v0")
-    shm = [torch.zeros(10).share_memory_(), torch.zeros(4).share_memory_(),
-           torch.tensor([100, 1], dtype=torch.int64).share_memory_(), torch.zeros(1, 8, 20, dtype=torch.float64),
-           torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
-    procs.start(vr.actor_loop, (0, args, 2, 1, *shm, 0, "x", procs.stop_event), name="actor-0")
-    try:
-        with pytest.raises(ActorDied, match="actor-0 died .*NoSuchEnv"):
-            deadline = time.time() + 60
-            while time.time() < deadline:
-                procs.check()
-                time.sleep(0.1)
-    finally:
-        procs.stop()
