@@ -36,6 +36,7 @@ Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, commo
 common/processes.py.
 """
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -45,18 +46,16 @@ import torch.nn as nn
 import tyro
 from torch.distributions import Categorical
 
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, resume_args
+from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import set_learner_threads
+from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
 
 SCORE_STRATEGIES = ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random")
 TRANSFORMS = ("rank", "power", "greedy")
 REPLAY_SCHEDULES = ("proportionate", "fixed")
 COMMIT_MODES = ("episode", "update")
 MAX_SEED = 2**31 - 1
-# flags taken from the command line on --resume; every other flag comes from the checkpoint
-RESUME_FROM_CLI = ("resume", "total_timesteps", "checkpoint_every", "progress", "cuda", "track", "save_model",
-                   "eval_every", "eval_episodes", "final_eval_episodes", "num_eval_envs")  # fmt: skip
 
 # Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
 PROCGEN_RETURN_BOUNDS = {
@@ -199,8 +198,23 @@ def resolve_defaults(args: Args) -> Args:
     return args
 
 
+# the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
+FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "start_level", "num_envs", "norm_reward",
+                   "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit", "plr_buffer_size")  # fmt: skip
+ARG_RULES = {
+    "plr_strategy": SCORE_STRATEGIES, "plr_transform": TRANSFORMS, "plr_replay_schedule": REPLAY_SCHEDULES,
+    "plr_commit": COMMIT_MODES, "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
+    "num_train_levels": ">= 0", "start_level": ">= 0", "num_envs": ">= 1", "num_steps": ">= 1",
+    "num_minibatches": ">= 1", "update_epochs": ">= 1", "learning_rate": "> 0", "adam_eps": "> 0", "gamma": "(0, 1]",
+    "gae_lambda": "[0, 1]", "clip_coef": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "max_grad_norm": "> 0",
+    "num_workers": ">= 0", "eval_every": ">= 0", "eval_episodes": ">= 0", "final_eval_episodes": ">= 0",
+    "num_eval_envs": ">= 1", "checkpoint_every": ">= 0", "plr_temperature": "> 0", "plr_staleness_coef": "[0, 1]",
+    "plr_replay_prob": "[0, 1]", "plr_min_fill": "[0, 1]", "plr_score_alpha": "(0, 1]", "plr_buffer_size": ">= 1",
+}  # fmt: skip
+
+
 def validate_args(args: Args) -> None:
-    """Fail at start-up with one clear line on bad flags."""
+    """The checks between flags (ranges: ARG_RULES, after resolve_defaults); one line (SystemExit) on bad flags."""
 
     def fail(msg):
         raise SystemExit(f"error: {msg}")
@@ -216,47 +230,14 @@ def validate_args(args: Args) -> None:
             fail(f"--env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}")
     elif args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES:
         fail(f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}")
-    if args.plr_strategy not in SCORE_STRATEGIES:
-        fail(f"unknown --plr-strategy {args.plr_strategy!r}: use one of {', '.join(SCORE_STRATEGIES)}")
-    if args.plr_transform not in TRANSFORMS:
-        fail(f"unknown --plr-transform {args.plr_transform!r}: use one of {', '.join(TRANSFORMS)}")
-    if args.plr_replay_schedule not in REPLAY_SCHEDULES:
-        fail(f"unknown --plr-replay-schedule {args.plr_replay_schedule!r}: use one of {', '.join(REPLAY_SCHEDULES)}")
-    if args.plr_commit not in COMMIT_MODES:
-        fail(f"unknown --plr-commit {args.plr_commit!r}: use one of {', '.join(COMMIT_MODES)}")
-    if not args.plr_temperature > 0:
-        fail(f"--plr-temperature (β) must be > 0, got {args.plr_temperature}")
-    if not 0.0 <= args.plr_staleness_coef <= 1.0:
-        fail(f"--plr-staleness-coef (ρ) must be in [0, 1], got {args.plr_staleness_coef}")
-    for name in ("plr_replay_prob", "plr_min_fill"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if not 0.0 < args.plr_score_alpha <= 1.0:
-        fail(f"--plr-score-alpha (α) must be in (0, 1], got {args.plr_score_alpha}")
-    if args.num_train_levels < 0:
-        fail(f"--num-train-levels must be >= 0 (0 = unbounded) or -1 (paper default), got {args.num_train_levels}")
-    if args.start_level < 0 or args.start_level + args.num_train_levels > MAX_SEED:
+    if args.start_level + args.num_train_levels > MAX_SEED:
         fail(f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]")
-    if args.num_train_levels == 0:
-        if args.plr_buffer_size < 1:
-            fail("--plr-buffer-size (M) must be >= 1 in unbounded mode (--num-train-levels 0)")
-        if args.plr_replay_schedule != "fixed" and args.plr_strategy != "random":
-            fail("unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)")
-    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps", "num_eval_envs"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random":
+        fail("unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)")
     if (args.num_envs * args.num_steps) % args.num_minibatches:
         fail(f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches")
-    if not (0 < args.gamma <= 1 and 0 <= args.gae_lambda <= 1 and args.learning_rate > 0):
-        fail("need 0 < --gamma <= 1, 0 <= --gae-lambda <= 1 and --learning-rate > 0")
-    if args.eval_every < 0 or args.eval_episodes < 0 or args.final_eval_episodes < 0 or args.checkpoint_every < 0:
-        fail("--eval-every, --eval-episodes, --final-eval-episodes and --checkpoint-every must be >= 0")
     if args.capture_video:
         fail("--capture-video is not supported by plr_ppo.py (the vector adapters expose no rendered frames)")
-    if args.resume and not os.path.isfile(args.resume):
-        fail(f"--resume: no checkpoint file at {args.resume}")
-    if args.start_method not in ("spawn", "forkserver"):
-        fail(f"--start-method must be spawn or forkserver, got {args.start_method!r}")
 
 
 def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
@@ -751,21 +732,29 @@ def plot_curriculum(history, path) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     args = tyro.cli(Args)
-    if args.resume and os.path.isfile(args.resume):  # continue with the checkpoint's flags (budget/logging from the CLI)
-        try:
-            ckpt = load_checkpoint(args.resume)
-        except (RuntimeError, FileNotFoundError) as e:
-            raise SystemExit(f"error: --resume: {e}") from None
-        resumed_args = Args(**ckpt["args"])
-        for name in RESUME_FROM_CLI:
-            setattr(resumed_args, name, getattr(args, name))
-        args = resumed_args
+    ckpt = None
+    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
+        ckpt = load_run_checkpoint(args.resume, "plr_ppo.py")
+        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
     args = resolve_defaults(args)
-    validate_args(args)  # one-line errors before anything heavy starts
-    run_name = make_run_name(args.env_id, args.exp_name, args.seed)
+    check_args(args, ARG_RULES)
+    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
+    batch_size = args.num_envs * args.num_steps  # one PPO batch: the run ends at the last whole batch of the budget
+    start_step = ckpt["global_step"] if ckpt else 0
+    end_step = start_step + (args.total_timesteps - start_step) // batch_size * batch_size
+    if end_step <= start_step:
+        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves less than one PPO batch (--num-envs "
+                         f"x --num-steps = {batch_size:,} steps)" + (f" after the checkpoint's step {start_step:,}"
+                                                                     if ckpt else ""))
+    if end_step != args.total_timesteps:
+        print(f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
+              f"steps): the run ends at step {end_step:,}", flush=True)
+    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress)  # fmt: skip
+                       wandb_entity=args.wandb_entity, progress=args.progress,
+                       resume_step=ckpt["global_step"] if ckpt else None)  # fmt: skip
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -775,7 +764,6 @@ if __name__ == "__main__":
 
     # SETUP: envs, network, optimizer, level sampler
     N, T = args.num_envs, args.num_steps
-    batch_size = N * T
     minibatch_size = batch_size // args.num_minibatches
     envs = make_env(args, N, seed=args.seed)
     eval_envs = None  # one evaluation env (one worker) for train and test levels, created at the first evaluation
@@ -800,7 +788,7 @@ if __name__ == "__main__":
     curriculum = []
 
     global_step, update = 0, 0
-    if args.resume:
+    if ckpt:  # restore, then one line
         agent.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         global_step, update = ckpt["global_step"], ckpt["update"]
@@ -812,7 +800,10 @@ if __name__ == "__main__":
         set_rng_state(ckpt["rng"])
         # emulator states are not saved: each env restarts the level it was playing
         next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])
-        print(f"resumed from {args.resume} at step {global_step}")
+        print(f"resumed {args.resume} at step {global_step:,}: model, optimizer ({update:,} updates), level sampler "
+              f"({sampler.num_seen:,} levels seen), return normalizer, RNG; each env restarts its level from the first "
+              f"frame; flags from this command line: {', '.join(overridden) or 'none'}; runs to step {end_step:,}",
+              flush=True)
     else:
         next_obs = envs.reset([sampler.sample(i) for i in range(N)])
 
@@ -845,7 +836,7 @@ if __name__ == "__main__":
 
     def save(path):
         save_checkpoint(path, {
-            "args": vars(args), "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+            "script": "plr_ppo.py", "args": vars(args), "run_name": run_name, "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
             "global_step": global_step, "update": update, "sampler": sampler.state_dict(),
             "normalizer": normalizer.state_dict() if normalizer is not None else None,
             "eval_rng": eval_rng.bit_generator.state, "curriculum": curriculum, "rng": rng_state(),
@@ -861,9 +852,9 @@ if __name__ == "__main__":
         return seed
 
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
-    interrupted, failure = False, None
+    error = None
     try:
-        while global_step < args.total_timesteps:
+        while global_step < end_step:
             t0 = time.time()
             replays_before, sample_seconds[0] = sampler.num_replays, 0.0
             samples_before = sampler.num_samples
@@ -971,17 +962,21 @@ if __name__ == "__main__":
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 save(logger.dir / "checkpoint.pt")
                 next_checkpoint += args.checkpoint_every
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: closing environments")
-    except (RuntimeError, OSError) as e:  # a MiniGrid worker died (EOF or reset pipe): stop cleanly with the reason
-        interrupted, failure = True, f"environment worker failed: {type(e).__name__}: {e}"  # reported at exit
+    except (KeyboardInterrupt, ActorDied) as e:
+        error = e
+    except RuntimeError as e:  # MiniGridVecEnv's workers: "MiniGrid worker i died (exit code c)", a dead actor here
+        if " died " not in str(e):
+            raise
+        error = ActorDied(str(e))
     finally:
         envs.close()
+    reason, exit_code = stop_reason(error)
+    if exit_code:
+        print(f"stopped: {reason}", flush=True)
 
     # SAVE + EVALUATE
-    summary = {"global_step": global_step, "updates": update, "interrupted": interrupted}
-    if not interrupted:
+    summary = {"global_step": global_step, "updates": update, "stop_reason": reason}
+    if error is None:
         if args.checkpoint_every:
             save(logger.dir / "checkpoint.pt")
         if args.save_model:
@@ -998,9 +993,7 @@ if __name__ == "__main__":
         summary.update({k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()})
     if eval_envs is not None:
         eval_envs.close()
-    if failure:
-        summary["error"] = failure
     logger.summary(summary)
     logger.close()
-    if failure:
-        raise SystemExit(f"error: {failure}")
+    if exit_code:
+        raise SystemExit(exit_code)

@@ -1106,11 +1106,16 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
+        if args.start_method == "forkserver":  # the fork server too, so that no process outlives the run
+            from multiprocessing import forkserver
+            forkserver._forkserver._stop()
     logger.log(global_step, {"charts/SPS": (global_step - start_step) / (time.time() - start_time),
                              "charts/learning_steps": learn_steps})  # the last record is at the last step
     reason, exit_code = stop_reason(error)
-    if error is not None:  # why the run stopped, after a dead actor's traceback if it sent one
-        print(f"{getattr(error, 'traceback', '')}run stopped: {reason}", file=sys.stderr, flush=True)
+    if isinstance(error, ActorDied) and error.traceback:
+        print(error.traceback, flush=True)
+    if exit_code:
+        print(f"stopped: {reason}", flush=True)
 
     if args.checkpoint_every and error is None:
         make_checkpoint()
