@@ -44,7 +44,7 @@ LONG = {"clear_impala.py": ["--steps-per-task", "10000000"], "reactor.py": ["--t
 SHORT = {"clear_impala.py": ["--steps-per-task", "240", "--checkpoint-every", "240"],
          "reactor.py": ["--total-timesteps", "260", "--checkpoint-every", "200"],
          "plr_ppo.py": ["--total-timesteps", "256", "--checkpoint-every", "128"],
-         "vracer_refer.py": ["--total-timesteps", "1300", "--checkpoint-every", "400"]}
+         "vracer_refer.py": ["--total-timesteps", "1300", "--checkpoint-every", "500"]}
 RESUME_TO = {"clear_impala.py": ["--steps-per-task", "480"], "reactor.py": ["--total-timesteps", "400"],
              "plr_ppo.py": ["--total-timesteps", "384"], "vracer_refer.py": ["--total-timesteps", "1800"]}
 CHANGES_EXPERIMENT = {"clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-Empty-6x6-v0"],
