@@ -745,9 +745,8 @@ if __name__ == "__main__":
     start_step = ckpt["global_step"] if ckpt else 0
     end_step = start_step + (args.total_timesteps - start_step) // batch_size * batch_size
     if end_step <= start_step:
-        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves less than one PPO batch (--num-envs "
-                         f"x --num-steps = {batch_size:,} steps)" + (f" after the checkpoint's step {start_step:,}"
-                                                                     if ckpt else ""))
+        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves less than one PPO batch after step "
+                         f"{start_step:,} (--num-envs x --num-steps = {batch_size:,} steps)")
     if end_step != args.total_timesteps:
         print(f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
               f"steps): the run ends at step {end_step:,}", flush=True)
@@ -836,9 +835,9 @@ if __name__ == "__main__":
 
     def save(path):
         save_checkpoint(path, {
-            "script": "plr_ppo.py", "args": vars(args), "run_name": run_name, "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-            "global_step": global_step, "update": update, "sampler": sampler.state_dict(),
-            "normalizer": normalizer.state_dict() if normalizer is not None else None,
+            "script": "plr_ppo.py", "args": vars(args), "run_name": run_name, "global_step": global_step,
+            "model": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
+            "sampler": sampler.state_dict(), "normalizer": normalizer.state_dict() if normalizer is not None else None,
             "eval_rng": eval_rng.bit_generator.state, "curriculum": curriculum, "rng": rng_state(),
             "env_levels": np.array(envs.levels, dtype=np.int64),
         })  # fmt: skip

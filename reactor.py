@@ -194,6 +194,8 @@ def validate_args(args: Args) -> None:
             check_video_support()
         except ValueError as e:
             fail(str(e))
+    if args.total_timesteps <= args.learning_starts:
+        fail(f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})")
     if args.v_max <= args.v_min:
         fail(f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
     if args.policy_gradient == "tislr" and args.policy_uniform_eps == 0:
