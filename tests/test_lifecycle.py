@@ -93,14 +93,15 @@ def start(tmp_path, script, *flags, ignore_sigint=False):
                             env=environment(), stdout=out, stderr=err, preexec_fn=preexec)
 
 
-def wait_for_metrics(tmp_path, proc, timeout=120.0):
-    """Wait until the run has logged a training record (its actors are up), return the run folder."""
+def wait_for_metrics(tmp_path, proc, timeout=120.0, learning=False):
+    """Wait until the run has logged a record (its actors are up; with `learning`, a `losses/` record: the learner
+    is training), return the run folder."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
         for run in (tmp_path / "runs").glob("*") if (tmp_path / "runs").exists() else []:
             metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.stat().st_size > 0:
+            if metrics.exists() and metrics.stat().st_size > 0 and (not learning or '"losses/' in metrics.read_text()):
                 return run
         time.sleep(0.5)
     raise AssertionError("no metrics within the time limit")
@@ -152,11 +153,11 @@ def actor_or_worker(pid: int, main_pid: int) -> bool:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_killed_actor_stops_the_run_with_its_reason(tmp_path, script):
     proc = start(tmp_path, script, *TINY[script], *LONG[script])
-    run = wait_for_metrics(tmp_path, proc)
+    run = wait_for_metrics(tmp_path, proc, learning=True)  # the learner is training: it must still notice
     victims = [p for p in group_members(proc.pid) if actor_or_worker(p, proc.pid)]
     assert victims, [cmdline(p) for p in group_members(proc.pid)]
     os.kill(victims[0], signal.SIGKILL)
-    assert finish(proc, timeout=60) == 1
+    assert finish(proc, timeout=30) == 1
     summary = json.loads((run / "summary.json").read_text())
     assert "died" in summary["stop_reason"] and "-9" in summary["stop_reason"], summary["stop_reason"]
     left = group_members(proc.pid)
@@ -174,6 +175,9 @@ def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path,
     assert first.returncode == 0, first.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     ckpt = run_dir / "checkpoint.pt"
+    ckpt_step = torch.load(ckpt, weights_only=False)["global_step"]
+    with open(run_dir / "metrics.jsonl", "a") as f:  # as if logged after the checkpoint, before a crash
+        f.write(json.dumps({"global_step": ckpt_step + 10**9, "time": 0.0, "test/after_checkpoint": 1.0}) + "\n")
     refused = run(tmp_path, script, "--resume", str(ckpt), *CHANGES_EXPERIMENT[script], timeout=60)
     assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1].startswith("error: --resume: ")
     second = run(tmp_path, script, "--resume", str(ckpt), *RESUME_TO[script])  # no other flag: the checkpoint's
@@ -182,8 +186,10 @@ def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path,
     args = json.loads((run_dir / "args.json").read_text())
     assert args["learning_rate"] == pytest.approx(0.000123)  # a flag of the first command, kept
     assert args[RESUME_TO[script][0][2:].replace("-", "_")] == int(RESUME_TO[script][1])  # the given flag wins
-    steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps) and steps[-1] > torch.load(ckpt, weights_only=False)["global_step"] - 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps, times = [r["global_step"] for r in rows], [r["time"] for r in rows]
+    assert not any("test/after_checkpoint" in r for r in rows)  # what followed the checkpoint was dropped
+    assert steps == sorted(steps) and times == sorted(times) and steps[-1] > ckpt_step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stop_reason"] == "completed" and summary["global_step"] >= int(RESUME_TO[script][1]) * 0.9
 
