@@ -31,7 +31,7 @@ Long form: README.md, section clear_impala.py.
 
 Gymnasium autoreset mode: none (each actor resets its plain env itself, so the true final observation is available).
 Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
-common/processes.py, common/video.py.
+common/args.py, common/processes.py, common/video.py.
 """
 import collections
 import json
@@ -51,7 +51,8 @@ import tyro
 from common.args import check_args, resume_args
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
+from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
+                              stop_reason)
 from common.video import check_video_support
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
@@ -662,15 +663,6 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix, total: int) -> 
     return paths
 
 
-def memory_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (no limit where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 1 << 62
-
-
 # ACTOR PROCESSES (module-level so spawn can pickle them)
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
                global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
@@ -833,7 +825,7 @@ if __name__ == "__main__":
           f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + "
           f"{(per_unroll - T * frame_bytes) / T:.0f} B per-unroll overhead incl. row 0) "
           f"= {buffer_bytes / 2**30:.3f} GiB")
-    avail = memory_available_bytes()
+    avail = available_memory_bytes()
     if buffer_bytes + slot_bytes > 0.9 * avail:
         raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
                          f"{avail / 2**30:.1f} GiB of RAM is available; lower --buffer-frames")
@@ -1031,9 +1023,6 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
-        if args.start_method == "forkserver":  # the fork server too, so that no process outlives the run
-            from multiprocessing import forkserver
-            forkserver._forkserver._stop()
     reason, exit_code = stop_reason(error)
     if isinstance(error, ActorDied) and error.traceback:
         print(error.traceback, flush=True)

@@ -33,7 +33,7 @@ Long form: README.md, section plr_ppo.py.
 
 Gymnasium autoreset mode: SAME_STEP (ProcgenVecEnv / MiniGridVecEnv: `next_level(i)`, `info["final_obs"]`).
 Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
-common/processes.py.
+common/args.py, common/processes.py.
 """
 import os
 import sys
@@ -758,8 +758,8 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    # the cores the env workers leave free: MiniGridVecEnv's processes (Procgen steps its envs in this process)
-    set_learner_threads(0 if is_procgen(args.env_id) else min(args.num_envs, args.num_workers or os.cpu_count() or 1))
+    # PPO acts and learns in turn: its env workers (MiniGrid) wait while it learns, so they take no core from it
+    set_learner_threads(0)
 
     # SETUP: envs, network, optimizer, level sampler
     N, T = args.num_envs, args.num_steps
@@ -961,12 +961,8 @@ if __name__ == "__main__":
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 save(logger.dir / "checkpoint.pt")
                 next_checkpoint += args.checkpoint_every
-    except (KeyboardInterrupt, ActorDied) as e:
+    except (KeyboardInterrupt, ActorDied) as e:  # ActorDied: also a dead MiniGrid env worker
         error = e
-    except RuntimeError as e:  # MiniGridVecEnv's workers: "MiniGrid worker i died (exit code c)", a dead actor here
-        if " died " not in str(e):
-            raise
-        error = ActorDied(str(e))
     finally:
         envs.close()
     reason, exit_code = stop_reason(error)

@@ -31,7 +31,8 @@ Differences from the paper
 Long form: README.md, section reactor.py.
 
 Gymnasium autoreset mode: none (each actor resets its env; a truncation's true last frame is stored, bootstrapped).
-Copying this file: it needs common/atari_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
+Copying this file: it needs common/atari_env.py, common/args.py, common/logger.py, common/checkpoint.py,
+common/processes.py, common/video.py.
 """
 import os
 import queue
@@ -51,7 +52,8 @@ from common.args import check_args, resume_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
-from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
+from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
+                              stop_reason)
 from common.video import check_video_support
 
 
@@ -785,18 +787,6 @@ class SequenceReplay:
         self.index.load_state_dict(d["index"])
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (falls back to physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_replay_memory(args: Args, num_actions: int) -> None:
     """Print the replay's RAM need at start-up and refuse (one line) a size that does not fit."""
     need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size)
@@ -1108,9 +1098,6 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
-        if args.start_method == "forkserver":  # the fork server too, so that no process outlives the run
-            from multiprocessing import forkserver
-            forkserver._forkserver._stop()
     logger.log(global_step, {"charts/SPS": (global_step - start_step) / (time.time() - start_time),
                              "charts/learning_steps": learn_steps})  # the last record is at the last step
     reason, exit_code = stop_reason(error)

@@ -31,7 +31,8 @@ Differences from the paper
 Long form: README.md, section vracer_refer.py.
 
 Gymnasium autoreset mode: none (each actor steps one env and resets it; truncation bootstraps from the true s_T).
-Copying this file: it needs common/mujoco_env.py, common/logger.py, common/checkpoint.py, common/processes.py, common/video.py.
+Copying this file: it needs common/mujoco_env.py, common/args.py, common/logger.py, common/checkpoint.py,
+common/processes.py, common/video.py.
 """
 import os
 import sys
@@ -51,7 +52,8 @@ from common.args import check_args, resume_args
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import ActorDied, ProcessGroup, set_learner_threads, stop_on_signals, stop_reason
+from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
+                              stop_reason)
 from common.video import check_video_support
 
 
@@ -829,15 +831,6 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     env.close()
 
 
-def memory_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (no limit where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 1 << 62
-
-
 def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
     """Deterministic policy (mean action) returns."""
     env = make_env(env_id, seed)
@@ -879,7 +872,7 @@ if __name__ == "__main__":
     obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
     max_ep_len = probe.spec.max_episode_steps or 1000
     probe.close()
-    need, avail = EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), memory_available_bytes()
+    need, avail = EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), available_memory_bytes()
     if need > 0.9 * avail:
         raise SystemExit(f"error: --buffer-size {args.buffer_size:,} needs {need / 2**30:.1f} GiB of replay memory but "
                          f"only {avail / 2**30:.1f} GiB of RAM is available: lower --buffer-size")

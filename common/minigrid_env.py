@@ -36,6 +36,8 @@ from minigrid.envs.multiroom import MultiRoomEnv
 from minigrid.envs.obstructedmaze import ObstructedMaze_1Dlhb, ObstructedMaze_Full, ObstructedMazeEnv
 from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
 
+from common.processes import ActorDied
+
 MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "ObstructedMazeGamut-Medium")
 
 # Two small DistShift layouts whose routes conflict, for showing forgetting on a CPU (clear_impala.py task sequences):
@@ -294,9 +296,9 @@ class MiniGridVecEnv:
     def _random_level(self) -> int:
         return int(self._rng.integers(2**31 - 1))
 
-    def _worker_died(self, w: int) -> RuntimeError:
+    def _worker_died(self, w: int) -> ActorDied:
         self._procs[w].join(timeout=1.0)
-        return RuntimeError(f"MiniGrid worker {w} died (exit code {self._procs[w].exitcode})")
+        return ActorDied(f"MiniGrid worker {w} died (exit code {self._procs[w].exitcode})")
 
     def _send(self, w: int, message) -> None:
         try:

@@ -38,6 +38,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo: what a replay memory may take (no limit where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1 << 62
+
+
 def set_learner_threads(num_actor_processes: int) -> int:
     """Give the learner's torch the cores that the actor/worker processes (1 thread each) do not use, at least 1.
 
@@ -180,3 +189,7 @@ class ProcessGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1.0)
+        if self.ctx.get_start_method() == "forkserver":  # the fork server too: no process outlives the run
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()
