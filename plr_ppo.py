@@ -978,8 +978,12 @@ if __name__ == "__main__":
             model_path = logger.dir / f"{args.exp_name}.model"
             save_checkpoint(model_path, {"model": agent.state_dict(), "args": vars(args)})
             print(f"model saved to {model_path}")
-        if args.final_eval_episodes:
-            final = run_eval(args.final_eval_episodes)
+        try:
+            final = run_eval(args.final_eval_episodes) if args.final_eval_episodes else {}
+        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
+            (reason, exit_code), final = stop_reason(e), {}
+            summary["stop_reason"] = f"{reason} during the final evaluation"
+        if final:
             logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
             summary.update({k.replace("eval/", "final_"): v for k, v in final.items()})
         if curriculum:

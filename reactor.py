@@ -1116,7 +1116,11 @@ if __name__ == "__main__":
         model_path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": net.state_dict(), "args": vars(args)}, model_path)
         print(f"model saved to {model_path}", flush=True)
-        returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
+        try:
+            returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
+        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
+            (reason, exit_code), returns = stop_reason(e), []
+            summary["stop_reason"] = f"{reason} during the final evaluation"
         for i, r in enumerate(returns):
             logger.log(global_step, {"eval/episodic_return": r})
         if returns:

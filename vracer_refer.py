@@ -1075,11 +1075,15 @@ if __name__ == "__main__":
         torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
                     "obs_std": obs_std.cpu()}, path)
         print(f"model saved to {path}", flush=True)
-        if args.eval_episodes > 0:
+        try:
             returns = evaluate(agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device,
-                               args.clip_actions)
-            for i, r in enumerate(returns):
-                logger.log(global_step, {"eval/episodic_return": r})
+                               args.clip_actions) if args.eval_episodes > 0 else []
+        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
+            (reason, exit_code), returns = stop_reason(e), []
+            summary["stop_reason"] = f"{reason} during the final evaluation"
+        for i, r in enumerate(returns):
+            logger.log(global_step, {"eval/episodic_return": r})
+        if returns:
             summary["eval_return_mean"] = float(np.mean(returns))
     logger.summary(summary)
     logger.close()

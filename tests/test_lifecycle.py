@@ -116,9 +116,17 @@ def finish(proc, timeout):
         raise AssertionError(f"the run did not stop within {timeout} s")
 
 
+def processes_left(pgid: int, timeout: float = 5.0) -> list[int]:
+    """Members of the run's process group still alive after `timeout` s (the resource tracker exits a moment after
+    the last process that holds its pipe)."""
+    deadline = time.time() + timeout
+    while (left := group_members(pgid)) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def assert_clean_end(tmp_path, proc):
-    time.sleep(1.0)
-    left = group_members(proc.pid)
+    left = processes_left(proc.pid)
     if left:
         os.killpg(proc.pid, signal.SIGKILL)
     assert not left, [cmdline(p) for p in left]
@@ -160,7 +168,9 @@ def test_a_killed_actor_stops_the_run_with_its_reason(tmp_path, script):
     assert finish(proc, timeout=30) == 1
     summary = json.loads((run / "summary.json").read_text())
     assert "died" in summary["stop_reason"] and "-9" in summary["stop_reason"], summary["stop_reason"]
-    left = group_members(proc.pid)
+    left = processes_left(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
     assert not left, [cmdline(p) for p in left]
 
 
