@@ -1,4 +1,4 @@
-# docs and results: README.md#clear-impala
+# docs and results: README.md#clear_impalapy-clear-on-impala
 """CLEAR (Rolnick et al. 2019, https://arxiv.org/abs/1811.11682) on IMPALA (https://arxiv.org/abs/1802.01561).
 
 Paper parts implemented here

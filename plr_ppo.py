@@ -1,4 +1,4 @@
-# docs and results: README.md#plr_ppo
+# docs and results: README.md#plr_ppopy-prioritized-level-replay-on-ppo
 """Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934).
 
 For Procgen and MiniGrid, one file.

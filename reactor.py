@@ -1,3 +1,4 @@
+# docs and results: README.md#reactorpy-reactor
 """Reactor (Gruslys, Dabney, Azar, Piot, Bellemare, Munos 2018, https://arxiv.org/abs/1704.04651), one file.
 
 Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional

@@ -1,4 +1,4 @@
-# docs and results: README.md#v-racer-with-remember-and-forget-experience-replay-vracer_referpy
+# docs and results: README.md#vracer_referpy-v-racer-with-remember-and-forget-experience-replay
 """V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827).
 
 For gymnasium MuJoCo tasks, one file.
