@@ -46,9 +46,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 
-from common.args import check_args, resume_args
+from common.args import check_args, cli, resume_args
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
@@ -165,6 +164,8 @@ class Args:
     """how often the learner writes metrics and the progress line"""
 
 
+ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames",
+             "minigrid_max_steps")  # --help's environment group
 # the flags a resumed run may not change (tasks, seed, network, method; replay and tasks are per actor), range rules
 FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "unroll_length", "replay_ratio", "behavior_cloning")
 ARG_RULES = {
@@ -794,7 +795,7 @@ def drain(q, limit=10_000):
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = tyro.cli(Args)
+    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
     ckpt = None
     if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
         ckpt = load_run_checkpoint(args.resume, "clear_impala.py")

@@ -43,10 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from torch.distributions import Categorical
 
-from common.args import check_args, resume_args
+from common.args import check_args, cli, resume_args
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
@@ -198,6 +197,8 @@ def resolve_defaults(args: Args) -> Args:
     return args
 
 
+ENV_FLAGS = ("env_id", "total_timesteps", "distribution_mode", "num_train_levels", "start_level", "num_envs",
+             "num_workers")  # --help's environment group
 # the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
 FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "start_level", "num_envs", "norm_reward",
                    "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit", "plr_buffer_size")  # fmt: skip
@@ -733,7 +734,7 @@ def plot_curriculum(history, path) -> None:
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = tyro.cli(Args)
+    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
     ckpt = None
     if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
         ckpt = load_run_checkpoint(args.resume, "plr_ppo.py")

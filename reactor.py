@@ -47,9 +47,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 
-from common.args import check_args, resume_args
+from common.args import check_args, cli, resume_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
@@ -169,6 +168,7 @@ class Args:
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
+ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
 FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "lstm_size", "crelu", "distributional", "num_atoms", "v_min",
                    "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size", "sequence_length")
@@ -922,7 +922,7 @@ def evaluate(net, args: Args, episodes: int, device, seed: int):
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = tyro.cli(Args)
+    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
     ckpt = None
     if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
         ckpt = load_run_checkpoint(args.resume, "reactor.py")

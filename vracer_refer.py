@@ -46,9 +46,8 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 
-from common.args import check_args, resume_args
+from common.args import check_args, cli, resume_args
 from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
@@ -160,6 +159,7 @@ class Args:
     """episodes of the deterministic (mean-action) policy evaluated after training with --save-model"""
 
 
+ENV_FLAGS = ("env_id", "total_timesteps")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
 FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per", "buffer_size")
 ARG_RULES = {
@@ -853,7 +853,7 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = tyro.cli(Args)
+    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
     ckpt = None
     if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
         ckpt = load_run_checkpoint(args.resume, "vracer_refer.py")

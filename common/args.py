@@ -1,5 +1,7 @@
 """Command-line arguments shared by the four scripts: declarative range checks and the one `--resume` rule.
 
+- `cli(Args, env_flags)`: `tyro.cli(Args)` with `--help` in three groups (common, environment, method); the flags
+  and the returned flat `Args` are unchanged.
 - `check_args(args, rules)`: each rule names a field and what it must be, e.g. `{"learning_rate": "> 0",
   "gamma": "[0, 1]", "num_actors": ">= 1", "mode": ("sequential", "simultaneous")}`; the first violation stops the
   script with one line `error: --gamma must be in [0, 1], got 1.5`. A `None` value (an optional flag left unset)
@@ -12,11 +14,46 @@
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import operator
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
+import tyro
+
+COMMON_FLAGS = ("exp_name", "seed", "torch_deterministic", "cuda", "track", "wandb_project_name", "wandb_entity",
+                "capture_video", "save_model", "checkpoint_every", "checkpoint_replay", "resume", "progress",
+                "start_method", "log_every", "log_every_seconds")
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """{field: the docstring under it} from the class source (tyro's help texts)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def cli(args_class: type, env_flags: Iterable[str]) -> Any:
+    """Parse the command line into `args_class` (a flat dataclass) with tyro, its `--help` grouped as "common options"
+    (`COMMON_FLAGS`), "environment options" (`env_flags`) and "method options" (the rest), in field order."""
+    docs, env_flags = _field_docs(args_class), set(env_flags)
+    fields = dataclasses.fields(args_class)
+    groups = {"common": [f for f in fields if f.name in COMMON_FLAGS],
+              "environment": [f for f in fields if f.name in env_flags],
+              "method": [f for f in fields if f.name not in COMMON_FLAGS and f.name not in env_flags]}
+    nested = []
+    for group, members in groups.items():
+        spec = [(f.name, Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
+                 dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING
+                 else dataclasses.field(default_factory=f.default_factory)) for f in members]
+        sub = dataclasses.make_dataclass(group, spec)
+        nested.append((group, Annotated[sub, tyro.conf.OmitArgPrefixes], dataclasses.field(default_factory=sub)))
+    parsed = tyro.cli(dataclasses.make_dataclass(args_class.__name__, nested),
+                      description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0])
+    return args_class(**{f.name: getattr(getattr(parsed, group), f.name) for group, members in groups.items()
+                         for f in members})
 
 
 def flag(name: str) -> str:

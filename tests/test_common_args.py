@@ -1,6 +1,7 @@
 """common/args.py (range checks, the resume rule) and RunLogger's resume mode."""
 import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -93,3 +94,30 @@ def test_resumed_logger_drops_records_after_the_checkpoint_and_continues_time(tm
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["global_step"] for r in rows] == [100, 200, 260]
     assert rows[2]["time"] >= times[200] and all(isinstance(json.dumps(r), str) for r in rows)
+
+
+@dataclasses.dataclass
+class DocumentedArgs:
+    seed: int = 1
+    """seed of the experiment"""
+    env_ids: list[str] = dataclasses.field(default_factory=lambda: ["a", "b"])
+    """the tasks, in order"""
+    learning_rate: float = 1e-3
+    """the step size"""
+    cuda: bool = True
+    """use CUDA when available"""
+
+
+def test_cli_groups_help_and_returns_the_flat_args(monkeypatch, capsys):
+    from common.args import cli
+
+    monkeypatch.setattr(sys, "argv", ["prog", "--seed", "3", "--env-ids", "x", "y", "z", "--no-cuda"])
+    args = cli(DocumentedArgs, env_flags=("env_ids",))
+    assert args == DocumentedArgs(seed=3, env_ids=["x", "y", "z"], learning_rate=1e-3, cuda=False)
+    monkeypatch.setattr(sys, "argv", ["prog", "--help"])
+    with pytest.raises(SystemExit):
+        cli(DocumentedArgs, env_flags=("env_ids",))
+    out = capsys.readouterr().out
+    common, env, method = (out.index(f"{g} options") for g in ("common", "environment", "method"))
+    assert common < out.index("--seed") < out.index("--cuda") < env < out.index("--env-ids") < method
+    assert method < out.index("--learning-rate") and "the step size" in out and "seed of the experiment" in out
