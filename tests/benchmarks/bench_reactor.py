@@ -124,7 +124,8 @@ def bench_acting(num_actors, seconds):
     return env_sps, act_sps
 
 
-def bench_learner(steps, device):
+def learner_step(device):
+    """One Reactor learning step (batch 4 x 33 frames, Atari sizes) on a filled replay, as a closure."""
     args = reactor.Args()
     net, target = reactor.ReactorNetwork(6).to(device), reactor.ReactorNetwork(6).to(device)
     opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(0.0, 0.999))
@@ -146,6 +147,11 @@ def bench_learner(steps, device):
         opt.step()
         replay.update_priorities(keys, prio.cpu().numpy())
 
+    return step
+
+
+def bench_learner(steps, device):
+    step = learner_step(device)
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()

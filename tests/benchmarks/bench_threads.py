@@ -16,7 +16,7 @@ what an actor of the script does, flat out (never throttled by the learner, so t
   plr_ppo       none: bigfish (the default) is Procgen, stepped in the learner's process (no worker processes)
 Learner steps: clear_impala `bench_clear_impala.bench_learner` (minigrid config, B=32, T=20, replay 0.5; it also
 times a replay-0 step and the actor-side replay work per iteration, not counted); reactor the step of
-`bench_reactor.bench_learner` (batch 4 x 33 frames; its setup is repeated here so that a block can stop on time);
+`bench_reactor.learner_step` (batch 4 x 33 frames);
 vracer_refer `train_step` on a full replay memory (`bench_vracer_refer.filled_replay`; default Args: B=256,
 N=2**18; HalfCheetah sizes); plr_ppo one PPO minibatch update (ppo_loss + backward + clip + Adam) of
 `--plr-minibatch` 64x64x3 frames through the default ImpalaAgent (the script's minibatch is 2048; 512 keeps the
@@ -134,31 +134,11 @@ def setup(script, a, device):
             return out["learner_SPS_replay_0.5"] / (B * T)
         return old, num_procs, block
     if script == "reactor":
+        import bench_reactor
         import reactor
 
-        # the learner of bench_reactor.bench_learner (it builds and times in one function, so its setup is repeated)
-        args = reactor.Args()
-        net, target = reactor.ReactorNetwork(6).to(device), reactor.ReactorNetwork(6).to(device)
-        opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(0.0, 0.999))
-        support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
-        replay = reactor.SequenceReplay(20_000, 1, 32, 6, 128)
-        rng = np.random.default_rng(0)
-        m = 2000
-        for _ in range(0, 20_000 - 2000, m):
-            replay.add(0, {"obs": rng.integers(0, 255, (m, 84, 84), dtype=np.uint8), "action": rng.integers(0, 6, m),
-                           "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01,
-                           "pad": np.zeros(m, bool), "first": np.zeros(m, bool), "mu": np.full((m, 6), 1 / 6),
-                           "state": np.zeros((m, 4, 128))})
-
-        def step():
-            keys, batch = replay.sample(4, rng, device)
-            loss, prio, _ = reactor.reactor_loss(net, target, batch, support, args)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 40.0)
-            opt.step()
-            replay.update_priorities(keys, prio.cpu().numpy())
-        return DEFAULT_THREADS, args.num_actors, timed_blocks(step, a.max_block_seconds)  # old: it set nothing
+        step = bench_reactor.learner_step(device)
+        return DEFAULT_THREADS, reactor.Args().num_actors, timed_blocks(step, a.max_block_seconds)  # old: it set nothing
     if script == "vracer_refer":
         import bench_vracer_refer
         import vracer_refer as vr
