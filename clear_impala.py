@@ -37,7 +37,6 @@ import collections
 import json
 import os
 import queue
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -47,8 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.args import check_args, cli, resume_args
-from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, parse_run_args
+from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
@@ -795,11 +794,8 @@ def drain(q, limit=10_000):
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
-    ckpt = None
-    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
-        ckpt = load_run_checkpoint(args.resume, "clear_impala.py")
-        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    args, ckpt, overridden = parse_run_args(Args, "clear_impala.py", ENV_FLAGS, FIXED_ON_RESUME)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     obs_shape, num_actions, kind = probe_envs(args)

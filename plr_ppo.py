@@ -36,7 +36,6 @@ Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, commo
 common/args.py, common/processes.py.
 """
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -45,8 +44,8 @@ import torch
 import torch.nn as nn
 from torch.distributions import Categorical
 
-from common.args import check_args, cli, resume_args
-from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, parse_run_args
+from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
 
@@ -734,11 +733,8 @@ def plot_curriculum(history, path) -> None:
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
-    ckpt = None
-    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
-        ckpt = load_run_checkpoint(args.resume, "plr_ppo.py")
-        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", ENV_FLAGS, FIXED_ON_RESUME)
     args = resolve_defaults(args)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger

@@ -37,7 +37,6 @@ common/processes.py, common/video.py.
 """
 import os
 import queue
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,9 +47,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.args import check_args, cli, resume_args
+from common.args import check_args, parse_run_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
-from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
@@ -922,11 +921,8 @@ def evaluate(net, args: Args, episodes: int, device, seed: int):
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
-    ckpt = None
-    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
-        ckpt = load_run_checkpoint(args.resume, "reactor.py")
-        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    args, ckpt, overridden = parse_run_args(Args, "reactor.py", ENV_FLAGS, FIXED_ON_RESUME)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     if ckpt:  # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it

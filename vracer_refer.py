@@ -35,7 +35,6 @@ Copying this file: it needs common/mujoco_env.py, common/args.py, common/logger.
 common/processes.py, common/video.py.
 """
 import os
-import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: actors' 1-row matvecs must not spin BLAS threads
 import time
@@ -47,8 +46,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from common.args import check_args, cli, resume_args
-from common.checkpoint import load_run_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.args import check_args, parse_run_args
+from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
@@ -853,11 +852,8 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
 
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    args = cli(Args, ENV_FLAGS)  # tyro, --help grouped: common / environment / method
-    ckpt = None
-    if args.resume:  # the one resume rule (common/args.py): the checkpoint's flags, given flags override
-        ckpt = load_run_checkpoint(args.resume, "vracer_refer.py")
-        args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], FIXED_ON_RESUME)
+    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", ENV_FLAGS, FIXED_ON_RESUME)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)

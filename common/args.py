@@ -1,5 +1,7 @@
 """Command-line arguments shared by the four scripts: declarative range checks and the one `--resume` rule.
 
+- `parse_run_args(Args, script, env_flags, fixed)`: the start of every script: `cli`, then, with `--resume`, the
+  checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
 - `cli(Args, env_flags)`: `tyro.cli(Args)` with `--help` in three groups (common, environment, method); the flags
   and the returned flat `Args` are unchanged.
 - `check_args(args, rules)`: each rule names a field and what it must be, e.g. `{"learning_rate": "> 0",
@@ -18,9 +20,12 @@ import ast
 import dataclasses
 import inspect
 import operator
+import sys
 from typing import Annotated, Any, Iterable
 
 import tyro
+
+from common.checkpoint import load_run_checkpoint
 
 COMMON_FLAGS = ("exp_name", "seed", "torch_deterministic", "cuda", "track", "wandb_project_name", "wandb_entity",
                 "capture_video", "save_model", "checkpoint_every", "checkpoint_replay", "resume", "progress",
@@ -116,3 +121,14 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
             raise SystemExit(f"error: --resume: {flag(name)} {getattr(args, name)!r} differs from the checkpoint's "
                              f"{old!r}; it would change the experiment (leave it out to keep the checkpoint's value)")
     return dataclasses.replace(args, **restored), sorted(given)
+
+
+def parse_run_args(args_class: type, script: str, env_flags: Iterable[str], fixed: Iterable[str]):
+    """(args, checkpoint or None, the flags this command line overrides): the command line parsed by `cli`, and with
+    `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied."""
+    args = cli(args_class, env_flags)
+    if not args.resume:
+        return args, None, []
+    ckpt = load_run_checkpoint(args.resume, script)
+    args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], fixed)
+    return args, ckpt, overridden
