@@ -102,14 +102,17 @@ class _FixedFull(ObstructedMaze_Full, _FixedFrameObstructedMaze):
     pass
 
 
-def _gamut_variants(difficulty: str) -> list[tuple[str, Callable[[], gym.Env]]]:
+def _gamut_variants(difficulty: str) -> list[tuple[str, type, dict]]:
+    """(name, class, kwargs) per variant; each name's kwargs are those minigrid registers for
+    MiniGrid-ObstructedMaze-<name>-v0 (the authors' custom_envs/obstructedmaze_gamut.py), on the fixed 19x19 frame."""
+    full = dict(agent_room=(2, 1), num_quarters=1, num_rooms_visited=4)
     variants = [
-        ("1Dl", lambda: _Fixed1Dlhb(key_in_box=False, blocked=False)),
-        ("1Dlh", lambda: _Fixed1Dlhb(key_in_box=True, blocked=False)),
-        ("1Dlhb", lambda: _Fixed1Dlhb(key_in_box=True, blocked=True)),
-        ("1Q", lambda: _FixedFull(agent_room=(2, 1), key_in_box=False, blocked=False, num_quarters=1, num_rooms_visited=4)),
-        ("1Qh", lambda: _FixedFull(agent_room=(2, 1), key_in_box=True, blocked=False, num_quarters=1, num_rooms_visited=4)),
-        ("1Qhb", lambda: _FixedFull(agent_room=(2, 1), key_in_box=True, blocked=True, num_quarters=1, num_rooms_visited=4)),
+        ("1Dl", _Fixed1Dlhb, dict(key_in_box=False, blocked=False)),
+        ("1Dlh", _Fixed1Dlhb, dict(key_in_box=True, blocked=False)),
+        ("1Dlhb", _Fixed1Dlhb, dict(key_in_box=True, blocked=True)),
+        ("2Dl", _FixedFull, dict(full, key_in_box=False, blocked=False)),
+        ("2Dlh", _FixedFull, dict(full, key_in_box=True, blocked=False)),
+        ("2Dlhb", _FixedFull, dict(full, key_in_box=True, blocked=True)),
     ]
     return variants[:3] if difficulty == "Easy" else variants
 
@@ -121,8 +124,9 @@ class ObstructedMazeGamut(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
 
     def __init__(self, difficulty: str = "Easy", render_mode: str | None = None):
-        self.variant_names, makers = zip(*_gamut_variants(difficulty))
-        self.variants = [make() for make in makers]
+        variants = _gamut_variants(difficulty)
+        self.variant_names = [name for name, _, _ in variants]
+        self.variants = [cls(**kwargs) for _, cls, kwargs in variants]
         for v in self.variants:
             v.render_mode = render_mode
         self.render_mode = render_mode
@@ -198,7 +202,7 @@ def level_difficulty(env_id: str, seed: int) -> str:
     `all` otherwise. Used for the PLR paper's Figure 4 (replay probability mass per difficulty)."""
     env_id = resolve_minigrid_id(env_id)
     if env_id.startswith("ObstructedMazeGamut"):
-        names = [name for name, _ in _gamut_variants(env_id.split("-")[1])]
+        names = [name for name, _, _ in _gamut_variants(env_id.split("-")[1])]
         return names[seed % len(names)]
     if "MultiRoom" in env_id:
         env = make_minigrid_env(env_id, fully_observable=False)

@@ -1,4 +1,5 @@
 """common/minigrid_env.py: named envs and their sizes, seeded determinism, the vector env's level plumbing."""
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -29,6 +30,13 @@ def test_gamut_variant_by_seed_and_max_steps():
         assert gamut.current is gamut.variants[seed % 6]
     assert [v.max_steps for v in gamut.variants] == [392, 392, 392, 784, 784, 784]  # 4 * rooms visited * 7^2
     assert [level_difficulty("ObstructedMazeGamut-Easy", s) for s in range(4)] == ["1Dl", "1Dlh", "1Dlhb", "1Dl"]
+    names = ["1Dl", "1Dlh", "1Dlhb", "2Dl", "2Dlh", "2Dlhb"]
+    assert [level_difficulty("ObstructedMazeGamut-Medium", s) for s in range(6)] == names
+    for name, variant in zip(names, gamut.variants):  # each label is built as minigrid registers that name
+        registered = gym.make(f"MiniGrid-ObstructedMaze-{name}-v0").unwrapped
+        for attr in ("key_in_box", "blocked", "agent_room", "num_quarters"):
+            assert getattr(variant, attr, None) == getattr(registered, attr, None), (name, attr)
+        assert isinstance(variant, type(registered)), name
 
 
 def test_multiroom_has_one_to_four_rooms():
