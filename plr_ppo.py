@@ -23,10 +23,11 @@ Defaults and their source
   grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
 
 Differences from the paper
-- A level enters Λ_seen when sampled (Alg. 2), not at its first committed score (authors' code).
-- Ranks among seen levels only, ties by index; P_C / P_S fall back to uniform over Λ_seen.
+- A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
+  unscored level. Ranks among seen levels only, ties by index; P_C / P_S fall back to uniform over Λ_seen.
 - one_step_td keeps γ and the last step (the authors' code drops them); entropy and min-margin as the authors' code.
-- Truncations bootstrap from V(final_obs) in both domains; Procgen episodes end one step before the game's limit.
+- Time limits: MiniGrid's is a termination (no bootstrap, authors' code), Procgen's bootstraps from V(final obs)
+  (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
 - Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy.
 - `--resume` restarts the current levels from their first frame.
 Long form: README.md, section plr_ppo.py.
@@ -142,6 +143,9 @@ class Args:
     """return normalization: divide rewards by the running std of the discounted return (Table 3), clip ±10"""
     num_workers: int = 0
     """MiniGrid worker processes (0 = one per CPU core)"""
+    bootstrap_truncation: bool | None = None
+    """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False); None =
+    per domain: False on MiniGrid (authors' code: the limit is part of the task), True on Procgen"""
     eval_every: int = 50
     """evaluate on train and test levels every this many updates (0 = only at the end)"""
     eval_episodes: int = 10
@@ -193,11 +197,13 @@ def resolve_defaults(args: Args) -> Args:
         args.learning_rate = 5e-4 if procgen else 7e-4
     if args.plr_staleness_coef == -1.0:
         args.plr_staleness_coef = 0.1 if procgen else 0.3
+    if args.bootstrap_truncation is None:
+        args.bootstrap_truncation = procgen
     return args
 
 
 ENV_FLAGS = ("env_id", "total_timesteps", "distribution_mode", "num_train_levels", "start_level", "num_envs",
-             "num_workers")  # --help's environment group
+             "num_workers", "bootstrap_truncation")  # --help's environment group
 # the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
 FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "start_level", "num_envs", "norm_reward",
                    "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit", "plr_buffer_size")  # fmt: skip
@@ -301,17 +307,21 @@ class ImpalaAgent(nn.Module):
 
 
 class MiniGridAgent(nn.Module):
-    """3-layer CNN 16/32/32 (64 for ObstructedMazeGamut), 2x2 kernels, stride 1, then 64-unit actor and critic heads
-    (Igl et al. 2019; PLR App. A.2). Inputs are MiniGrid's integer cell encodings as floats."""
+    """The authors' MinigridPolicy (level_replay/model.py; PLR App. A.2): conv 2x2 16, max-pool 2x2, conv 2x2 32,
+    conv 2x2 32 (64 for ObstructedMazeGamut), then separate 64-unit tanh actor and critic layers. Inputs are
+    MiniGrid's integer cell encodings as floats (unscaled, as theirs). Init as theirs: Xavier-uniform convs,
+    orthogonal linears (gain sqrt 2; policy head 0.01, value head 1), zero biases."""
 
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
         h, w, c = obs_shape
         self.trunk = nn.Sequential(
-            nn.Conv2d(c, 16, 2), nn.ReLU(), nn.Conv2d(16, 32, 2), nn.ReLU(), nn.Conv2d(32, final_channels, 2), nn.ReLU(),
-            nn.Flatten(),
+            nn.Conv2d(c, 16, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 2), nn.ReLU(),
+            nn.Conv2d(32, final_channels, 2), nn.ReLU(), nn.Flatten(),
         )  # fmt: skip
-        n = final_channels * (h - 3) * (w - 3)
+        for conv in (m for m in self.trunk if isinstance(m, nn.Conv2d)):
+            nn.init.xavier_uniform_(conv.weight), nn.init.zeros_(conv.bias)
+        n = final_channels * ((h - 1) // 2 - 2) * ((w - 1) // 2 - 2)
         self.actor = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01))
         self.critic = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0))
 
@@ -488,8 +498,7 @@ class LevelSampler:
         self.slot_of = {} if self.unbounded else {int(s): i for i, s in enumerate(self.seeds)}
         self.scores = np.zeros(size)  # S
         self.staleness = np.zeros(size)  # c - C
-        self.seen = np.zeros(size, bool)  # Λ_seen (unbounded: filled buffer slots)
-        self.scored = np.zeros(size, bool)  # has a committed score (EWA starts from the first score)
+        self.seen = np.zeros(size, bool)  # Λ_seen: levels with a committed score (unbounded: filled buffer slots)
         self.num_seen = 0
         self.partial_score = np.zeros(num_actors)  # S~: time-averaged score of the unfinished episode
         self.partial_steps = np.zeros(num_actors, np.int64)  # |τ| of that partial episode
@@ -547,16 +556,11 @@ class LevelSampler:
             slot = min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), len(cdf) - 1)
             self.num_replays += 1
             seed = int(self.seeds[slot])
-        else:
+        else:  # a new level joins Λ_seen at its first committed score (authors' code; Algorithm 2: when sampled)
             seed = self._draw_unseen()
             slot = self.slot_of.get(seed)
             if slot is None:  # unbounded: staged until its first episode is scored
                 self.staged[seed] = self.num_samples
-            else:  # Algorithm 2: add l to Λ_seen with S = 0, C = c
-                self.seen[slot] = True
-                self.num_seen += 1
-                self.scores[slot] = 0.0
-                self._p_s = None
         if slot is not None:
             self.staleness[slot] = 0.0  # C_i <- c
         return seed
@@ -577,14 +581,15 @@ class LevelSampler:
                 del self.slot_of[int(self.seeds[slot])]
             self.seeds[slot] = seed
             self.slot_of[seed] = slot
-            self.seen[slot] = True
-            self.scored[slot] = False
+            self.seen[slot] = False
             self.staleness[slot] = self.num_samples - timestamp
-        if self.scored[slot]:
+        elif not self.seen[slot]:
+            self.num_seen += 1
+        if self.seen[slot]:
             self.scores[slot] = (1.0 - self.score_alpha) * self.scores[slot] + self.score_alpha * score
-        else:
+        else:  # first score: l joins Λ_seen and becomes replayable
             self.scores[slot] = score
-            self.scored[slot] = True
+            self.seen[slot] = True
         self._p_s = None
 
     def update_with_rollouts(self, scores_tn, dones_tn, levels_tn) -> int:
@@ -632,7 +637,7 @@ class LevelSampler:
             self.partial_steps[a] = 0
 
     # --- checkpointing ---
-    _ARRAYS = ("seeds", "scores", "staleness", "seen", "scored", "partial_score", "partial_steps", "partial_level")
+    _ARRAYS = ("seeds", "scores", "staleness", "seen", "partial_score", "partial_steps", "partial_level")
 
     def state_dict(self) -> dict:
         d = {k: getattr(self, k).copy() for k in self._ARRAYS}
@@ -823,6 +828,9 @@ if __name__ == "__main__":
         for kind in ("train", "test"):
             rets = evaluate(agent, eval_envs, lambda k=kind: eval_level(k), num_episodes, device)
             out[f"eval/{kind}_return"] = float(rets.mean())
+            out[f"eval/{kind}_return_se"] = float(rets.std(ddof=1) / np.sqrt(len(rets))) if len(rets) > 1 else 0.0
+            if not is_procgen(args.env_id):  # MiniGrid: a success is any positive return
+                out[f"eval/{kind}_success"] = float((rets > 0).mean())
             norm = normalized_return(args.env_id, args.distribution_mode, rets.mean())
             if norm is not None:
                 out[f"eval/{kind}_normalized_return"] = float(norm)
@@ -867,13 +875,15 @@ if __name__ == "__main__":
                     logits_buf[step] = logits
                 next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=timed_sample)
                 done = terminated | truncated
+                if not args.bootstrap_truncation:  # the time limit ends the task: no bootstrap (MiniGrid default)
+                    terminated, truncated = done, np.zeros_like(done)
                 levels_np[step] = info["level_seed"]
                 if normalizer is not None:
                     reward = normalizer(reward, done)
                 rewards_buf[step] = torch.as_tensor(reward, device=device)
                 term_buf[step] = torch.as_tensor(terminated, device=device)
                 done_buf[step] = torch.as_tensor(done, device=device)
-                if truncated.any():  # bootstrap truncations from V(s_final)
+                if truncated.any():  # --bootstrap-truncation: bootstrap truncations from V(s_final)
                     idx = np.flatnonzero(truncated)
                     with torch.no_grad():
                         _, v_final = agent(torch.as_tensor(info["final_obs"][idx], device=device))
@@ -886,7 +896,7 @@ if __name__ == "__main__":
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
                 _, next_value = agent(torch.as_tensor(next_obs, device=device))
-            # truncated episodes bootstrap from V(final_obs); terminated ones do not
+            # truncated episodes bootstrap from V(final_obs) (--bootstrap-truncation); terminated ones do not
             advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf,
                                              args.gamma, args.gae_lambda)  # fmt: skip
             returns = advantages + values_buf

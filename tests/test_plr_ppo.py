@@ -235,15 +235,15 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
 def test_commit_after_update_mode_flushes_partials():
     s = LevelSampler(np.arange(10), 1, commit="update")
     s.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
-    assert not s.scored[4]
+    assert not s.seen[4]
     s.after_update()  # authors' code: the partial score becomes the level's score
-    assert s.scored[4] and s.scores[4] == pytest.approx(2.0) and s.partial_steps[0] == 0
+    assert s.seen[4] and s.scores[4] == pytest.approx(2.0) and s.partial_steps[0] == 0
     s.update_with_rollouts(np.array([[5.0], [7.0]]), np.array([[True], [False]]), np.array([[4], [8]]))
     assert s.scores[4] == pytest.approx(5.0)  # only the tail after the flush
     e = LevelSampler(np.arange(10), 1, commit="episode")
     e.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
     e.after_update()
-    assert not e.scored[4]
+    assert not e.seen[4]
 
 
 @pytest.mark.parametrize("alpha,flush", [(1.0, False), (0.5, False), (1.0, True), (0.3, True)])
@@ -257,7 +257,7 @@ def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
             s.update_with_rollouts(scores, dones, levels)
             s.after_update()
         S, scored = textbook_scores(rollouts, N * per, alpha=alpha, flush_each_update=flush)
-        np.testing.assert_array_equal(s.scored, scored)
+        np.testing.assert_array_equal(s.seen, scored)
         np.testing.assert_allclose(s.scores, S, rtol=1e-10, atol=1e-12, err_msg=f"case {case}")
 
 
@@ -327,17 +327,37 @@ def test_replay_sampling_follows_replay_distribution():
 def test_staleness_is_episode_count_minus_timestamp():
     s = LevelSampler(np.arange(20), 3, staleness_coef=0.5, seed=2)
     C = np.zeros(20)
+    rng = np.random.default_rng(2)
     for c in range(1, 200):
         lvl = s.sample(c % 3)
         C[lvl] = c  # timestamp C_i <- c
+        if c % 3 == 0:  # some episodes finish: their levels get scores and join Λ_seen
+            s.update_with_rollouts(np.array([[rng.random()]]), np.array([[True]]), np.array([[lvl]]))
         seen = s.seen
         np.testing.assert_allclose(s.staleness[seen], (c - C)[seen])
-        if c % 7 == 0:  # scores change between samples (as after update_with_rollouts)
-            s.scores[seen] = np.random.default_rng(c).random(seen.sum())
-            s._p_s = None
+    assert 5 < s.num_seen < 20
     np.testing.assert_allclose(
         s.replay_probs(), replay_distribution(s.scores, s.staleness, s.seen, "rank", 0.1, 0.5), rtol=1e-12
     )
+
+
+def test_no_replay_until_scored_then_only_scored_levels():
+    """Authors' code: a sampled level is not in Λ_seen until its first score is committed, so early samples are all
+    new levels (P_D = 0) and replays only ever go to scored levels (no zero-score rank ties at the start)."""
+    s = LevelSampler(np.arange(1000), 64, seed=3)
+    first = [s.sample(i) for i in range(64)]  # the initial levels of 64 actors, as in the training loop
+    first += [s.sample(i % 64) for i in range(64)]  # and 64 more before anything is scored
+    assert s.num_seen == 0 and s.num_replays == 0 and s.replay_decision_prob() == 0.0
+    assert len(set(first)) > 100  # uniform new levels, not one level replayed
+    scored = first[:5]
+    for lvl, score in zip(scored, [0.3, 0.1, 0.5, 0.2, 0.4]):
+        s.update_with_rollouts(np.array([[score]]), np.array([[True]]), np.array([[lvl]]))
+    assert s.num_seen == 5 and set(np.flatnonzero(s.seen)) == set(scored)
+    assert s.replay_decision_prob() == pytest.approx(5 / 1000)
+    p = s.replay_probs()
+    assert set(np.flatnonzero(p)) == set(scored) and abs(p.sum() - 1) < 1e-12
+    s.replay_decision_prob = lambda: 1.0  # force replays: every one lands on a scored level
+    assert {s.sample(0) for _ in range(300)} <= set(scored)
 
 
 def test_unbounded_top_m_buffer():
@@ -489,21 +509,21 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
     common = ["--env-id", "MultiRoom-N4-Random", "--num-envs", "4", "--num-steps", "32", "--num-minibatches", "2",
               "--num-train-levels", "20", "--eval-every", "0", "--final-eval-episodes", "2", "--num-eval-envs", "2",
               "--num-workers", "1", "--checkpoint-every", "128"]  # fmt: skip
-    out = _run(tmp_path, *common, "--total-timesteps", "256", "--save-model")
+    out = _run(tmp_path, *common, "--total-timesteps", "384", "--save-model")  # 96 steps per env: > 80-step limit
     assert out.returncode == 0, out.stderr[-2000:]
     (run,) = _runs(tmp_path)
     assert (run / "plr_ppo.model").exists() and (run / "curriculum.png").exists()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(k.startswith("plr/mass_rooms=") for k in lines[0])
+    assert any(k.startswith("plr/mass_rooms=") for x in lines for k in x)  # once levels are scored
     ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 256 and ckpt["sampler"]["num_samples"] >= 4
-    out2 = _run(tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "400", "--final-eval-episodes",
-                "0")  # 400 is not a multiple of the batch (4 x 32): the run ends at 384 and says so
+    assert ckpt["global_step"] == 384 and ckpt["sampler"]["num_samples"] >= 4
+    out2 = _run(tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "520", "--final-eval-episodes",
+                "0")  # 520 is not a multiple of the batch (4 x 32): the run ends at 512 and says so
     assert out2.returncode == 0, out2.stderr[-2000:]
-    assert "the run ends at step 384" in out2.stdout and "resumed " in out2.stdout and "runs to step 384" in out2.stdout
+    assert "the run ends at step 512" in out2.stdout and "resumed " in out2.stdout and "runs to step 512" in out2.stdout
     assert _runs(tmp_path) == [run]  # the same run folder
     ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt2["global_step"] == 384 and ckpt2["update"] == ckpt["update"] + 1
+    assert ckpt2["global_step"] == 512 and ckpt2["update"] == ckpt["update"] + 1
     assert ckpt2["sampler"]["num_samples"] >= ckpt["sampler"]["num_samples"]
     np.testing.assert_array_equal(ckpt2["sampler"]["seeds"], ckpt["sampler"]["seeds"])
 
@@ -524,3 +544,77 @@ def test_return_normalizer_and_cobbe_normalization():
     assert plr_ppo.normalized_return("jumper", "easy", 3.0) == pytest.approx(0.0)  # easy R_min is 3 (not 1)
     assert plr_ppo.normalized_return("starpilot", "hard", 18.25) == pytest.approx(0.5)
     assert plr_ppo.normalized_return("MultiRoom-N4-Random", "easy", 0.5) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wiring: the scores the real training loop commits equal those of the episodes that actually finished
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bootstrap", [True, False])
+def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch, bootstrap):
+    """Runs plr_ppo.py's __main__ in this process (runpy) on MultiRoom (80-step limit, random-ish policy: mostly
+    timeouts) with the optimizer frozen, records every transition the loop's env gives it, recomputes V with the
+    run's network, GAE per rollout (textbook_gae: termination 0, truncation V(final obs) or 0) and the episode means
+    of |A| stitched across rollouts (textbook_scores), and compares them with the sampler's committed scores."""
+    import runpy
+    import signal
+
+    from common.minigrid_env import MiniGridVecEnv
+
+    N, T, updates = 4, 48, 4
+    steps, last_obs = [], {}
+    orig_reset, orig_step = MiniGridVecEnv.reset, MiniGridVecEnv.step
+
+    def spy_reset(self, levels):
+        last_obs["obs"] = orig_reset(self, levels)
+        return last_obs["obs"]
+
+    def spy_step(self, actions, next_level=None):
+        out = orig_step(self, actions, next_level)
+        obs, reward, term, trunc, info = out
+        steps.append(dict(obs=last_obs["obs"].copy(), reward=reward.copy(), term=term.copy(), trunc=trunc.copy(),
+                          level=np.array(info["level_seed"]).copy(), final_obs=np.array(info["final_obs"]).copy()))
+        last_obs["obs"] = obs
+        return out
+
+    monkeypatch.setattr(MiniGridVecEnv, "reset", spy_reset)
+    monkeypatch.setattr(MiniGridVecEnv, "step", spy_step)
+    monkeypatch.setattr(torch.optim.Adam, "step", lambda self, *a, **k: None)  # V stays the behaviour policy's V
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--env-id", "MultiRoom-N4-Random", "--num-envs", str(N),
+                                      "--num-steps", str(T), "--num-minibatches", "2", "--total-timesteps",
+                                      str(N * T * updates), "--no-norm-reward", "--eval-every", "0",
+                                      "--final-eval-episodes", "0", "--num-workers", "1", "--no-progress",
+                                      "--no-cuda", "--bootstrap-truncation", str(bootstrap)])  # fmt: skip
+    handlers, threads = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)), torch.get_num_threads()
+    try:
+        g = runpy.run_path(SCRIPT, run_name="__main__")
+    finally:
+        signal.signal(signal.SIGINT, handlers[0]), signal.signal(signal.SIGTERM, handlers[1])
+        torch.set_num_threads(threads)
+    assert len(steps) == T * updates
+    agent, sampler, args = g["agent"], g["sampler"], g["args"]
+    assert args.bootstrap_truncation == bootstrap
+
+    def V(obs):
+        with torch.no_grad():
+            return agent(torch.as_tensor(obs))[1].double().numpy()
+
+    rollouts, num_trunc = [], 0
+    for k in range(updates):
+        chunk = steps[k * T : (k + 1) * T]
+        values = np.stack([V(s["obs"]) for s in chunk])
+        next_value = V(steps[(k + 1) * T]["obs"]) if k + 1 < updates else V(last_obs["obs"])
+        reward = np.stack([s["reward"] for s in chunk]).astype(np.float64)
+        term, trunc = np.stack([s["term"] for s in chunk]), np.stack([s["trunc"] for s in chunk])
+        final_values = np.zeros((T, N))
+        for t, s in enumerate(chunk):
+            for i in np.flatnonzero(s["trunc"]):
+                final_values[t, i] = V(s["final_obs"][i : i + 1])[0] if bootstrap else 0.0
+        num_trunc += int(trunc.sum())
+        A, _ = textbook_gae(reward, values, next_value, term, trunc, final_values, args.gamma, args.gae_lambda)
+        rollouts.append((np.abs(A), term | trunc, np.stack([s["level"] for s in chunk])))
+    assert num_trunc >= N  # timeouts happened: they must close episodes
+    S, scored = textbook_scores(rollouts, args.num_train_levels)  # levels are seeds 0..3999 = sampler slots
+    assert scored.sum() >= N and not (sampler.partial_steps == 0).all()  # finished and unfinished episodes
+    np.testing.assert_array_equal(sampler.seen, scored)
+    np.testing.assert_allclose(sampler.scores[scored], S[scored], rtol=1e-4, atol=1e-6)

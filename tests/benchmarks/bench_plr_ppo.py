@@ -10,6 +10,7 @@
 Usage (from the repo root):
   python tests/benchmarks/bench_plr_ppo.py                      # all three, Procgen bigfish, small budget
   python tests/benchmarks/bench_plr_ppo.py --env-id MultiRoom-N4-Random --total-timesteps 32768 --repeats 2
+  # before/after: git worktree add /tmp/plr_before <commit>; ... --baseline-script /tmp/plr_before/plr_ppo.py
 """
 import argparse
 import json
@@ -39,7 +40,7 @@ def bench_sampler(num_levels, unbounded, N=64, T=256, mean_episode_len=100, reps
     if unbounded:
         s.seeds[:] = rng.choice(2**31 - 1, size=num_levels, replace=False)
         s.slot_of = {int(x): i for i, x in enumerate(s.seeds)}
-    s.seen[:], s.scored[:], s.num_seen = True, True, num_levels
+    s.seen[:], s.num_seen = True, num_levels
     s.scores[:], s.staleness[:] = rng.random(num_levels), rng.integers(0, 1000, num_levels)
     cur = np.array([s.sample(i) for i in range(N)])
     times_update, times_sample, n_eps = [], [], []
@@ -90,12 +91,12 @@ def bench_env(env_id, num_envs, steps, num_train_levels):
     return sps
 
 
-def run_training(env_id, strategy, total, num_envs, num_steps, extra):
+def run_training(env_id, strategy, total, num_envs, num_steps, extra, script=ROOT / "plr_ppo.py"):
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / "plr_ppo.py"), "--no-progress", "--env-id", env_id, "--plr-strategy", strategy,
+        cmd = [sys.executable, str(script), "--no-progress", "--env-id", env_id, "--plr-strategy", strategy,
                "--total-timesteps", str(total), "--num-envs", str(num_envs), "--num-steps", str(num_steps),
                "--eval-every", "0", "--final-eval-episodes", "0", *extra]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(Path(script).parent))
         subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True, text=True)
         (run,) = (Path(tmp) / "runs").iterdir()
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -115,6 +116,8 @@ def main():
     p.add_argument("--env-steps", type=int, default=200)
     p.add_argument("--skip", default="", help="comma list of parts to skip: train,sampler,env")
     p.add_argument("--extra", default="", help="extra flags for plr_ppo.py, space separated")
+    p.add_argument("--baseline-script", default="", help="an older plr_ppo.py (e.g. in a `git worktree` of an earlier "
+                   "commit): the training part then runs it and this one (value_l1 both), A/B, instead of value_l1 vs random")
     a = p.parse_args()
     skip = set(a.skip.split(",")) - {""}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
@@ -129,13 +132,20 @@ def main():
         print(f"env-only SPS: {bench_env(a.env_id, a.num_envs, a.env_steps, -1):.0f}")
     if "train" not in skip:
         print(f"\n## training SPS, value_l1 vs random ({a.env_id}, {a.num_envs}x{a.num_steps}, {a.total_timesteps} steps, A/B x {a.repeats})")
-        res = {"value_l1": [], "random": []}
+        if a.baseline_script:  # before (an older script) vs after (this one), both value_l1
+            runs = {"before": ("value_l1", a.baseline_script), "value_l1": ("value_l1", ROOT / "plr_ppo.py")}
+        else:
+            runs = {"value_l1": ("value_l1", ROOT / "plr_ppo.py"), "random": ("random", ROOT / "plr_ppo.py")}
+        res = {k: [] for k in runs}
         for _ in range(a.repeats):
-            for strategy in res:
-                r = run_training(a.env_id, strategy, a.total_timesteps, a.num_envs, a.num_steps, a.extra.split())
-                res[strategy].append(r)
-                print(f"{strategy:>9}: SPS {r['sps']:.0f}, sampler time {r['plr_seconds']:.3f} s over {r['updates']} updates")
+            for name, (strategy, script) in runs.items():
+                r = run_training(a.env_id, strategy, a.total_timesteps, a.num_envs, a.num_steps, a.extra.split(), script)
+                res[name].append(r)
+                print(f"{name:>9}: SPS {r['sps']:.0f}, sampler time {r['plr_seconds']:.3f} s over {r['updates']} updates")
         sps = {k: float(np.mean([r["sps"] for r in v])) for k, v in res.items()}
+        if a.baseline_script:
+            print(f"mean SPS before {sps['before']:.0f}, after {sps['value_l1']:.0f} (ratio {sps['value_l1'] / sps['before']:.2f})")
+            return
         share = np.mean([r["plr_seconds"] / (r["updates"] * a.num_envs * a.num_steps / r["sps"]) for r in res["value_l1"]])
         print(f"mean SPS value_l1 {sps['value_l1']:.0f}, random {sps['random']:.0f} "
               f"(ratio {sps['value_l1'] / sps['random']:.3f}); sampler share of value_l1 wall time {100 * share:.2f}%")  # fmt: skip
