@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.args import check_args, parse_run_args
+from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
@@ -58,35 +58,7 @@ ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 
 
 
 @dataclass
-class Args:
-    # --- common to all four scripts (keep this block identical) ---
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (used in the run name)"""
-    seed: int = 1
-    """seed of the experiment (actor i uses seed + 1000 * i)"""
-    torch_deterministic: bool = True
-    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """use CUDA for the learner when available (falls back to CPU)"""
-    track: bool = False
-    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
-    wandb_project_name: str = "replay-rl"
-    """the wandb project name"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the first actor/eval env into videos/{run_name}"""
-    save_model: bool = False
-    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
-    checkpoint_every: int = 0
-    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
-    resume: str | None = None
-    """path to a checkpoint.pt to resume from"""
-    progress: bool = True
-    """print a compact progress line"""
-    start_method: str = "spawn"
-    """multiprocessing start method for actor processes: spawn | forkserver"""
-
+class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
     # --- algorithm specific arguments ---
     env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
     """the task sequence (all Atari or all MiniGrid); the paper's Atari run: the 6 games of ATARI_6_GAMES"""

@@ -1,4 +1,8 @@
-"""Command-line arguments shared by the four scripts: declarative range checks and the one `--resume` rule.
+"""Command-line arguments shared by the four scripts: their common flags, declarative range checks and the one
+`--resume` rule.
+
+- `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
+  script's `@dataclass class Args(CommonArgs)` adds its own.
 
 - `parse_run_args(Args, script, env_flags, fixed)`: the start of every script: `cli`, then, with `--resume`, the
   checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
@@ -33,11 +37,47 @@ COMMON_FLAGS = ("exp_name", "seed", "torch_deterministic", "cuda", "track", "wan
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
+@dataclasses.dataclass
+class CommonArgs:
+    """The flags of all four scripts (each script's `Args` adds its environment and method flags)."""
+
+    exp_name: str = ""
+    """the name of this experiment (used in the run name; empty = the script's name)"""
+    seed: int = 1
+    """seed of the experiment (actor i uses seed + 1000 * i)"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA for the learner when available (falls back to CPU)"""
+    track: bool = False
+    """log to Weights & Biases (lazy import, mirrors TensorBoard)"""
+    wandb_project_name: str = "replay-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the first actor/eval env into videos/{run_name}"""
+    save_model: bool = False
+    """save the final model (state_dict + args) to runs/{run_name}/{exp_name}.model and evaluate it"""
+    checkpoint_every: int = 0
+    """write runs/{run_name}/checkpoint.pt atomically every this many env steps (0 = never)"""
+    resume: str | None = None
+    """path to a checkpoint.pt to resume from"""
+    progress: bool = True
+    """print a compact progress line"""
+    start_method: str = "spawn"
+    """multiprocessing start method for actor processes: spawn | forkserver"""
+
+
+
 def _field_docs(cls) -> dict[str, str]:
-    """{field: the docstring under it} from the class source (tyro's help texts)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    """{field: the docstring under it} from the source of the class and its dataclass bases (tyro's help texts)."""
+    docs = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        docs.update({a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(body, body[1:])
+                     if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)})
+    return docs
 
 
 def cli(args_class: type, env_flags: Iterable[str]) -> Any:
@@ -127,6 +167,7 @@ def parse_run_args(args_class: type, script: str, env_flags: Iterable[str], fixe
     """(args, checkpoint or None, the flags this command line overrides): the command line parsed by `cli`, and with
     `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied."""
     args = cli(args_class, env_flags)
+    args.exp_name = args.exp_name or script[: -len(".py")]
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)
