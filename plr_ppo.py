@@ -1,19 +1,17 @@
 # docs and results: README.md#plr_ppopy-prioritized-level-replay-on-ppo
 """Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934).
 
-For Procgen and MiniGrid, one file.
-
-Paper parts implemented here
+Paper parts implemented here (Procgen and MiniGrid)
 - Level scores (Sec. 3.1, Table 1) `step_scores`, averaged per episode by `LevelSampler.update_with_rollouts`:
   value_l1 (Eq. (2), default), gae, one_step_td, policy_entropy, least_confidence, min_margin; `random` = uniform.
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
 - Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed.
-- Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`);
-  the authors' commit after every update: `--plr-commit update`, `LevelSampler.after_update`.
+- Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
+  committed after every update as the authors' code (`--plr-commit update`, `after_update`).
 - Unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
-- PPO with GAE, IMPALA ResNet (Procgen) / 3-layer CNN (MiniGrid), return normalization (App. A, Table 3):
-  `compute_gae`, `ppo_loss`, `ImpalaAgent`, `MiniGridAgent`, `ReturnNormalizer`.
+- PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `common.normalize.ReturnNormalizer`;
+  networks: IMPALA ResNet (Procgen) `ImpalaAgent`, the authors' MinigridPolicy `MiniGridAgent`.
 
 Defaults and their source
 - Procgen (Table 3, Sec. 4): 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5, γ 0.999,
@@ -22,19 +20,16 @@ Defaults and their source
 - PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid) (Table 3), P_D proportionate (Sec. 3). Authors' code:
   grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
 
-Differences from the paper
+Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
   unscored level. Ranks among seen levels only, ties by index; P_C / P_S fall back to uniform over Λ_seen.
 - one_step_td keeps γ and the last step (the authors' code drops them); entropy and min-margin as the authors' code.
-- Time limits: MiniGrid's is a termination (no bootstrap, authors' code), Procgen's bootstraps from V(final obs)
+- Time limits: MiniGrid's is a termination (authors' code), Procgen's bootstraps from V(final obs)
   (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
-- Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy.
-- `--resume` restarts the current levels from their first frame.
-Long form: README.md, section plr_ppo.py.
-
-Gymnasium autoreset mode: SAME_STEP (ProcgenVecEnv / MiniGridVecEnv: `next_level(i)`, `info["final_obs"]`).
-Copying this file: it needs common/procgen_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
-common/args.py, common/processes.py.
+- Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy; `--resume` restarts
+  the current levels from their first frame.
+Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
+common/{procgen_env,minigrid_env,normalize,logger,checkpoint,args,processes}.py.
 """
 import os
 import time
@@ -46,8 +41,10 @@ import torch.nn as nn
 from torch.distributions import Categorical
 
 from common.args import CommonArgs, check_args, parse_run_args
-from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
+                               set_rng_state, state_dicts)
 from common.logger import RunLogger, make_run_name
+from common.normalize import ReturnNormalizer
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
 
 SCORE_STRATEGIES = ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random")
@@ -56,14 +53,6 @@ REPLAY_SCHEDULES = ("proportionate", "fixed")
 COMMIT_MODES = ("episode", "update")
 MAX_SEED = 2**31 - 1
 
-# Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
-PROCGEN_RETURN_BOUNDS = {
-    "bigfish": (1, 40, 0, 40), "bossfight": (0.5, 13, 0.5, 13), "caveflyer": (3.5, 12, 2, 13.4),
-    "chaser": (0.5, 13, 0.5, 14.2), "climber": (2, 12.6, 1, 12.6), "coinrun": (5, 10, 5, 10),
-    "dodgeball": (1.5, 19, 1.5, 19), "fruitbot": (-1.5, 32.4, -0.5, 27.2), "heist": (3.5, 10, 2, 10),
-    "jumper": (3, 10, 1, 10), "leaper": (3, 10, 1.5, 10), "maze": (5, 10, 4, 10), "miner": (1.5, 13, 1.5, 20),
-    "ninja": (3.5, 10, 2, 10), "plunder": (4.5, 30, 3, 30), "starpilot": (2.5, 64, 1.5, 35),
-}  # fmt: skip
 # |Λ_train| per MiniGrid env (paper App. A.2: about 1000 levels per difficulty)
 MINIGRID_TRAIN_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
 
@@ -78,9 +67,8 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     distribution_mode: str = "easy"
     """Procgen distribution mode (paper: easy)"""
     num_train_levels: int = -1
-    """|Λ_train|: training levels are seeds start_level..start_level+|Λ_train|-1; -1 = paper value (200 Procgen,
-    4000 MultiRoom-N4-Random, 3000/6000 ObstructedMazeGamut-Easy/-Medium, 1000 other MiniGrid); 0 = unbounded
-    (full distribution) with a top-M level buffer (App. B.3)"""
+    """|Λ_train| (seeds start_level, ...); -1 = the paper's (App. A: 200 Procgen, 4000 / 3000 / 6000 MultiRoom-N4-Random /
+    ObstructedMazeGamut-Easy / -Medium, else 1000); 0 = the full distribution with a top-M buffer (App. B.3)"""
     start_level: int = 0
     """first training level seed"""
     num_envs: int = 64
@@ -129,8 +117,8 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
     # --- PLR (paper symbols) ---
     plr_strategy: str = "value_l1"
-    """score(τ, π) (Table 1): value_l1 (GAE magnitude, Eq. (2)) | gae | one_step_td | policy_entropy |
-    least_confidence | min_margin | random (uniform level sampling baseline)"""
+    """score(τ, π) (Table 1): value_l1 (Eq. (2)) | gae | one_step_td | policy_entropy | least_confidence | min_margin |
+    random (the uniform-sampling baseline)"""
     plr_transform: str = "rank"
     """prioritization h of Eq. (3): rank (h = 1/rank) | power (h = S, 'proportional') | greedy (argmax)"""
     plr_temperature: float = 0.1
@@ -146,8 +134,8 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     plr_score_alpha: float = 1.0
     """α of the score EWA S <- (1-α) S + α score(τ) (authors' code; 1 = the paper's overwrite)"""
     plr_commit: str = "episode"
-    """episode: stitch partial-episode scores S~ across rollouts, commit at episode end (Algorithm 4);
-    update: commit every partial score after each PPO update (authors' code)"""
+    """episode: stitch partial scores S~ across rollouts, commit at episode end (Alg. 4) | update: commit after every
+    PPO update (authors' code)"""
     plr_buffer_size: int = 4000
     """M, level-buffer size in unbounded mode (--num-train-levels 0; App. B.3)"""
 
@@ -193,10 +181,6 @@ ARG_RULES = {
 
 def validate_args(args: Args) -> None:
     """The checks between flags (ranges: ARG_RULES, after resolve_defaults); one line (SystemExit) on bad flags."""
-
-    def fail(msg):
-        raise SystemExit(f"error: {msg}")
-
     from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
 
     if args.env_id not in PROCGEN_GAMES:
@@ -205,17 +189,20 @@ def validate_args(args: Args) -> None:
         try:
             resolve_minigrid_id(args.env_id)
         except ValueError as e:
-            fail(f"--env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}")
-    elif args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES:
-        fail(f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}")
-    if args.start_level + args.num_train_levels > MAX_SEED:
-        fail(f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]")
-    if args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random":
-        fail("unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)")
-    if (args.num_envs * args.num_steps) % args.num_minibatches:
-        fail(f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches")
-    if args.capture_video:
-        fail("--capture-video is not supported by plr_ppo.py (the vector adapters expose no rendered frames)")
+            raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
+    for bad, msg in (
+        (is_procgen(args.env_id) and args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES,
+         f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}"),
+        (args.start_level + args.num_train_levels > MAX_SEED,
+         f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]"),
+        (args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random",
+         "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)"),
+        ((args.num_envs * args.num_steps) % args.num_minibatches,
+         f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches"),
+        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)"),
+    ):  # fmt: skip
+        if bad:
+            raise SystemExit(f"error: {msg}")
 
 
 def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
@@ -348,32 +335,6 @@ def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values,
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
     return loss, pg_loss, v_loss, entropy, approx_kl, clipfrac
-
-
-class ReturnNormalizer:
-    """Divides rewards by the running std of the discounted return (return normalization, Table 3), clip ±clip."""
-
-    def __init__(self, num_envs, gamma, clip=10.0, eps=1e-8):
-        self.gamma, self.clip, self.eps = gamma, clip, eps
-        self.ret = np.zeros(num_envs)
-        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
-
-    def __call__(self, rewards, dones):
-        self.ret = self.ret * self.gamma + rewards
-        x = self.ret
-        b_mean, b_var, b_count = x.mean(), x.var(), x.size  # parallel running mean/var (Chan et al.)
-        delta, tot = b_mean - self.mean, self.count + b_count
-        self.mean += delta * b_count / tot
-        self.var = (self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / tot) / tot
-        self.count = tot
-        self.ret[dones] = 0.0
-        return np.clip(rewards / np.sqrt(self.var + self.eps), -self.clip, self.clip).astype(np.float32)
-
-    def state_dict(self):
-        return {"ret": self.ret.copy(), "mean": self.mean, "var": self.var, "count": self.count}
-
-    def load_state_dict(self, d):
-        self.ret, self.mean, self.var, self.count = d["ret"].copy(), d["mean"], d["var"], d["count"]
 
 
 # ALGORITHM PIECES: PLR
@@ -629,18 +590,11 @@ class LevelSampler:
     def stats(self) -> dict:
         """plr/* metrics."""
         p = self.replay_probs() if self.num_seen else np.zeros(1)
-        nz = p[p > 0]
-        sc, st = self.scores[self.seen], self.staleness[self.seen]
-        return {
-            "plr/num_seen_levels": int(self.num_seen),
-            "plr/replay_prob": self.replay_decision_prob(),
-            "plr/num_replays": int(self.num_replays),
-            "plr/score_mean": float(sc.mean()) if sc.size else 0.0,
-            "plr/score_max": float(sc.max()) if sc.size else 0.0,
-            "plr/staleness_mean": float(st.mean()) if st.size else 0.0,
-            "plr/staleness_max": float(st.max()) if st.size else 0.0,
-            "plr/replay_entropy": float(-(nz * np.log(nz)).sum()),
-        }
+        out = {"plr/num_seen_levels": int(self.num_seen), "plr/replay_prob": self.replay_decision_prob(),
+               "plr/num_replays": int(self.num_replays), "plr/replay_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum())}
+        for name, x in (("score", self.scores[self.seen]), ("staleness", self.staleness[self.seen])):
+            out |= {f"plr/{name}_mean": float(x.mean()) if x.size else 0.0, f"plr/{name}_max": float(x.max()) if x.size else 0.0}
+        return out
 
 
 def make_sampler(args: Args, seed: int) -> LevelSampler:
@@ -653,15 +607,6 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
 
 
 # EVALUATION
-def normalized_return(env_id, distribution_mode, ret):
-    """Cobbe et al. (2020) min-max normalization (R - R_min) / (R_max - R_min); None outside Procgen easy/hard."""
-    if env_id not in PROCGEN_RETURN_BOUNDS or distribution_mode not in ("easy", "hard"):
-        return None
-    b = PROCGEN_RETURN_BOUNDS[env_id]
-    lo, hi = (b[0], b[1]) if distribution_mode == "easy" else (b[2], b[3])
-    return (ret - lo) / (hi - lo)
-
-
 def evaluate(agent, envs, next_level, num_episodes, device) -> np.ndarray:
     """Stochastic-policy returns of `num_episodes` episodes, each env contributing its first ceil(k/n) episodes
     (so short episodes are not over-represented); every episode starts on `next_level()`."""
@@ -679,35 +624,6 @@ def evaluate(agent, envs, next_level, num_episodes, device) -> np.ndarray:
     return np.array([r for g in got for r in g[:quota]][:num_episodes])
 
 
-def level_difficulties(env_id, seeds) -> np.ndarray | None:
-    """Difficulty label per training level for MultiRoom / ObstructedMazeGamut (paper Fig. 4), else None."""
-    if "MultiRoom" not in env_id and "ObstructedMazeGamut" not in env_id:
-        return None
-    from common.minigrid_env import level_difficulty
-
-    return np.array([level_difficulty(env_id, int(s)) for s in seeds])
-
-
-def plot_curriculum(history, path) -> None:
-    """Probability mass of P_replay per difficulty over training (paper Figure 4)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h[0] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label in sorted(history[0][1]):
-        ax.plot(steps, [h[1][label] for h in history], label=label)
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("P_replay mass")
-    ax.set_title("P_replay mass per level difficulty (paper Fig. 4)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
@@ -715,7 +631,8 @@ if __name__ == "__main__":
     args = resolve_defaults(args)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    batch_size = args.num_envs * args.num_steps  # one PPO batch: the run ends at the last whole batch of the budget
+    N, T = args.num_envs, args.num_steps
+    batch_size, minibatch_size = N * T, N * T // args.num_minibatches  # the run ends at the budget's last whole batch
     start_step = ckpt["global_step"] if ckpt else 0
     end_step = start_step + (args.total_timesteps - start_step) // batch_size * batch_size
     if end_step <= start_step:
@@ -726,8 +643,7 @@ if __name__ == "__main__":
               f"steps): the run ends at step {end_step:,}", flush=True)
     run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
     logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress,
-                       resume_step=ckpt["global_step"] if ckpt else None)  # fmt: skip
+                       wandb_entity=args.wandb_entity, progress=args.progress, resume_step=start_step if ckpt else None)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -736,60 +652,47 @@ if __name__ == "__main__":
     set_learner_threads(0)
 
     # SETUP: envs, network, optimizer, level sampler
-    N, T = args.num_envs, args.num_steps
-    minibatch_size = batch_size // args.num_minibatches
     envs = make_env(args, N, seed=args.seed)
     eval_envs = None  # one evaluation env (one worker) for train and test levels, created at the first evaluation
-    obs_shape = envs.single_observation_space.shape
-    num_actions = int(envs.single_action_space.n)
+    obs_shape, num_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)
     agent = make_agent(args, obs_shape, num_actions).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     sampler = make_sampler(args, seed=args.seed)
     normalizer = ReturnNormalizer(N, args.gamma) if args.norm_reward else None
     eval_rng = np.random.default_rng(args.seed + 12345)
     train_levels = np.arange(args.start_level, args.start_level + args.num_train_levels)
+    difficulties = None  # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
+    if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
+        from common.minigrid_env import level_difficulty
 
-    def eval_level(kind):
-        if kind == "train" and args.num_train_levels > 0:
-            return int(train_levels[eval_rng.integers(len(train_levels))])
-        if kind == "train" and sampler.num_seen:  # unbounded mode: the levels in the buffer
-            buffered = sampler.seeds[sampler.seen]
-            return int(buffered[eval_rng.integers(len(buffered))])
-        return int(eval_rng.integers(MAX_SEED))  # held-out test levels: the full distribution
+        difficulties = np.array([level_difficulty(args.env_id, int(s)) for s in train_levels])
 
-    difficulties = None if args.num_train_levels == 0 else level_difficulties(args.env_id, train_levels)
-    curriculum = []
+    def eval_level(kind):  # training levels (unbounded mode: those in the buffer), or held-out test levels
+        pool = train_levels if args.num_train_levels else sampler.seeds[sampler.seen]
+        if kind == "train" and len(pool):
+            return int(pool[eval_rng.integers(len(pool))])
+        return int(eval_rng.integers(MAX_SEED))  # the full distribution
 
-    global_step, update = 0, 0
+    global_step, update = start_step, ckpt["update"] if ckpt else 0
     if ckpt:  # restore, then one line
-        agent.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        global_step, update = ckpt["global_step"], ckpt["update"]
-        sampler.load_state_dict(ckpt["sampler"])
-        if normalizer is not None:
-            normalizer.load_state_dict(ckpt["normalizer"])
+        load_state_dicts(ckpt, model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
         eval_rng.bit_generator.state = ckpt["eval_rng"]
-        curriculum = ckpt.get("curriculum", [])
         set_rng_state(ckpt["rng"])
-        # emulator states are not saved: each env restarts the level it was playing
-        next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])
+        next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])  # env states are not saved: restart each level
         print(f"resumed {args.resume} at step {global_step:,}: model, optimizer ({update:,} updates), level sampler "
               f"({sampler.num_seen:,} levels seen), return normalizer, RNG; each env restarts its level from the first "
               f"frame; flags from this command line: {', '.join(overridden) or 'none'}; runs to step {end_step:,}",
-              flush=True)
+              flush=True)  # fmt: skip
     else:
         next_obs = envs.reset([sampler.sample(i) for i in range(N)])
 
     obs_buf = torch.zeros((T, N, *obs_shape), dtype=torch.uint8, device=device)
     actions_buf = torch.zeros((T, N), dtype=torch.long, device=device)
-    logprobs_buf, values_buf, rewards_buf = (torch.zeros((T, N), device=device) for _ in range(3))
-    final_values_buf = torch.zeros((T, N), device=device)
+    logprobs_buf, values_buf, rewards_buf, final_values_buf = (torch.zeros((T, N), device=device) for _ in range(4))
     term_buf, done_buf = (torch.zeros((T, N), dtype=torch.bool, device=device) for _ in range(2))
     levels_np = np.zeros((T, N), np.int64)
-    need_logits = args.plr_strategy in ("policy_entropy", "least_confidence", "min_margin")
-    logits_buf = torch.zeros((T, N, num_actions), device=device) if need_logits else None
-    recent_returns = []
-    sps_steps, sps_time = 0, 0.0
+    logits_buf = torch.zeros((T, N, num_actions), device=device)  # behaviour logits (the policy-based scores)
+    recent_returns, sps_steps, sps_time, sample_seconds = [], 0, 0.0, [0.0]
 
     def run_eval(num_episodes):
         global eval_envs
@@ -801,11 +704,13 @@ if __name__ == "__main__":
             rets = evaluate(agent, eval_envs, lambda k=kind: eval_level(k), num_episodes, device)
             out[f"eval/{kind}_return"] = float(rets.mean())
             out[f"eval/{kind}_return_se"] = float(rets.std(ddof=1) / np.sqrt(len(rets))) if len(rets) > 1 else 0.0
-            if not is_procgen(args.env_id):  # MiniGrid: a success is any positive return
+            if is_procgen(args.env_id):  # Cobbe et al. (2020) min-max normalization (None for other modes)
+                from common.procgen_env import procgen_normalized_return
+
+                norm = procgen_normalized_return(args.env_id, args.distribution_mode, rets.mean())
+                out |= {} if norm is None else {f"eval/{kind}_normalized_return": norm}
+            else:  # MiniGrid: a success is any positive return
                 out[f"eval/{kind}_success"] = float((rets > 0).mean())
-            norm = normalized_return(args.env_id, args.distribution_mode, rets.mean())
-            if norm is not None:
-                out[f"eval/{kind}_normalized_return"] = float(norm)
         out["eval/generalization_gap"] = out["eval/train_return"] - out["eval/test_return"]
         agent.train()
         return out
@@ -813,13 +718,10 @@ if __name__ == "__main__":
     def save(path):
         save_checkpoint(path, {
             "script": "plr_ppo.py", "args": vars(args), "run_name": run_name, "global_step": global_step,
-            "model": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
-            "sampler": sampler.state_dict(), "normalizer": normalizer.state_dict() if normalizer is not None else None,
-            "eval_rng": eval_rng.bit_generator.state, "curriculum": curriculum, "rng": rng_state(),
-            "env_levels": np.array(envs.levels, dtype=np.int64),
+            "update": update, "eval_rng": eval_rng.bit_generator.state, "rng": rng_state(),
+            "env_levels": np.array(envs.levels, np.int64),
+            **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
         })  # fmt: skip
-
-    sample_seconds = [0.0]
 
     def timed_sample(env_index):  # the adapter's next_level callback: PLR's sampleNextLevel, timed for charts/plr_seconds
         t = time.perf_counter()
@@ -832,19 +734,15 @@ if __name__ == "__main__":
     try:
         while global_step < end_step:
             t0 = time.time()
-            replays_before, sample_seconds[0] = sampler.num_replays, 0.0
-            samples_before = sampler.num_samples
+            replays_before, samples_before, sample_seconds[0] = sampler.num_replays, sampler.num_samples, 0.0
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(T):
-                obs_t = torch.as_tensor(next_obs, device=device)
-                obs_buf[step] = obs_t
+                obs_buf[step] = obs_t = torch.as_tensor(next_obs, device=device)
                 with torch.no_grad():
                     logits, value = agent(obs_t)
                 dist = Categorical(logits=logits)
                 action = dist.sample()
-                actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
-                if need_logits:
-                    logits_buf[step] = logits
+                actions_buf[step], logprobs_buf[step], values_buf[step], logits_buf[step] = action, dist.log_prob(action), value, logits
                 next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=timed_sample)
                 done = terminated | truncated
                 if not args.bootstrap_truncation:  # the time limit ends the task: no bootstrap (MiniGrid default)
@@ -853,34 +751,29 @@ if __name__ == "__main__":
                 if normalizer is not None:
                     reward = normalizer(reward, done)
                 rewards_buf[step] = torch.as_tensor(reward, device=device)
-                term_buf[step] = torch.as_tensor(terminated, device=device)
-                done_buf[step] = torch.as_tensor(done, device=device)
+                term_buf[step], done_buf[step] = torch.as_tensor(terminated, device=device), torch.as_tensor(done, device=device)
                 if truncated.any():  # --bootstrap-truncation: bootstrap truncations from V(s_final)
                     idx = np.flatnonzero(truncated)
                     with torch.no_grad():
-                        _, v_final = agent(torch.as_tensor(info["final_obs"][idx], device=device))
-                    final_values_buf[step, torch.as_tensor(idx, device=device)] = v_final
-                for i in np.flatnonzero(info["_episode"]):
-                    recent_returns.append((float(info["episode_return"][i]), int(info["episode_length"][i])))
+                        final_values_buf[step, torch.as_tensor(idx, device=device)] = agent(
+                            torch.as_tensor(info["final_obs"][idx], device=device))[1]  # fmt: skip
+                recent_returns += [(info["episode_return"][i], info["episode_length"][i]) for i in np.flatnonzero(info["_episode"])]
             global_step += batch_size
             collect_time = time.time() - t0
 
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
-                _, next_value = agent(torch.as_tensor(next_obs, device=device))
-            # truncated episodes bootstrap from V(final_obs) (--bootstrap-truncation); terminated ones do not
+                next_value = agent(torch.as_tensor(next_obs, device=device))[1]
             advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf,
                                              args.gamma, args.gae_lambda)  # fmt: skip
             returns = advantages + values_buf
             t1 = time.time()
-            if args.plr_strategy != "random":
-                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
-                                     logits_buf.cpu().numpy() if need_logits else None)  # fmt: skip
+            if args.plr_strategy != "random":  # Algorithm 4: episode scores, stitched across rollouts
+                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), logits_buf.cpu().numpy())
                 sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
             plr_time = time.time() - t1 + sample_seconds[0]
 
-            b_obs = obs_buf.reshape(-1, *obs_shape)
-            b_actions, b_logprobs = actions_buf.reshape(-1), logprobs_buf.reshape(-1)
+            b_obs, b_actions, b_logprobs = obs_buf.reshape(-1, *obs_shape), actions_buf.reshape(-1), logprobs_buf.reshape(-1)
             b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values_buf.reshape(-1)
             if args.norm_adv:
                 b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-5)
@@ -903,8 +796,7 @@ if __name__ == "__main__":
             update += 1
 
             # LOG
-            sps_steps += batch_size
-            sps_time += time.time() - t0
+            sps_steps, sps_time = sps_steps + batch_size, sps_time + time.time() - t0
             sps = int(sps_steps / max(sps_time, 1e-9))
             y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
             var_y = np.var(y_true)
@@ -917,19 +809,15 @@ if __name__ == "__main__":
                 "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
             }  # fmt: skip
             if recent_returns:
-                metrics["charts/episodic_return"] = float(np.mean([r for r, _ in recent_returns]))
-                metrics["charts/episodic_length"] = float(np.mean([n for _, n in recent_returns]))
+                metrics["charts/episodic_return"], metrics["charts/episodic_length"] = np.mean(recent_returns, 0).tolist()
             if args.plr_strategy != "random":
-                metrics.update(sampler.stats())
                 new = sampler.num_samples - samples_before
-                metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / new if new else 0.0
-                if difficulties is not None and sampler.num_seen:
+                metrics |= sampler.stats() | {"plr/replay_fraction": (sampler.num_replays - replays_before) / max(new, 1)}
+                if difficulties is not None and sampler.num_seen:  # Figure 4: P_replay mass per difficulty
                     p = sampler.replay_probs()
-                    mass = {lab: float(p[difficulties == lab].sum()) for lab in np.unique(difficulties)}
-                    curriculum.append((global_step, mass))
-                    metrics.update({f"plr/mass_{lab}": m for lab, m in mass.items()})
+                    metrics |= {f"plr/mass_{lab}": float(p[difficulties == lab].sum()) for lab in np.unique(difficulties)}
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
-                metrics.update(run_eval(args.eval_episodes))
+                metrics |= run_eval(args.eval_episodes)
             logger.log(global_step, metrics)
             logger.progress(global_step, sps, episodic_return=metrics.get("charts/episodic_return"),
                             loss_name="value_loss", loss=metrics["losses/value_loss"],
@@ -954,9 +842,8 @@ if __name__ == "__main__":
         if args.checkpoint_every:
             save(logger.dir / "checkpoint.pt")
         if args.save_model:
-            model_path = logger.dir / f"{args.exp_name}.model"
-            save_checkpoint(model_path, {"model": agent.state_dict(), "args": vars(args)})
-            print(f"model saved to {model_path}")
+            save_checkpoint(logger.dir / f"{args.exp_name}.model", {"model": agent.state_dict(), "args": vars(args)})
+            print(f"model saved to {logger.dir / f'{args.exp_name}.model'}")
         try:
             final = run_eval(args.final_eval_episodes) if args.final_eval_episodes else {}
         except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
@@ -964,11 +851,9 @@ if __name__ == "__main__":
             summary["stop_reason"] = f"{reason} during the final evaluation"
         if final:
             logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
-            summary.update({k.replace("eval/", "final_"): v for k, v in final.items()})
-        if curriculum:
-            plot_curriculum(curriculum, logger.dir / "curriculum.png")
+            summary |= {k.replace("eval/", "final_"): v for k, v in final.items()}
     if args.plr_strategy != "random":
-        summary.update({k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()})
+        summary |= {k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()}
     if eval_envs is not None:
         eval_envs.close()
     logger.summary(summary)

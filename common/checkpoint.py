@@ -8,6 +8,8 @@
 - `load_run_checkpoint(path, script)`: for `--resume`: SystemExit('error: --resume: ...') unless `path` is a
   readable checkpoint written by `script` (every script stores `"script": "<name>.py"` in its checkpoints).
 - `select_device(cuda)`: CUDA when asked for and present, else CPU.
+- `state_dicts(**objects)` / `load_state_dicts(ckpt, **objects)`: what a checkpoint stores of each stateful object
+  (model, optimizer, sampler, normalizer, ...: anything with `state_dict` / `load_state_dict`; None is skipped).
 Multi-process runs are seeded, not bitwise deterministic: actors race with the learner.
 """
 from __future__ import annotations
@@ -89,3 +91,15 @@ def load_run_checkpoint(path: str | os.PathLike, script: str, map_location: str 
         found = ckpt.get("script", "an unknown script") if isinstance(ckpt, dict) else "an unknown script"
         raise SystemExit(f"error: --resume: {path} is a checkpoint of {found}, not of {script}")
     return ckpt
+
+
+def state_dicts(**objects) -> dict[str, Any]:
+    """{name: obj.state_dict()} for each object given (None stays None), to put into a checkpoint."""
+    return {name: None if obj is None else obj.state_dict() for name, obj in objects.items()}
+
+
+def load_state_dicts(ckpt: dict[str, Any], **objects) -> None:
+    """obj.load_state_dict(ckpt[name]) for each object given that is not None (the inverse of `state_dicts`)."""
+    for name, obj in objects.items():
+        if obj is not None:
+            obj.load_state_dict(ckpt[name])

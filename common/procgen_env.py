@@ -37,6 +37,23 @@ PROCGEN_GAMES = (
     "heist", "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot",
 )  # fmt: skip
 PROCGEN_DISTRIBUTION_MODES = ("easy", "hard", "extreme", "memory", "exploration")
+# Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
+PROCGEN_RETURN_BOUNDS = {
+    "bigfish": (1, 40, 0, 40), "bossfight": (0.5, 13, 0.5, 13), "caveflyer": (3.5, 12, 2, 13.4),
+    "chaser": (0.5, 13, 0.5, 14.2), "climber": (2, 12.6, 1, 12.6), "coinrun": (5, 10, 5, 10),
+    "dodgeball": (1.5, 19, 1.5, 19), "fruitbot": (-1.5, 32.4, -0.5, 27.2), "heist": (3.5, 10, 2, 10),
+    "jumper": (3, 10, 1, 10), "leaper": (3, 10, 1.5, 10), "maze": (5, 10, 4, 10), "miner": (1.5, 13, 1.5, 20),
+    "ninja": (3.5, 10, 2, 10), "plunder": (4.5, 30, 3, 30), "starpilot": (2.5, 64, 1.5, 35),
+}  # fmt: skip
+
+
+def procgen_normalized_return(game: str, distribution_mode: str, ret: float) -> float | None:
+    """Cobbe et al. (2020) min-max normalization (R - R_min) / (R_max - R_min); None outside Procgen easy/hard."""
+    if game not in PROCGEN_RETURN_BOUNDS or distribution_mode not in ("easy", "hard"):
+        return None
+    b = PROCGEN_RETURN_BOUNDS[game]
+    lo, hi = (b[0], b[1]) if distribution_mode == "easy" else (b[2], b[3])
+    return (ret - lo) / (hi - lo)
 # Each game ends an episode by itself after `timeout` steps (BasicAbstractGame: 1000; maze.cpp sets 500).
 PROCGEN_TIMEOUTS = {game: 500 if game == "maze" else 1000 for game in PROCGEN_GAMES}
 

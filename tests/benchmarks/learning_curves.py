@@ -14,6 +14,7 @@ Usage:
   python tests/benchmarks/learning_curves.py runs/Hopper-v5__a runs/Hopper-v5__b [--bin 100000]
       [--metric charts/episodic_return] [--last 20] [--plot curves.png] [--title T] [--labels A B] [--eval-vracer 10]
       [--with refer/beta refer/far_policy_frac refer/kl]   (one more table per run: bin means of these metrics)
+      [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
 """
 import argparse
 import json
@@ -104,6 +105,8 @@ def main():
     p.add_argument("--labels", nargs="*", default=None)
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
+    p.add_argument("--series", nargs="*", default=[], help="with --plot: one line per metric named here (mean and "
+                   "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration")
     a = p.parse_args()
     runs_rows = [read_metrics(os.path.join(d, "metrics.jsonl")) for d in a.runs]  # read each file once
     tables, lasts, names = [], [], []
@@ -132,7 +135,10 @@ def main():
         for e in sorted(ret):
             print(f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
                   + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
-    if a.plot:
+    if a.plot and a.series:
+        tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in runs_rows]
+        plot_groups(tables, [m for m in a.series for _ in runs_rows], a.plot, "value", a.bin, a.title)
+    elif a.plot:
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
         plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.metric, a.bin, a.title)
