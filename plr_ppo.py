@@ -44,6 +44,7 @@ from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
                                set_rng_state, state_dicts)
 from common.logger import RunLogger, make_run_name
+from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
 from common.normalize import ReturnNormalizer
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
 
@@ -184,8 +185,6 @@ def validate_args(args: Args) -> None:
     from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
 
     if args.env_id not in PROCGEN_GAMES:
-        from common.minigrid_env import resolve_minigrid_id
-
         try:
             resolve_minigrid_id(args.env_id)
         except ValueError as e:
@@ -212,8 +211,6 @@ def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = 
 
         return ProcgenVecEnv(args.env_id, num_envs, distribution_mode=args.distribution_mode,
                              num_threads=min(4, os.cpu_count() or 1), rand_seed=seed)  # fmt: skip
-    from common.minigrid_env import MiniGridVecEnv
-
     return MiniGridVecEnv(args.env_id, num_envs, num_workers=num_workers or args.num_workers or None,
                           fully_observable=True, seed=seed, start_method=args.start_method)  # fmt: skip
 
@@ -225,38 +222,27 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     return layer
 
 
-class ResidualBlock(nn.Module):
+class ResidualBlock(nn.Module):  # standard pre-activation block (the authors' in-place ReLU changes the skip)
     def __init__(self, channels):
         super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
 
-    def forward(self, x):  # standard pre-activation block (the authors' in-place ReLU changes the skip: notes §4.13)
+    def forward(self, x):
         return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
 
 
-class ConvSequence(nn.Module):
-    def __init__(self, in_channels, out_channels):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
-
-    def forward(self, x):
-        x = nn.functional.max_pool2d(self.conv(x), kernel_size=3, stride=2, padding=1)
-        return self.res1(self.res0(x))
-
-
 class ImpalaAgent(nn.Module):
-    """IMPALA ResNet 16/32/32 + 256 hidden (Espeholt et al. 2018; Cobbe et al. 2020; PLR App. A.1)."""
+    """IMPALA ResNet 16/32/32 + 256 hidden (Espeholt et al. 2018; Cobbe et al. 2020; PLR App. A.1): per stage a conv,
+    a 3x3 stride-2 max-pool and two residual blocks."""
 
     def __init__(self, obs_shape, num_actions, hidden=256):
         super().__init__()
         h, w, c = obs_shape
-        seqs = []
+        stages = []
         for out in (16, 32, 32):
-            seqs.append(ConvSequence(c, out))
+            stages += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, 2, padding=1), ResidualBlock(out), ResidualBlock(out)]
             c, h, w = out, (h + 1) // 2, (w + 1) // 2
-        self.trunk = nn.Sequential(*seqs, nn.Flatten(), nn.ReLU(), nn.Linear(c * h * w, hidden), nn.ReLU())
+        self.trunk = nn.Sequential(*stages, nn.Flatten(), nn.ReLU(), nn.Linear(c * h * w, hidden), nn.ReLU())
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
@@ -607,21 +593,30 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
 
 
 # EVALUATION
-def evaluate(agent, envs, next_level, num_episodes, device) -> np.ndarray:
-    """Stochastic-policy returns of `num_episodes` episodes, each env contributing its first ceil(k/n) episodes
-    (so short episodes are not over-represented); every episode starts on `next_level()`."""
-    n = envs.num_envs
-    quota = -(-num_episodes // n)
-    got = [[] for _ in range(n)]
-    obs = envs.reset([next_level() for _ in range(n)])
-    while sum(min(len(g), quota) for g in got) < num_episodes:
-        with torch.no_grad():
-            logits, _ = agent(torch.as_tensor(obs, device=device))
-        actions = Categorical(logits=logits).sample().cpu().numpy()
-        obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
-        for i in np.flatnonzero(info["_episode"]):
-            got[i].append(float(info["episode_return"][i]))
-    return np.array([r for g in got for r in g[:quota]][:num_episodes])
+def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
+    """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
+    ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
+    out, n = {}, envs.num_envs
+    for kind, next_level in level_sets.items():
+        quota, got = -(-num_episodes // n), [[] for _ in range(n)]
+        obs = envs.reset([next_level() for _ in range(n)])
+        while sum(min(len(g), quota) for g in got) < num_episodes:
+            with torch.no_grad():
+                actions = Categorical(logits=agent(torch.as_tensor(obs, device=device))[0]).sample().cpu().numpy()
+            obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
+            for i in np.flatnonzero(info["_episode"]):
+                got[i].append(float(info["episode_return"][i]))
+        rets = np.array([r for g in got for r in g[:quota]][:num_episodes])
+        out[f"eval/{kind}_return"] = float(rets.mean())
+        out[f"eval/{kind}_return_se"] = float(rets.std(ddof=1) / np.sqrt(len(rets))) if len(rets) > 1 else 0.0
+        if is_procgen(args.env_id):  # Cobbe et al. (2020) min-max normalization (None for other modes)
+            from common.procgen_env import procgen_normalized_return
+
+            norm = procgen_normalized_return(args.env_id, args.distribution_mode, rets.mean())
+            out |= {} if norm is None else {f"eval/{kind}_normalized_return": norm}
+        else:  # MiniGrid: a success is any positive return
+            out[f"eval/{kind}_success"] = float((rets > 0).mean())
+    return out | {"eval/generalization_gap": out["eval/train_return"] - out["eval/test_return"]}
 
 
 if __name__ == "__main__":
@@ -663,8 +658,6 @@ if __name__ == "__main__":
     train_levels = np.arange(args.start_level, args.start_level + args.num_train_levels)
     difficulties = None  # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
     if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
-        from common.minigrid_env import level_difficulty
-
         difficulties = np.array([level_difficulty(args.env_id, int(s)) for s in train_levels])
 
     def eval_level(kind):  # training levels (unbounded mode: those in the buffer), or held-out test levels
@@ -679,10 +672,9 @@ if __name__ == "__main__":
         eval_rng.bit_generator.state = ckpt["eval_rng"]
         set_rng_state(ckpt["rng"])
         next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])  # env states are not saved: restart each level
-        print(f"resumed {args.resume} at step {global_step:,}: model, optimizer ({update:,} updates), level sampler "
-              f"({sampler.num_seen:,} levels seen), return normalizer, RNG; each env restarts its level from the first "
-              f"frame; flags from this command line: {', '.join(overridden) or 'none'}; runs to step {end_step:,}",
-              flush=True)  # fmt: skip
+        print(f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
+              f"env restarts its level; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
+              f"{end_step:,}", flush=True)  # fmt: skip
     else:
         next_obs = envs.reset([sampler.sample(i) for i in range(N)])
 
@@ -699,19 +691,7 @@ if __name__ == "__main__":
         if eval_envs is None:
             eval_envs = make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
         agent.eval()
-        out = {}
-        for kind in ("train", "test"):
-            rets = evaluate(agent, eval_envs, lambda k=kind: eval_level(k), num_episodes, device)
-            out[f"eval/{kind}_return"] = float(rets.mean())
-            out[f"eval/{kind}_return_se"] = float(rets.std(ddof=1) / np.sqrt(len(rets))) if len(rets) > 1 else 0.0
-            if is_procgen(args.env_id):  # Cobbe et al. (2020) min-max normalization (None for other modes)
-                from common.procgen_env import procgen_normalized_return
-
-                norm = procgen_normalized_return(args.env_id, args.distribution_mode, rets.mean())
-                out |= {} if norm is None else {f"eval/{kind}_normalized_return": norm}
-            else:  # MiniGrid: a success is any positive return
-                out[f"eval/{kind}_success"] = float((rets > 0).mean())
-        out["eval/generalization_gap"] = out["eval/train_return"] - out["eval/test_return"]
+        out = evaluate(agent, eval_envs, {k: lambda k=k: eval_level(k) for k in ("train", "test")}, num_episodes, args, device)
         agent.train()
         return out
 
