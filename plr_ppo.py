@@ -148,18 +148,14 @@ def is_procgen(env_id: str) -> bool:
 
 
 def resolve_defaults(args: Args) -> Args:
-    """Fill the -1 sentinels with the paper's per-domain values (Table 3, App. A.2)."""
+    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
     procgen = is_procgen(args.env_id)
-    if args.num_train_levels == -1:
-        args.num_train_levels = 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000)
-    if args.update_epochs == -1:
-        args.update_epochs = 3 if procgen else 4
-    if args.learning_rate == -1.0:
-        args.learning_rate = 5e-4 if procgen else 7e-4
-    if args.plr_staleness_coef == -1.0:
-        args.plr_staleness_coef = 0.1 if procgen else 0.3
-    if args.bootstrap_truncation is None:
-        args.bootstrap_truncation = procgen
+    paper = {"num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
+             "update_epochs": 3 if procgen else 4, "learning_rate": 5e-4 if procgen else 7e-4,
+             "plr_staleness_coef": 0.1 if procgen else 0.3, "bootstrap_truncation": procgen}  # fmt: skip
+    for name, value in paper.items():
+        if getattr(args, name) is None or getattr(args, name) == -1:
+            setattr(args, name, value)
     return args
 
 
@@ -167,7 +163,8 @@ ENV_FLAGS = ("env_id", "total_timesteps", "distribution_mode", "num_train_levels
              "num_workers", "bootstrap_truncation")  # --help's environment group
 # the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
 FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "start_level", "num_envs", "norm_reward",
-                   "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit", "plr_buffer_size")  # fmt: skip
+                   "bootstrap_truncation", "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit",
+                   "plr_buffer_size")  # fmt: skip
 ARG_RULES = {
     "plr_strategy": SCORE_STRATEGIES, "plr_transform": TRANSFORMS, "plr_replay_schedule": REPLAY_SCHEDULES,
     "plr_commit": COMMIT_MODES, "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
@@ -267,7 +264,8 @@ class MiniGridAgent(nn.Module):
         for conv in (m for m in self.trunk if isinstance(m, nn.Conv2d)):
             nn.init.xavier_uniform_(conv.weight), nn.init.zeros_(conv.bias)
         n = final_channels * ((h - 1) // 2 - 2) * ((w - 1) // 2 - 2)
-        self.actor = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01))
+        self.actor = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(),
+                                   layer_init(nn.Linear(hidden, num_actions), std=0.01))  # theirs: Categorical head
         self.critic = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0))
 
     def forward(self, obs):
@@ -579,7 +577,8 @@ class LevelSampler:
         out = {"plr/num_seen_levels": int(self.num_seen), "plr/replay_prob": self.replay_decision_prob(),
                "plr/num_replays": int(self.num_replays), "plr/replay_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum())}
         for name, x in (("score", self.scores[self.seen]), ("staleness", self.staleness[self.seen])):
-            out |= {f"plr/{name}_mean": float(x.mean()) if x.size else 0.0, f"plr/{name}_max": float(x.max()) if x.size else 0.0}
+            out |= {f"plr/{name}_mean": float(x.mean()) if x.size else 0.0,
+                    f"plr/{name}_max": float(x.max()) if x.size else 0.0}
         return out
 
 
@@ -722,7 +721,8 @@ if __name__ == "__main__":
                     logits, value = agent(obs_t)
                 dist = Categorical(logits=logits)
                 action = dist.sample()
-                actions_buf[step], logprobs_buf[step], values_buf[step], logits_buf[step] = action, dist.log_prob(action), value, logits
+                actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
+                logits_buf[step] = logits
                 next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=timed_sample)
                 done = terminated | truncated
                 if not args.bootstrap_truncation:  # the time limit ends the task: no bootstrap (MiniGrid default)
@@ -731,13 +731,15 @@ if __name__ == "__main__":
                 if normalizer is not None:
                     reward = normalizer(reward, done)
                 rewards_buf[step] = torch.as_tensor(reward, device=device)
-                term_buf[step], done_buf[step] = torch.as_tensor(terminated, device=device), torch.as_tensor(done, device=device)
+                term_buf[step] = torch.as_tensor(terminated, device=device)
+                done_buf[step] = torch.as_tensor(done, device=device)
                 if truncated.any():  # --bootstrap-truncation: bootstrap truncations from V(s_final)
                     idx = np.flatnonzero(truncated)
                     with torch.no_grad():
                         final_values_buf[step, torch.as_tensor(idx, device=device)] = agent(
                             torch.as_tensor(info["final_obs"][idx], device=device))[1]  # fmt: skip
-                recent_returns += [(info["episode_return"][i], info["episode_length"][i]) for i in np.flatnonzero(info["_episode"])]
+                ended = np.flatnonzero(info["_episode"])
+                recent_returns += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
             global_step += batch_size
             collect_time = time.time() - t0
 
@@ -749,7 +751,8 @@ if __name__ == "__main__":
             returns = advantages + values_buf
             t1 = time.time()
             if args.plr_strategy != "random":  # Algorithm 4: episode scores, stitched across rollouts
-                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), logits_buf.cpu().numpy())
+                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
+                                     logits_buf.cpu().numpy())
                 sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
             plr_time = time.time() - t1 + sample_seconds[0]
 
