@@ -213,9 +213,8 @@ def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = 
 
 
 # NETWORKS
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
+def layer_init(layer, std=np.sqrt(2)):
+    nn.init.orthogonal_(layer.weight, std), nn.init.zeros_(layer.bias)
     return layer
 
 
@@ -683,7 +682,7 @@ if __name__ == "__main__":
     term_buf, done_buf = (torch.zeros((T, N), dtype=torch.bool, device=device) for _ in range(2))
     levels_np = np.zeros((T, N), np.int64)
     logits_buf = torch.zeros((T, N, num_actions), device=device)  # behaviour logits (the policy-based scores)
-    recent_returns, sps_steps, sps_time, sample_seconds = [], 0, 0.0, [0.0]
+    recent_returns, sps_steps, sps_time = [], 0, 0.0
 
     def run_eval(num_episodes):
         global eval_envs
@@ -702,18 +701,12 @@ if __name__ == "__main__":
             **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
         })  # fmt: skip
 
-    def timed_sample(env_index):  # the adapter's next_level callback: PLR's sampleNextLevel, timed for charts/plr_seconds
-        t = time.perf_counter()
-        seed = sampler.sample(env_index)
-        sample_seconds[0] += time.perf_counter() - t
-        return seed
-
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
     error = None
     try:
         while global_step < end_step:
             t0 = time.time()
-            replays_before, samples_before, sample_seconds[0] = sampler.num_replays, sampler.num_samples, 0.0
+            replays_before, samples_before = sampler.num_replays, sampler.num_samples
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(T):
                 obs_buf[step] = obs_t = torch.as_tensor(next_obs, device=device)
@@ -723,7 +716,7 @@ if __name__ == "__main__":
                 action = dist.sample()
                 actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
                 logits_buf[step] = logits
-                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=timed_sample)
+                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=sampler.sample)
                 done = terminated | truncated
                 if not args.bootstrap_truncation:  # the time limit ends the task: no bootstrap (MiniGrid default)
                     terminated, truncated = done, np.zeros_like(done)
@@ -754,7 +747,7 @@ if __name__ == "__main__":
                 scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
                                      logits_buf.cpu().numpy())
                 sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
-            plr_time = time.time() - t1 + sample_seconds[0]
+            plr_time = time.time() - t1
 
             b_obs, b_actions, b_logprobs = obs_buf.reshape(-1, *obs_shape), actions_buf.reshape(-1), logprobs_buf.reshape(-1)
             b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values_buf.reshape(-1)
