@@ -21,9 +21,11 @@ Defaults and their source
   sticky actions (Sec. 4.6, IMPALA Table G.1). A "frame" / "step" is one agent step of NEW experience.
 
 Differences from the paper
-- Feed-forward networks only (no LSTM); a small 3-conv CNN for MiniGrid (our choice).
-- A time-limit truncation bootstraps from the actor's V_mu of the final observation (`--no-bootstrap-truncation`
-  treats it as a termination, as IMPALA does); `done` always cuts the V-trace recursion.
+- Feed-forward networks only: the paper used IMPALA's network with an LSTM (App. A.2); here the Nature DQN CNN,
+  IMPALA's deep ResNet or a small 3-conv CNN for MiniGrid (our choice).
+- A time-limit truncation bootstraps from the actor's V_mu of the final observation on Atari and is a termination on
+  MiniGrid, whose limit is part of the task (`--bootstrap-truncation`; IMPALA terminates every episode end); `done`
+  always cuts the V-trace recursion.
 - torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast, not TensorFlow's RMSProp.
 - Scaled down to CPU budgets; test actors sample from pi (the paper does not say).
 - `--resume` restores replay only with `--checkpoint-replay`, each actor's copy a few unrolls after the model's.
@@ -112,7 +114,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     max_grad_norm: float = 40.0
     """global gradient-norm clip (IMPALA Table G.1)"""
     torso: str = "auto"
-    """network torso: nature (Nature CNN, IMPALA shallow) | resnet (IMPALA deep ResNet) | minigrid (small CNN for
+    """network torso: nature (Nature DQN CNN, monobeast's AtariNet) | resnet (IMPALA deep ResNet) | minigrid (CNN for
     the 7x7x3 view) | auto (nature for Atari, minigrid for MiniGrid)"""
     sticky_action_prob: float = 0.0
     """Atari sticky-action probability (IMPALA/CLEAR used none)"""
@@ -122,12 +124,12 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """with --checkpoint-every: each actor also saves its replay buffer (replay_actor{i}.npz next to checkpoint.pt,
     written at the actor's next unroll boundary), and --resume restores the buffers found next to the checkpoint"""
     minigrid_max_steps: int | None = None
-    """override MiniGrid's episode limit (truncation, bootstrapped unless --no-bootstrap-truncation)"""
-    bootstrap_truncation: bool = True
-    """on a time-limit truncation, bootstrap from V_mu of the true last observation (Pardo et al. 2018: right when
-    the limit is not part of the task); --no-bootstrap-truncation treats it as a termination, as IMPALA/monobeast do
-    for every episode end, which fits tasks whose limit IS part of the task (MiniGrid: the reward 1 - 0.9 t/T counts
-    steps, and at t = T nothing more can be earned)"""
+    """override MiniGrid's episode limit (a truncation: see --bootstrap-truncation)"""
+    bootstrap_truncation: bool | None = None
+    """on a time-limit truncation, bootstrap from V_mu of the true last observation (True; Pardo et al. 2018: right
+    when the limit is not part of the task) or treat it as a termination (False, as IMPALA/monobeast do for every
+    episode end); None = per env family: True on Atari, False on MiniGrid (its reward 1 - 0.9 t/T counts steps: the
+    limit is part of the task)"""
     test_actor_max_sps: float = 0.0
     """cap on each test actor's agent steps per second (0 = as fast as it can; a cap keeps CPU for training on small
     machines; not in the paper, whose test actors have their own machines)"""
@@ -171,8 +173,9 @@ def validate_args(args: Args) -> None:
     elif args.num_actors < args.batch_size:
         fail(f"--num-actors ({args.num_actors}) must be >= --batch-size ({args.batch_size}): each actor contributes "
              f"at most one pair to a batch (CLEAR App. A.1)")
-    if args.mode == "simultaneous" and args.num_actors < k:
-        fail(f"--mode simultaneous needs --num-actors >= number of tasks ({k})")
+    if args.mode == "simultaneous" and args.num_actors % k:
+        fail(f"--mode simultaneous needs --num-actors a multiple of the number of tasks ({k}): actor i plays task "
+             f"i mod {k}, so any other count gives some tasks more data")
     if args.buffer_frames == 0 and args.replay_ratio > 0:
         fail("--buffer-frames 0 (no replay buffer) needs --replay-ratio 0")
     if args.buffer_frames > 0 and args.buffer_frames < args.num_actors * args.unroll_length:
@@ -284,7 +287,7 @@ class ConvSequence(nn.Module):
 
 
 def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    if torso == "nature":  # Mnih et al. 2015 / IMPALA "shallow" / monobeast AtariNet (no LSTM)
+    if torso == "nature":  # the Nature DQN CNN (Mnih et al. 2015) as monobeast's AtariNet, without its LSTM
         c = obs_shape[0]
         net = nn.Sequential(
             layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -771,6 +774,8 @@ if __name__ == "__main__":
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     obs_shape, num_actions, kind = probe_envs(args)
+    if args.bootstrap_truncation is None:  # per env family (see the flag)
+        args.bootstrap_truncation = kind != "minigrid"
     torso = resolve_torso(args, obs_shape)
     if torso == "minigrid" and kind != "minigrid":
         raise SystemExit("error: --torso minigrid needs MiniGrid tasks")

@@ -367,6 +367,7 @@ def test_buffer_capacity_split_over_actors():
     (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
     (dict(start_method="fork"), "--start-method"),
     (dict(gamma=1.5), "--gamma must be in [0, 1], got 1.5"),
+    (dict(env_ids=["a", "b", "c"], mode="simultaneous", num_actors=4, batch_size=4), "a multiple of the number of tasks (3)"),
 ])
 def test_validate_args_one_line_errors(over, msg):
     with pytest.raises(SystemExit) as e:  # the range rules, then the checks between flags

@@ -34,13 +34,15 @@ def load_run(run_dir: str) -> dict:
 
 
 def config_name(args: dict) -> str:
-    flags = "" if args.get("bootstrap_truncation", True) else ", --no-bootstrap-truncation"
+    flags = "" if args.get("bootstrap_truncation") in (True, None) else ", --bootstrap-truncation False"
     if args.get("entropy_cost", 0.005) != 0.005:
         flags += f", --entropy-cost {args['entropy_cost']:g}"
+    mode = args.get("mode", "sequential")
+    mode = "" if mode == "sequential" else f"{mode}, "  # the paper's Fig. 1 baselines run another --mode
     if args["replay_ratio"] == 0:
-        return f"no replay (--replay-ratio 0{flags})"
+        return f"{mode}no replay (--replay-ratio 0{flags})"
     bc = "+ BC" if args["behavior_cloning"] else "no BC (--no-behavior-cloning)"
-    return f"CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{flags}"
+    return f"{mode}CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{flags}"
 
 
 def per_visit_means(records: np.ndarray, num_tasks: int, steps_per_task: int, num_visits: int) -> np.ndarray:
@@ -94,8 +96,10 @@ def main() -> None:
         if not same or r["summary"]["global_step"] < V * L:
             raise SystemExit("error: runs differ in tasks, steps per task or cycles, or one did not finish")
     groups: dict[str, list[dict]] = defaultdict(list)
-    for r in sorted(runs, key=lambda r: (r["args"]["replay_ratio"], not r["args"]["behavior_cloning"])):
-        groups[config_name(r["args"])].append(r)  # no replay first, then CLEAR + BC, then CLEAR without BC
+    modes = ("separate", "simultaneous", "sequential")
+    for r in sorted(runs, key=lambda r: (modes.index(r["args"].get("mode", "sequential")), r["args"]["replay_ratio"],
+                                         not r["args"]["behavior_cloning"])):
+        groups[config_name(r["args"])].append(r)  # by mode, then no replay, CLEAR + BC, CLEAR without BC
 
     print("Final cumulative test return per task (paper's Figure 8): mean over seeds [per seed, by seed]")
     print("| run | " + " | ".join(short(e) for e in env_ids) + " | mean over tasks |")
