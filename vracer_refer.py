@@ -303,8 +303,9 @@ def refer_beta_update(beta: float, far_fraction: float, D: float, eta: float) ->
 
 
 def is_far_policy(rho, cmax: float):
-    """Rule 1: a sample is near-policy iff 1/c_max < rho < c_max (Sec. 3); works on numpy arrays and tensors."""
-    return (rho >= cmax) | (rho <= 1.0 / cmax)
+    """Rule 1: a sample is near-policy iff 1/c_max < rho < c_max (Sec. 3), so a NaN rho is far; numpy arrays and
+    tensors."""
+    return ~((rho > 1.0 / cmax) & (rho < cmax))
 
 
 def gaussian_kl(mean_p, std_p, mean_q, std_q):
@@ -331,26 +332,33 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
     Returns (loss, info) with per-sample detached tensors rho, far, kl_mu_pi, abs_err and scalar losses.
     """
     B = mean.shape[0]
-    logp = gaussian_logprob(act, mean, std)
     logmu = gaussian_logprob(act, mu_mean, mu_std)
-    rho = torch.exp(torch.clamp(logp.detach() - logmu, -logrho_clip, logrho_clip))  # rho = pi/mu
+    with torch.no_grad():  # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN: far, finite downstream
+        rho = torch.exp(torch.clamp(gaussian_logprob(act, mean, std) - logmu, -logrho_clip, logrho_clip))
+        rho = torch.nan_to_num(rho, nan=0.0)
+    far = is_far_policy(rho, cmax)  # Rule 1
+    near = ~far if refer in ("full", "rule1") else torch.ones_like(far)
+    # a masked-out sample's log pi is taken at a = mean, std 1 (the double-where trick): its own -inf or 1/std^2
+    # cannot reach the batch's gradient as 0 * inf = NaN
+    keep = near[:, None]
+    logp = gaussian_logprob(torch.where(keep, act, mean.detach()), mean, torch.where(keep, std, torch.ones_like(std)))
     v_det = value.detach()
     adv = qret - v_det  # Q^ret - V^w(s) (Eq. (5))
     cbar = torch.clamp(rho, max=1.0)  # rho-bar = min(1, rho)
     vtbc = v_det + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
     rho_pg = torch.clamp(rho, max=rule2_rho_max) if refer == "rule2" else rho
-    pg_loss = -(rho_pg * adv) * logp  # Eq. (5): gradient rho (Q^ret - V) grad log pi (rho, Q^ret - V detached)
-    v_loss = 0.5 * (value - vtbc) ** 2  # Eq. (9)
+    zero = torch.zeros_like(rho)  # masks select (torch.where), never multiply
+    pg_loss = torch.where(near, -(rho_pg * adv) * logp, zero)  # Eq. (5): rho (Q^ret - V) grad log pi, both detached
+    v_loss = torch.where(near, 0.5 * (value - vtbc) ** 2, zero)  # Eq. (9)
     kl_mu_pi = gaussian_kl(mu_mean, mu_std, mean, std)  # Eq. (11): D_KL(mu || pi)
     kl = kl_mu_pi if kl_direction == "mu_pi" else gaussian_kl(mean, std, mu_mean, mu_std)
-    far = is_far_policy(rho, cmax)  # Rule 1
-    near = (~far).to(rho.dtype) if refer in ("full", "rule1") else torch.ones_like(rho)
     beta_eff = beta if refer in ("full", "rule2") else 1.0
     w = 1.0 if weights is None else weights  # PER importance weights
-    per_sample = near * w * beta_eff * (pg_loss + v_loss) + (1.0 - beta_eff) * kl  # Eq. (10)
+    per_sample = w * beta_eff * (pg_loss + v_loss)  # Eq. (10); the KL term only where its weight 1 - beta is not 0
+    per_sample = per_sample + (1.0 - beta_eff) * kl if beta_eff < 1.0 else per_sample
     loss = per_sample.sum() / B
     info = {"rho": rho, "far": far, "kl_mu_pi": kl_mu_pi.detach(), "abs_err": (cbar * adv).abs(),
-            "policy_loss": (near * pg_loss).detach().sum() / B, "value_loss": (near * v_loss).detach().sum() / B,
+            "policy_loss": pg_loss.detach().sum() / B, "value_loss": v_loss.detach().sum() / B,
             "kl_loss": kl.detach().mean()}
     return loss, info
 

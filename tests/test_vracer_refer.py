@@ -210,6 +210,31 @@ def test_ablations_change_the_gradient_as_described():
     assert torch.all(gv_r2 != 0)  # rule 2: every sample has a value gradient
 
 
+def test_overflowing_sample_leaves_loss_and_gradient_finite():
+    """Far-policy samples whose log pi overflows to -inf, whose rho is NaN, or whose D_KL(mu || pi) is inf: the masks
+    select (torch.where) instead of multiplying (0 * inf = NaN), a NaN rho counts as far, and the KL is skipped where
+    its weight 1 - beta is 0 (then --refer none, which keeps every sample, stays finite too). float32, as in training."""
+    rng = np.random.default_rng(9)
+    B, dA = 8, 2
+    mean, std = rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA))
+    mu_mean, mu_std = mean + 0.05 * rng.normal(size=(B, dA)), std.copy()
+    act = mu_mean + mu_std * rng.normal(size=(B, dA))
+    std[0], act[0] = 1e-20, mean[0] + 1.0  # log pi(a_0) = -inf: rho clamps to e^-7 (far); D_KL(mu_0 || pi_0) = inf
+    mean[1], std[1], mu_mean[1], mu_std[1], act[1] = 0.0, 1e-20, 0.0, 1e-20, 1.0  # log pi = log mu = -inf: rho NaN
+    act[2], std[2], mu_mean[2] = mean[2], 1e-20, mean[2] + 1.0  # log pi finite, D_KL(mu_2 || pi_2) = inf (far)
+    value, qret = rng.normal(size=B), rng.normal(size=B)
+    for refer, beta, rows in (("rule1", 0.5, slice(None)), ("full", 1.0, slice(None)), ("none", 0.5, slice(2, None))):
+        ps = [torch.tensor(np.asarray(x[rows], np.float32)).requires_grad_(i < 3)
+              for i, x in enumerate((mean, std, value, act, mu_mean, mu_std, qret))]
+        loss, info = vr.refer_loss(*ps, beta=beta, cmax=2.0, refer=refer)
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ps[:3]), refer
+        if refer != "none":
+            assert info["far"][:3].all() and not info["far"][3:].all()
+            assert torch.isinf(info["kl_mu_pi"][[0, 2]]).all()  # the overflow is there, and masked
+    np.testing.assert_array_equal(vr.is_far_policy(np.array([np.nan, 1.0, 5.0, 0.1]), 2.0), [True, False, True, True])
+
+
 # ---------------------------------------------------------------- replay memory
 def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
     lens = []
