@@ -22,8 +22,9 @@ Defaults and their source
 
 Differences from the paper
 - The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
-- Prior steps are refreshed once per gradient step; targets are recomputed at every reward-scale update; n_far is
-  kept incrementally and recounted every `stats_every` steps.
+- Prior steps are refreshed once per gradient step; Q^ret is recomputed with the new scale at every reward-scale
+  update (stored V keep their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
+- Eq. (13)'s t counts gradient steps; PER weights / batch max; a PER draw of a removed slot: uniform, weight of rank n//2.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
 - Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
 - `--resume` restores the learner exactly; the actors restart their episodes, re-seeded.
