@@ -48,10 +48,6 @@ from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigr
 from common.normalize import ReturnNormalizer
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
 
-SCORE_STRATEGIES = ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random")
-TRANSFORMS = ("rank", "power", "greedy")
-REPLAY_SCHEDULES = ("proportionate", "fixed")
-COMMIT_MODES = ("episode", "update")
 MAX_SEED = 2**31 - 1
 
 # |Λ_train| per MiniGrid env (paper App. A.2: about 1000 levels per difficulty)
@@ -166,8 +162,9 @@ FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "s
                    "bootstrap_truncation", "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit",
                    "plr_buffer_size")  # fmt: skip
 ARG_RULES = {
-    "plr_strategy": SCORE_STRATEGIES, "plr_transform": TRANSFORMS, "plr_replay_schedule": REPLAY_SCHEDULES,
-    "plr_commit": COMMIT_MODES, "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
+    "plr_strategy": ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random"),
+    "plr_transform": ("rank", "power", "greedy"), "plr_replay_schedule": ("proportionate", "fixed"),
+    "plr_commit": ("episode", "update"), "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
     "num_train_levels": ">= 0", "start_level": ">= 0", "num_envs": ">= 1", "num_steps": ">= 1",
     "num_minibatches": ">= 1", "update_epochs": ">= 1", "learning_rate": "> 0", "adam_eps": "> 0", "gamma": "(0, 1]",
     "gae_lambda": "[0, 1]", "clip_coef": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "max_grad_norm": "> 0",

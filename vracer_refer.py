@@ -536,20 +536,18 @@ class EpisodeReplay:
             self.qret[boot_idx] = self.rs[boot_idx] + self.gamma * boot_val
         self.refresh_delta(idx, vtbc_old)
 
-    def _set_la(self, idx) -> None:
-        with np.errstate(divide="ignore"):
-            self.la[idx] = np.log(self.gamma * np.minimum(1.0, self.rho[idx]))
+    def _set_la(self, idx) -> None:  # a cut trace (rho = 0) gives e^-690, i.e. 0 in every product that matters
+        self.la[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
 
     def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
-        """Same result as `refresh` (Eq. (8) over all prior steps of every sampled step) with fewer array passes.
+        """Eq. (8) for every step before each sampled step of its episode (App. C Alg. 3), as a change of Q^ret.
 
         Between two sampled steps of an episode nothing changed, so Eq. (8) is linear there: a change delta_u of
         V^tbc at sampled step u changes V^tbc_j (j < u, down to the next sampled step) by
         prod_{i=j}^{u-1} gamma min(1, rho_i) * delta_u, and Q^ret_{j-1} = r_j + gamma V^tbc_j by gamma times that.
         The products come from one cumulative sum of log(gamma min(1, rho)) over the concatenated prefixes (an
         underflow to 0 is the correct limit); the deltas of the sampled steps of one episode are chained top-down
-        (one short loop over the rank of a sample within its episode). Falls back to `refresh` if some
-        gamma min(1, rho) is 0.
+        (one short loop over the rank of a sample within its episode).
         """
         starts = self.ep_start[idx]
         order = np.lexsort((-idx, starts))  # by episode, latest sampled first
@@ -565,11 +563,7 @@ class EpisodeReplay:
         offs = np.cumsum(lens) - lens
         j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes [s, m]
         p_samp = np.repeat(offs - s, np.diff(np.append(ep_first, n))) + t  # positions of the samples in it
-        la = self.la[j]
-        if not np.isfinite(la).all():
-            self.refresh(idx)
-            return
-        R = np.cumsum(la[::-1])[::-1]  # R_p = sum_{q >= p} log a_q (differences give in-episode products)
+        R = np.cumsum(self.la[j][::-1])[::-1]  # R_p = sum_{q >= p} log a_q (differences give in-episode products)
         c = np.minimum(1.0, self.rho[t])
         base = (1.0 - c) * self.val[t]
         delta = np.zeros(n)
@@ -587,38 +581,6 @@ class EpisodeReplay:
         dq[offs] = 0.0  # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
         j -= 1
         self.qret[j] += dq
-
-    def refresh(self, idx: np.ndarray) -> None:
-        """Recompute Q^ret for every step before the latest sampled step of each sampled episode (Eq. (8)), vectorized.
-
-        For an episode with first slot s and latest sampled slot m: V^tbc_m = V_m + c_m (Q^ret_m - V_m) (Eq. (7)),
-        then V^tbc_j = (1 - c_j) V_j + c_j r_{j+1} + gamma c_j V^tbc_{j+1} and Q^ret_j = r_{j+1} + gamma V^tbc_{j+1}
-        for j = m-1 .. s: one `reverse_linear_scan` over the concatenated prefixes [s, m] of all sampled episodes.
-        """
-        starts = self.ep_start[idx]
-        order = np.lexsort((-idx, starts))  # by episode, latest sampled first
-        first = np.ones(len(idx), bool)
-        first[1:] = starts[order][1:] != starts[order][:-1]
-        m, s = idx[order][first], starts[order][first]
-        lens = m - s + 1
-        total = int(lens.sum())
-        if total == 0:
-            return
-        offs = np.cumsum(lens) - lens
-        j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes
-        tail = offs + lens - 1
-        c = np.minimum(1.0, self.rho[j])
-        v = self.val[j]
-        self._set_la(idx)  # (callers may have written rho directly)
-        a = self.gamma * c
-        b = (1.0 - c) * v + c * self.rs[j]
-        b[tail] = (1.0 - c[tail]) * v[tail] + c[tail] * self.qret[m]  # Eq. (7) at the latest sampled step
-        a[tail] = 0.0
-        x = segmented_reverse_scan(a, b, lens)  # V^tbc over the prefixes
-        not_tail = np.ones(total, bool)
-        not_tail[tail] = False
-        jj = j[not_tail]
-        self.qret[jj] = self.rs[jj] + self.gamma * x[1:][not_tail[:-1]]  # Q^ret_j = r_{j+1} + gamma V^tbc_{j+1}
 
     def recompute_all(self) -> None:
         """Q^ret of every stored step from the stored V, rho and the current reward scale (one scan over the RM)."""

@@ -84,10 +84,6 @@ def bench_learner(a):
     for i, r in zip(idx, rhos):
         rm.update_samples(i, r, np.zeros(len(i)))  # write-back + n_far + Q^ret refresh (the path train_step uses)
     t_refresh = (time.process_time() - t) / 200
-    t = time.process_time()
-    for i in idx[:50]:
-        rm.refresh(i)  # the plain blocked-scan refresh (fallback), for comparison
-    t_scan = (time.process_time() - t) / 50
     t = time.perf_counter()
     for i in idx:
         vr.is_far_policy(rm.rho[i], 2.0).sum()
@@ -101,7 +97,6 @@ def bench_learner(a):
         rm.sample(a.batch_size, rng)
     t_sample = (time.perf_counter() - t) / 200
     print(f"  CPU time per step: sample {1e3 * t_sample:.2f} ms, write-back + Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms "
-          f"(plain scan refresh {1e3 * t_scan:.2f} ms), "
           f"n_far update {1e3 * t_far:.3f} ms; full Q^ret recomputation over the RM (every 1000 steps) "
           f"{1e3 * t_all:.1f} ms; learner total {1e3 / full_c:.2f} ms")
 
