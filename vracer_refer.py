@@ -773,6 +773,24 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     env.close()
 
 
+def store_episodes(rows: np.ndarray, partial: list, rm: EpisodeReplay, obs_dim: int, act_dim: int) -> list:
+    """Append one actor's new ring rows (`ring_width` columns) to its running episode `partial` (a list of row blocks)
+    and store every episode they complete in the replay (App. C Alg. 2); returns their (return, length)."""
+    p, q = obs_dim, obs_dim + 3 * act_dim
+    finished, prev = [], 0
+    for e in np.flatnonzero(rows[:, q + 2] + rows[:, q + 3] > 0):  # terminated or truncated at row e
+        ep = np.concatenate(partial + [rows[prev:e + 1]])
+        partial.clear()
+        prev, last = e + 1, ep[-1]
+        rm.add_episode(ep[:, :p], ep[:, p:p + act_dim], ep[:, p + act_dim:p + 2 * act_dim], ep[:, p + 2 * act_dim:q],
+                       ep[:, q + 1], ep[:, q], bool(last[q + 2]), final_val=float(last[q + 4 + obs_dim]),
+                       final_obs=last[q + 4:q + 4 + obs_dim])
+        finished.append((float(last[-2]), int(last[-1])))
+    if prev < len(rows):
+        partial.append(rows[prev:])
+    return finished
+
+
 def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
     """Deterministic policy (mean action) returns."""
     env = make_env(env_id, seed)
@@ -877,7 +895,6 @@ if __name__ == "__main__":
     publish()
     control[0] = allowed_steps() - base_step
 
-    W = ring_width(obs_dim, act_dim)
     partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
     recent_returns: deque = deque(maxlen=20)
     acc = torch.zeros(6, dtype=torch.float64)
@@ -899,23 +916,9 @@ if __name__ == "__main__":
                 rows = rings[i].numpy()[pos].copy()
                 read[i] = n_w
                 global_step += len(rows)
-                ends = np.flatnonzero((rows[:, obs_dim + 3 * act_dim + 2] + rows[:, obs_dim + 3 * act_dim + 3]) > 0)
-                prev = 0
-                for e in ends:
-                    ep = np.concatenate(partial[i] + [rows[prev:e + 1]])
-                    partial[i], prev = [], e + 1
-                    p = obs_dim
-                    last = ep[-1]
-                    q = p + 3 * act_dim
-                    terminated = bool(last[q + 2])
-                    rm.add_episode(ep[:, :p], ep[:, p:p + act_dim], ep[:, p + act_dim:p + 2 * act_dim],
-                                   ep[:, p + 2 * act_dim:q], ep[:, q + 1], ep[:, q], terminated,
-                                   final_val=float(last[q + 4 + obs_dim]), final_obs=last[q + 4:q + 4 + obs_dim])
-                    ep_return, ep_length = float(last[W - 2]), int(last[W - 1])
+                for ep_return, ep_length in store_episodes(rows, partial[i], rm, obs_dim, act_dim):
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
-                if prev < len(rows):
-                    partial[i].append(rows[prev:])
             if not started and rm.size >= args.learning_starts:
                 # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
                 if not stats_ready:

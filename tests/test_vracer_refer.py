@@ -523,3 +523,77 @@ def test_train_step_all_variants(refer, per):
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
     assert state["k"] == 30
     assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
+
+
+# ---------------------------------------------------------------- wiring: actor ring -> replay
+def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
+    """What the real `actor_loop` writes into its ring and `store_episodes` (the learner's reader) puts into the replay
+    (s_t, u_t, mu_t, r_{t+1}, V(s_t), terminated / truncated, s_T and V(s_T) of a truncated end) equals a direct
+    rollout of the same env, written here from the paper's Alg. 2, with the same weights, state statistics and noise;
+    a 25-step time limit gives both terminations (Hopper falls) and truncations."""
+    import threading
+
+    from common.mujoco_env import make_mujoco_env
+
+    limit, seed, steps = 25, 3, 400
+    monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=limit))
+    args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=512)
+    obs_dim, act_dim = 11, 3
+    torch.manual_seed(0)
+    agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
+    rng = np.random.default_rng(0)
+    norm = np.stack([0.1 * rng.normal(size=obs_dim), rng.uniform(0.5, 2.0, obs_dim)])  # state statistics (App. B)
+    shared_weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
+    shared_norm = torch.tensor(norm.reshape(-1), dtype=torch.float32)
+    control = torch.tensor([steps, 1], dtype=torch.int64)  # the F gate lets the actor run `steps` env steps
+    rings = torch.zeros(1, args.ring_size, vr.ring_width(obs_dim, act_dim), dtype=torch.float64)
+    written, read, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), threading.Event()
+    actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control,
+                                                         rings, written, read, seed, "test", stop))
+    actor.start()
+    for _ in range(3000):
+        if int(written[0]) >= steps:
+            break
+        threading.Event().wait(0.01)
+    stop.set()
+    actor.join()
+    rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
+    vr.store_episodes(rings[0].numpy()[:steps].copy(), partial, rm, obs_dim, act_dim)
+
+    # the direct rollout (independent of the ring format): a ~ mu = N(mean, std) with the actor's noise stream
+    env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
+    net = vr.numpy_params(agent, args.std_map, shared_norm.numpy().reshape(2, obs_dim))
+    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    noise = np.random.default_rng(seed)
+    obs, _ = env.reset(seed=seed)
+    episodes, cur = [], []
+    for t in range(steps):
+        mean, std, v = vr.numpy_forward(net, obs)
+        u = mean + std * vr.sample_noise(noise, act_dim, args.action_noise)
+        nxt, r, term, trunc, _ = env.step(vr.to_env_action(u, low, high, args.clip_actions))
+        cur.append((obs, u, mean, std, r, v))
+        if term or trunc:
+            boot = (nxt, vr.numpy_forward(net, nxt)[2]) if not term else None
+            episodes.append((cur, term, boot))
+            cur, (obs, _) = [], env.reset()
+        else:
+            obs = nxt
+    kinds = {term for _, term, _ in episodes}
+    assert kinds == {True, False}, "need both terminated and truncated episodes"
+    assert len(rm.episodes) == len(episodes) and sum(len(p) for p in partial) == len(cur)
+    for (start, L), (steps_, term, boot) in zip(rm.episodes, episodes):
+        sl = slice(start, start + L)
+        o, u, mean, std, r, v = (np.array([s[k] for s in steps_]) for k in range(6))
+        assert L == len(steps_)
+        np.testing.assert_allclose(rm.obs[sl], o, rtol=1e-6)
+        np.testing.assert_allclose(rm.act[sl], u, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rm.mu_mean[sl], mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rm.mu_std[sl], std, rtol=1e-5)
+        np.testing.assert_allclose(rm.rew[sl], r, rtol=1e-12)
+        np.testing.assert_allclose(rm.val[sl], v, rtol=1e-12)
+        assert rm.truncated_last[start + L - 1] == (not term)
+        if term:
+            assert rm.vboot[start + L - 1] == 0.0
+        else:
+            np.testing.assert_allclose(rm.boot_obs[start + L - 1], boot[0], rtol=1e-6)
+            assert rm.vboot[start + L - 1] == pytest.approx(boot[1], rel=1e-12)
