@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, make_run_name
+from common.logger import start_run
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
 from common.video import check_video_support
@@ -804,11 +804,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
                          f"{avail / 2**30:.1f} GiB of RAM is available; lower --buffer-frames")
 
-    run_name = ckpt["run_name"] if ckpt else make_run_name(
-        "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks", args.exp_name, args.seed)
-    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress,
-                       resume_step=ckpt["global_step"] if ckpt else None)
+    logger = start_run(args, ckpt, "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks")
+    run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)

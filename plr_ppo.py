@@ -43,7 +43,7 @@ from torch.distributions import Categorical
 from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
                                set_rng_state, state_dicts)
-from common.logger import RunLogger, make_run_name
+from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
 from common.normalize import ReturnNormalizer
 from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
@@ -423,18 +423,12 @@ class LevelSampler:
         self._p_s = None  # cached P_S (scores change only in update_with_rollouts / after_update)
 
     # --- distributions ---
-    def _score_probs(self):
+    def replay_probs(self) -> np.ndarray:
+        """P_replay over slots (Eq. (1)): `replay_distribution` with P_S cached until the scores change."""
         if self._p_s is None:
             self._p_s = score_distribution(self.scores, self.seen, self.transform, self.temperature)
-        return self._p_s
-
-    def replay_probs(self) -> np.ndarray:
-        """P_replay over slots (Eq. (1)); same as replay_distribution(...) with the cached P_S."""
-        if self.staleness_coef == 0.0:
-            return self._score_probs()
-        return (1 - self.staleness_coef) * self._score_probs() + self.staleness_coef * staleness_distribution(
-            self.staleness, self.seen
-        )
+        rho = self.staleness_coef
+        return self._p_s if rho == 0.0 else (1 - rho) * self._p_s + rho * staleness_distribution(self.staleness, self.seen)
 
     def replay_decision_prob(self) -> float:
         """P_D(d = 1), the probability that the next level is a replay."""
@@ -631,9 +625,8 @@ if __name__ == "__main__":
     if end_step != args.total_timesteps:
         print(f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
               f"steps): the run ends at step {end_step:,}", flush=True)
-    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
-    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress, resume_step=start_step if ckpt else None)
+    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from common.args import CommonArgs, check_args, parse_run_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, make_run_name
+from common.logger import start_run
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
 from common.video import check_video_support
@@ -902,17 +902,14 @@ if __name__ == "__main__":
             raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}" + (
                 f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
                 + f": give --total-timesteps > {learns_from:,}")
-    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
-    args.run_name = run_name  # for the actors' video folder
     probe = make_env(args.env_id, args.seed, args)
     if not hasattr(probe.action_space, "n"):
         raise SystemExit(f"error: {args.env_id} does not have a discrete action space")
     num_actions = int(probe.action_space.n)
     probe.close()
     check_replay_memory(args, num_actions)
-    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress,
-                       resume_step=ckpt["global_step"] if ckpt else None)
+    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    run_name = args.run_name = logger.run_name  # (args: for the actors' video folder)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import RunLogger, make_run_name
+from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
@@ -834,10 +834,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: --buffer-size {args.buffer_size:,} needs {need / 2**30:.1f} GiB of replay memory but "
                          f"only {avail / 2**30:.1f} GiB of RAM is available: lower --buffer-size")
 
-    run_name = ckpt["run_name"] if ckpt else make_run_name(args.env_id, args.exp_name, args.seed)
-    logger = RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                       wandb_entity=args.wandb_entity, progress=args.progress,
-                       resume_step=ckpt["global_step"] if ckpt else None)
+    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)

@@ -34,6 +34,15 @@ def make_run_name(env_id: str, exp_name: str, seed: int) -> str:
     return f"{safe_env}__{exp_name}__{seed}__{int(time.time())}"
 
 
+def start_run(args: Any, ckpt: dict | None, env_name: str) -> "RunLogger":
+    """The run's logger, from the common flags: a new `runs/{env_name}__{exp_name}__{seed}__{time}`, or with
+    `--resume` the checkpoint's run directory, continued from its step."""
+    run_name = ckpt["run_name"] if ckpt else make_run_name(env_name, args.exp_name, args.seed)
+    return RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
+                     wandb_entity=args.wandb_entity, progress=args.progress,
+                     resume_step=ckpt["global_step"] if ckpt else None)
+
+
 def _to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _to_jsonable(v) for k, v in dataclasses.asdict(value).items()}

@@ -15,6 +15,7 @@ Usage:
       [--metric charts/episodic_return] [--last 20] [--plot curves.png] [--title T] [--labels A B] [--eval-vracer 10]
       [--with refer/beta refer/far_policy_frac refer/kl]   (one more table per run: bin means of these metrics)
       [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
+      [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
 """
 import argparse
 import json
@@ -105,6 +106,8 @@ def main():
     p.add_argument("--labels", nargs="*", default=None)
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
+    p.add_argument("--summary", nargs="*", default=[], help="also a table of these summary.json keys per run and their "
+                   "mean ± sd per configuration (e.g. final_test_return wall_time_s)")
     p.add_argument("--series", nargs="*", default=[], help="with --plot: one line per metric named here (mean and "
                    "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration")
     a = p.parse_args()
@@ -135,6 +138,19 @@ def main():
         for e in sorted(ret):
             print(f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
                   + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
+    if a.summary:
+        sums = []
+        for d in a.runs:
+            with open(os.path.join(d, "summary.json")) as f:
+                sums.append(json.load(f))
+        print("\n| run | " + " | ".join(a.summary) + " |\n|---|" + "---|" * len(a.summary))
+        for name, sm in zip(names, sums):
+            print(f"| {name} | " + " | ".join(f"{sm.get(k, float('nan')):.4g}" for k in a.summary) + " |")
+        groups = [config_name(d) for d in a.runs]
+        for g in dict.fromkeys(groups):
+            vals = np.array([[sm.get(k, np.nan) for k in a.summary] for sm, gg in zip(sums, groups) if gg == g], float)
+            print(f"| **{g}** ({len(vals)} runs) | " + " | ".join(
+                f"{m:.4g} ± {sd:.2g}" for m, sd in zip(vals.mean(0), vals.std(0, ddof=1) if len(vals) > 1 else 0 * vals[0])) + " |")
     if a.plot and a.series:
         tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in runs_rows]
         plot_groups(tables, [m for m in a.series for _ in runs_rows], a.plot, "value", a.bin, a.title)
