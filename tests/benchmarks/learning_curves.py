@@ -103,6 +103,7 @@ def main():
     p.add_argument("--last", type=int, default=20)
     p.add_argument("--plot", default=None)
     p.add_argument("--title", default="")
+    p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric)")
     p.add_argument("--labels", nargs="*", default=None)
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
@@ -153,11 +154,11 @@ def main():
                 f"{m:.4g} ± {sd:.2g}" for m, sd in zip(vals.mean(0), vals.std(0, ddof=1) if len(vals) > 1 else 0 * vals[0])) + " |")
     if a.plot and a.series:
         tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in runs_rows]
-        plot_groups(tables, [m for m in a.series for _ in runs_rows], a.plot, "value", a.bin, a.title)
+        plot_groups(tables, [m for m in a.series for _ in runs_rows], a.plot, a.ylabel or "value", a.bin, a.title)
     elif a.plot:
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
-        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.metric, a.bin, a.title)
+        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title)
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
 
