@@ -212,8 +212,8 @@ class ReactorNetwork(nn.Module):
         self.torso = nn.Sequential(
             nn.Conv2d(1, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
             nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten(), nn.Linear(7 * 7 * 32 * m, 128), act())
-        self.q_lstm = nn.LSTMCell(128 * m, lstm_size)
-        self.pi_lstm = nn.LSTMCell(128 * m, lstm_size)
+        self.q_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)  # fused over the unroll (cuDNN on a GPU)
+        self.pi_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)
         self.q_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
         self.pi_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
         k = num_atoms if distributional else 1
@@ -228,19 +228,22 @@ class ReactorNetwork(nn.Module):
         """obs [B, L, 84, 84] uint8, first [B, L] (episode starts: LSTM state reset before that frame)."""
         B, L = obs.shape[:2]
         x = self.torso(obs.reshape(B * L, 1, 84, 84).float() / 255.0).reshape(B, L, -1)
-        hq, cq, hp, cp = state
+        hq, cq, hp, cp = (h.unsqueeze(0) for h in state)
+        keep = (~first.bool()).float().T[:, None, :, None]  # [L, 1, B, 1]
+        # the unroll is cut where any sequence starts an episode; each piece runs fused, after the state of the
+        # sequences starting there is reset to 0: the same as resetting step by step (tests/test_reactor.py)
+        cuts = [0, *(torch.nonzero(first[:, 1:].any(0)).flatten() + 1).tolist(), L]
         q_out, pi_out = [], []
-        keep = (~first.bool()).float().unsqueeze(-1)
-        for t in range(L):
-            k = keep[:, t]
-            hq, cq, hp, cp = hq * k, cq * k, hp * k, cp * k
-            hq, cq = self.q_lstm(x[:, t], (hq, cq))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            hq, cq, hp, cp = hq * keep[a], cq * keep[a], hp * keep[a], cp * keep[a]
+            yq, (hq, cq) = self.q_lstm(x[:, a:b], (hq, cq))
             # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
-            hp, cp = self.pi_lstm(x[:, t].detach(), (hp, cp))
-            q_out.append(hq)
-            pi_out.append(hp)
-        hq_all = self.q_hidden(torch.stack(q_out, 1).reshape(B * L, -1))
-        hp_all = self.pi_hidden(torch.stack(pi_out, 1).reshape(B * L, -1))
+            yp, (hp, cp) = self.pi_lstm(x[:, a:b].detach(), (hp, cp))
+            q_out.append(yq)
+            pi_out.append(yp)
+        hq, cq, hp, cp = hq[0], cq[0], hp[0], cp[0]
+        hq_all = self.q_hidden(torch.cat(q_out, 1).reshape(B * L, -1))
+        hp_all = self.pi_hidden(torch.cat(pi_out, 1).reshape(B * L, -1))
         k = self.num_atoms if self.distributional else 1
         # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
         q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, k)

@@ -514,12 +514,12 @@ def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
     # policy-LSTM gradients do not reach the torso; Q gradients do
     out.pi[..., 0].sum().backward()
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in net.torso.parameters())
-    assert net.pi_lstm.weight_ih.grad.abs().sum() > 0
+    assert net.pi_lstm.weight_ih_l0.grad.abs().sum() > 0
     net.zero_grad()
     out = net(obs, first, net.initial_state(2))
     out.q.sum().backward()
     assert net.torso[0].weight.grad.abs().sum() > 0
-    assert net.pi_lstm.weight_ih.grad is None or net.pi_lstm.weight_ih.grad.abs().sum() == 0
+    assert net.pi_lstm.weight_ih_l0.grad is None or net.pi_lstm.weight_ih_l0.grad.abs().sum() == 0
     # a "first" flag resets the LSTM state: the outputs from there on equal a fresh unroll
     first[:, 2] = True
     with torch.no_grad():
@@ -530,6 +530,53 @@ def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
     # ND head and plain ReLU
     nd = reactor.ReactorNetwork(A, K, H, crelu=False, distributional=False)
     assert nd(obs, first, nd.initial_state(2)).q.shape == (2, 5, A)
+
+
+def test_fused_lstm_equals_step_by_step_reset(float32):
+    """The fused nn.LSTM over pieces cut at episode starts gives the outputs, final state and gradients of a
+    step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference)."""
+    A, K, H, B, L = 3, 7, 8, 4, 9
+    torch.manual_seed(0)
+    net = reactor.ReactorNetwork(A, K, H)
+    obs = torch.randint(0, 255, (B, L, 84, 84), dtype=torch.uint8)
+    first = torch.zeros(B, L, dtype=torch.bool)
+    first[0, 0] = first[1, 3] = first[1, 7] = first[2, 3] = first[3, 8] = True  # starts at 0, mid, shared, last
+    state = tuple(torch.randn(B, H) for _ in range(4))
+
+    def cell_like(lstm):
+        cell = torch.nn.LSTMCell(lstm.input_size, lstm.hidden_size)
+        with torch.no_grad():
+            for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(cell, name).copy_(getattr(lstm, name + "_l0"))
+        return cell
+
+    def reference(net):
+        q_cell, pi_cell = cell_like(net.q_lstm), cell_like(net.pi_lstm)
+        x = net.torso(obs.reshape(B * L, 1, 84, 84).float() / 255.0).reshape(B, L, -1)
+        hq, cq, hp, cp = state
+        qs, ps = [], []
+        for t in range(L):
+            k = (~first[:, t]).float()[:, None]
+            hq, cq = q_cell(x[:, t], (hq * k, cq * k))
+            hp, cp = pi_cell(x[:, t].detach(), (hp * k, cp * k))
+            qs.append(hq)
+            ps.append(hp)
+        return torch.stack(qs, 1), torch.stack(ps, 1), (hq, cq, hp, cp), (q_cell, pi_cell)
+
+    captured = {}
+    net.q_hidden.register_forward_hook(lambda m, i, o: captured.__setitem__("q", i[0]))
+    net.pi_hidden.register_forward_hook(lambda m, i, o: captured.__setitem__("pi", i[0]))
+    out = net(obs, first, state)
+    q_ref, pi_ref, state_ref, cells = reference(net)
+    torch.testing.assert_close(captured["q"], q_ref.reshape(B * L, H))
+    torch.testing.assert_close(captured["pi"], pi_ref.reshape(B * L, H))
+    for got, want in zip(out.state, state_ref):
+        torch.testing.assert_close(got, want)
+    (captured["q"].square().sum() + captured["pi"].sum()).backward()
+    (q_ref.square().sum() + pi_ref.sum()).backward()
+    for lstm, cell in zip((net.q_lstm, net.pi_lstm), cells):
+        torch.testing.assert_close(lstm.weight_hh_l0.grad, cell.weight_hh.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lstm.weight_ih_l0.grad, cell.weight_ih.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("distributional,pg", [(True, "beta-loo"), (False, "beta-loo"), (True, "tislr")])
@@ -628,7 +675,7 @@ def test_learner_fits_a_fixed_batch(float32):
     support = torch.linspace(-2.0, 2.0, K)
     opt = torch.optim.Adam(net.parameters(), lr=3e-3, betas=(0.0, 0.999))
     losses = []
-    for _ in range(25):
+    for _ in range(40):
         loss, _, stats = reactor.reactor_loss(net, target, batch, support, args)
         opt.zero_grad()
         loss.backward()
