@@ -29,11 +29,10 @@ Differences from the paper
   meet the constraints of 3.3 in O(log n); cells are not temporal neighbours at 2 * num_actors ring borders.
 - R(A) in beta-LOO is the scalar Retrace return; IS weights are normalized by their batch maximum.
 - Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33).
-Long form: README.md, section reactor.py.
-
-Gymnasium autoreset mode: none (each actor resets its env; a truncation's true last frame is stored, bootstrapped).
-Copying this file: it needs common/atari_env.py, common/args.py, common/logger.py, common/checkpoint.py,
-common/processes.py, common/video.py.
+- MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
+  LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
+Long form: README.md, section reactor.py. Actors reset their envs (a truncation's last frame is stored, bootstrapped).
+Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video}.py.
 """
 import queue
 import time
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 
 from common.args import CommonArgs, check_args, parse_run_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
+from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
@@ -59,7 +59,7 @@ from common.video import check_video_support
 class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
     # --- algorithm specific arguments ---
     env_id: str = "ALE/Pong-v5"
-    """the id of the Atari environment (gymnasium ALE id)"""
+    """an Atari game (gymnasium ALE id, e.g. ALE/Pong-v5) or a MinAtar game (MinAtar/Breakout-v0, ...)"""
     total_timesteps: int = 50_000_000
     """total environment steps over all actors (agent steps; 1 step = 4 frames; paper: 200M frames = 50M steps)"""
     num_actors: int = 2
@@ -122,10 +122,13 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """probability of sampling uniformly instead of proportionally to the priority estimate (value not recovered)"""
     priority_exponent: float = 1.0
     """priorities are stored as p^exponent (paper samples proportionally to p: 1; PER would use 0.6)"""
-    sticky_action_prob: float = 0.0
-    """ALE sticky actions (paper: DQN pipeline, none; ALE v5 default would be 0.25)"""
+    sticky_action_prob: float | None = None
+    """sticky actions; None = the family's standard: Atari 0 (paper: DQN pipeline, none), MinAtar 0.1 (MinAtar's)"""
     noop_max: int = 30
-    """maximum no-op actions at the start of a game (acting and evaluation)"""
+    """maximum no-op actions at the start of an Atari game (acting and evaluation; MinAtar has none)"""
+    torso: str = "auto"
+    """paper (3.4.1's conv torso, 84x84 Atari frames) | minatar (MinAtar's network: one 3x3 conv, 16 channels, for
+    10x10 frames) | auto (by the env family); the linear 128, LSTMs and heads on top are the paper's"""
     actor_sync_every: int = 16
     """actor env steps between checks for new weights in shared memory"""
     eval_episodes: int = 10
@@ -138,10 +141,11 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
-ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max")  # --help's environment group
+ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max", "torso")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
-FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "lstm_size", "crelu", "distributional", "num_atoms", "v_min",
-                   "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size", "sequence_length")
+FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "distributional",
+                   "num_atoms", "v_min", "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size",
+                   "sequence_length")
 ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
     "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
@@ -149,7 +153,8 @@ ARG_RULES = {
     "adam_beta2": "[0, 1)", "adam_eps": "> 0", "max_grad_norm": ">= 0", "target_update_period": ">= 1",
     "gamma": "[0, 1]", "retrace_lambda": "[0, 1]", "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0",
     "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)", "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]",
-    "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]", "noop_max": ">= 0", "actor_sync_every": ">= 1",
+    "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]", "torso": ("auto", "paper", "minatar"),
+    "noop_max": ">= 0", "actor_sync_every": ">= 1",
     "eval_episodes": ">= 0", "log_every": ">= 1", "checkpoint_every": ">= 0", "memory_fraction": "(0, 1]",
 }
 
@@ -159,9 +164,13 @@ def validate_args(args: Args) -> None:
     def fail(msg):
         raise SystemExit(f"error: {msg}")
 
-    if args.env_id not in ATARI_ENV_IDS:
-        fail(f"reactor.py is for Atari (discrete actions, pixel frames): {args.env_id!r} is not a registered ALE id "
-             f"(try ALE/Pong-v5)")
+    if args.env_id not in ATARI_ENV_IDS and args.env_id not in MINATAR_ENV_IDS:
+        fail(f"reactor.py is for Atari and MinAtar (discrete actions, image frames): {args.env_id!r} is neither a "
+             f"registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)")
+    if args.env_id in MINATAR_ENV_IDS and args.torso == "paper":
+        fail("--torso paper needs 84x84 Atari frames; MinAtar's 10x10 frames take --torso minatar (or auto)")
+    if args.env_id in MINATAR_ENV_IDS and args.capture_video:
+        fail("--capture-video needs an Atari game (MinAtar envs render no frames here)")
     if args.capture_video:
         try:
             check_video_support()
@@ -179,9 +188,13 @@ def validate_args(args: Args) -> None:
 
 
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
-    """Single 84x84 grayscale frames (1, 84, 84) uint8; life loss ends a learning episode, not an evaluation one."""
+    """Atari: single 84x84 grayscale frames (1, 84, 84) uint8, rewards clipped for learning, life loss ends a learning
+    episode, not an evaluation one. MinAtar: its (C, 10, 10) 0/1 frames and rewards as they are."""
+    sticky = args.sticky_action_prob
+    if env_id in MINATAR_ENV_IDS:
+        return make_minatar_env(env_id, seed, sticky_action_prob=0.1 if sticky is None else sticky)
     return make_atari_env(env_id, seed, frame_stack=1, clip_rewards=not evaluation,
-                          terminal_on_life_loss=not evaluation, sticky_action_prob=args.sticky_action_prob,
+                          terminal_on_life_loss=not evaluation, sticky_action_prob=sticky or 0.0,
                           noop_max=args.noop_max, capture_video=video_folder is not None, video_folder=video_folder)
 
 
@@ -203,15 +216,23 @@ class ReactorNetwork(nn.Module):
     """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
 
     def __init__(self, num_actions: int, num_atoms: int = 51, lstm_size: int = 128, crelu: bool = True,
-                 distributional: bool = True, policy_uniform_eps: float = 0.01):
+                 distributional: bool = True, policy_uniform_eps: float = 0.01, obs_shape=(1, 84, 84),
+                 torso: str = "paper", obs_scale: float = 255.0):
         super().__init__()
         act, m = (CReLU, 2) if crelu else (nn.ReLU, 1)
         self.num_actions, self.num_atoms, self.lstm_size = num_actions, num_atoms, lstm_size
         self.distributional, self.policy_uniform_eps = distributional, policy_uniform_eps
-        # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
-        self.torso = nn.Sequential(
-            nn.Conv2d(1, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
-            nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten(), nn.Linear(7 * 7 * 32 * m, 128), act())
+        self.obs_shape, self.obs_scale = tuple(obs_shape), obs_scale
+        c, h, w = self.obs_shape
+        if torso == "paper":  # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
+            convs = [nn.Conv2d(c, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
+                     nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten()]
+        else:  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels
+            convs = [nn.Conv2d(c, 16, 3, stride=1), act(), nn.Flatten()]
+        conv = nn.Sequential(*convs)
+        with torch.no_grad():
+            n = conv(torch.zeros(1, *self.obs_shape)).shape[1]
+        self.torso = nn.Sequential(*convs, nn.Linear(n, 128), act())
         self.q_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)  # fused over the unroll (cuDNN on a GPU)
         self.pi_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)
         self.q_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
@@ -225,9 +246,9 @@ class ReactorNetwork(nn.Module):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple) -> NetOut:
-        """obs [B, L, 84, 84] uint8, first [B, L] (episode starts: LSTM state reset before that frame)."""
+        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame)."""
         B, L = obs.shape[:2]
-        x = self.torso(obs.reshape(B * L, 1, 84, 84).float() / 255.0).reshape(B, L, -1)
+        x = self.torso(obs.reshape(B * L, *self.obs_shape).float() / self.obs_scale).reshape(B, L, -1)
         hq, cq, hp, cp = (h.unsqueeze(0) for h in state)
         keep = (~first.bool()).float().T[:, None, :, None]  # [L, 1, B, 1]
         # the unroll is cut where any sequence starts an episode; each piece runs fused, after the state of the
@@ -251,6 +272,14 @@ class ReactorNetwork(nn.Module):
         # policy: softmax mixed with a fixed uniform distribution (3.4.1)
         pi = (1 - self.policy_uniform_eps) * F.softmax(self.pi_logits(hp_all), -1) + self.policy_uniform_eps / self.num_actions
         return NetOut(q, pi.view(B, L, self.num_actions), (hq, cq, hp, cp))
+
+
+def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
+    """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
+    minatar = args.env_id in MINATAR_ENV_IDS
+    torso = ("minatar" if minatar else "paper") if args.torso == "auto" else args.torso
+    return ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
+                          args.policy_uniform_eps, obs_shape, torso, obs_scale=1.0 if minatar else 255.0)
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
@@ -385,7 +414,7 @@ def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
 
 
 class Batch(NamedTuple):
-    obs: torch.Tensor  # [B, T+1, 84, 84] uint8
+    obs: torch.Tensor  # [B, T+1, C, H, W] uint8
     actions: torch.Tensor  # [B, T+1]
     rewards: torch.Tensor  # [B, T+1] (r of the transition leaving each slot)
     term: torch.Tensor  # [B, T+1] transition from this slot terminated
@@ -693,12 +722,12 @@ class SequenceReplay:
     FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state")
 
     def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int,
-                 uniform_eps: float = 0.1, prioritized: bool = True):
+                 uniform_eps: float = 0.1, prioritized: bool = True, obs_shape=(1, 84, 84)):
         self.seg_cap = capacity // num_segments
         self.capacity = self.seg_cap * num_segments
         self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
         N = self.capacity
-        self.obs = np.zeros((N, 84, 84), np.uint8)
+        self.obs = np.zeros((N, *obs_shape), np.uint8)
         self.action = np.zeros(N, np.uint8)
         self.reward = np.zeros(N, np.float32)
         self.term = np.zeros(N, np.bool_)
@@ -710,8 +739,8 @@ class SequenceReplay:
         self.index = LazyPriorities(N, uniform_eps if prioritized else 1.0)
 
     @staticmethod
-    def bytes_needed(capacity: int, num_actions: int, lstm_size: int) -> int:
-        per_slot = 84 * 84 + 1 + 4 + 3 + 4 * num_actions + 2 * 4 * lstm_size + 3 * 2 * 8 * 2 + 8
+    def bytes_needed(capacity: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> int:
+        per_slot = int(np.prod(obs_shape)) + 1 + 4 + 3 + 4 * num_actions + 2 * 4 * lstm_size + 3 * 2 * 8 * 2 + 8
         return capacity * per_slot  # (sum trees: 3 trees of 2 * 2^ceil(log2) 8-byte nodes, plus priorities)
 
     def __len__(self):
@@ -761,9 +790,9 @@ class SequenceReplay:
         self.index.load_state_dict(d["index"])
 
 
-def check_replay_memory(args: Args, num_actions: int) -> None:
+def check_replay_memory(args: Args, num_actions: int, obs_shape=(1, 84, 84)) -> None:
     """Print the replay's RAM need at start-up and refuse (one line) a size that does not fit."""
-    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size)
+    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape)
     avail = available_memory_bytes()
     print(f"replay memory: {args.replay_size:,} transitions need {need / 2**30:.2f} GiB "
           f"({avail / 2**30:.1f} GiB available)", flush=True)
@@ -776,13 +805,13 @@ def check_replay_memory(args: Args, num_actions: int) -> None:
 CHUNK_SLOTS = 4  # shared-memory chunk buffers per actor
 
 
-def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int) -> dict:
+def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> dict:
     """Shared-memory chunk buffers [num_actors, CHUNK_SLOTS, chunk + 1, ...] (one extra row for a pad slot).
 
     An actor fills a free buffer, then sends only its index through the queue: messages stay a few bytes, so a killed
     actor can never leave a half-written message that would block the learner's read."""
     shape = (num_actors, CHUNK_SLOTS, chunk + 1)
-    buffers = {"obs": torch.zeros(*shape, 84, 84, dtype=torch.uint8), "action": torch.zeros(shape, dtype=torch.uint8),
+    buffers = {"obs": torch.zeros(*shape, *obs_shape, dtype=torch.uint8), "action": torch.zeros(shape, dtype=torch.uint8),
                "reward": torch.zeros(shape), "term": torch.zeros(shape, dtype=torch.bool),
                "pad": torch.zeros(shape, dtype=torch.bool), "first": torch.zeros(shape, dtype=torch.bool),
                "mu": torch.zeros(*shape, num_actions), "state": torch.zeros(*shape, 4, lstm_size, dtype=torch.float16)}
@@ -803,8 +832,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     video = f"videos/{args.run_name}" if args.capture_video and actor_id == 0 else None
     env = make_env(args.env_id, seed, args, video_folder=video)
     num_actions = env.action_space.n
-    net = ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
-                         args.policy_uniform_eps)
+    net = make_network(args, num_actions, env.observation_space.shape)
     version = -1
     obs, _ = env.reset(seed=seed)
     state = net.initial_state(1)
@@ -842,14 +870,14 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
             version = weights_version.value
             net.load_state_dict(shared_net.state_dict())
         with torch.no_grad():
-            o = torch.from_numpy(obs).view(1, 1, 84, 84)
+            o = torch.from_numpy(obs)[None, None]
             out = net(o, torch.zeros(1, 1, dtype=torch.bool), state)
         mu = out.pi[0, 0].numpy().astype(np.float64)
         mu /= mu.sum()
         action = int(rng.choice(num_actions, p=mu))
         st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
         next_obs, reward, terminated, truncated, info = env.step(action)
-        put(obs[0], action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
+        put(obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
         steps += 1
         env_steps_in_buf += 1
         actor_steps[actor_id] = steps
@@ -857,7 +885,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
             out_queue.put(("episode", actor_id, float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             if truncated and not terminated:  # the true last frame, to bootstrap from (no transition leaves it)
-                put(next_obs[0], 0, 0.0, False, True, False, np.full(num_actions, 1.0 / num_actions, np.float32),
+                put(next_obs, 0, 0.0, False, True, False, np.full(num_actions, 1.0 / num_actions, np.float32),
                     torch.cat(out.state, 0).numpy().astype(np.float16))
             obs, _ = env.reset()
             state = net.initial_state(1)
@@ -880,7 +908,7 @@ def evaluate(net, args: Args, episodes: int, device, seed: int):
         state = net.initial_state(1, device)
         while True:
             with torch.no_grad():
-                out = net(torch.from_numpy(obs).view(1, 1, 84, 84).to(device), torch.zeros(1, 1, dtype=torch.bool,
+                out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool,
                           device=device), state)
             p = out.pi[0, 0].cpu().numpy().astype(np.float64)
             obs, _, terminated, truncated, info = env.step(int(rng.choice(len(p), p=p / p.sum())))
@@ -908,9 +936,9 @@ if __name__ == "__main__":
     probe = make_env(args.env_id, args.seed, args)
     if not hasattr(probe.action_space, "n"):
         raise SystemExit(f"error: {args.env_id} does not have a discrete action space")
-    num_actions = int(probe.action_space.n)
+    num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
     probe.close()
-    check_replay_memory(args, num_actions)
+    check_replay_memory(args, num_actions, obs_shape)
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
     run_name = args.run_name = logger.run_name  # (args: for the actors' video folder)
 
@@ -921,18 +949,14 @@ if __name__ == "__main__":
     rng = np.random.default_rng(args.seed)
 
     # SETUP: network, target network, optimizer, replay, shared weights, actors
-    def build():
-        return ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
-                              args.policy_uniform_eps)
-
-    net = build().to(device)
-    target_net = build().to(device)
+    net = make_network(args, num_actions, obs_shape).to(device)
+    target_net = make_network(args, num_actions, obs_shape).to(device)
     target_net.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_eps)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
-                            args.replay_uniform_eps, args.prioritized)
+                            args.replay_uniform_eps, args.prioritized, obs_shape)
     global_step, learn_steps, episodes_done = 0, 0, 0
     # the acting:learning ratio counts from (env step, learning step) = ratio_base
     ratio_base = (args.learning_starts, 0)
@@ -954,7 +978,7 @@ if __name__ == "__main__":
               f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
               f"runs to step {args.total_timesteps:,}", flush=True)
 
-    shared_net = build()
+    shared_net = make_network(args, num_actions, obs_shape)
     shared_net.load_state_dict(net.state_dict())
     shared_net.share_memory()
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -967,7 +991,7 @@ if __name__ == "__main__":
     actor_steps[0] = global_step
     learner_steps.value = learn_steps
     data_queue = ctx.Queue()  # small messages only: chunk buffer indices and episode scores
-    chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size)
+    chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size, obs_shape)
     chunk_views = {k: v.numpy() for k, v in chunk_buffers.items()}
     free_slots = [ctx.Queue() for _ in range(args.num_actors)]
     for q in free_slots:

@@ -426,9 +426,9 @@ def test_lazy_priorities_empty_and_uniform_until_known():
 def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
     """Slots whose frame encodes their absolute time (so gathers can be checked)."""
     t = np.arange(start, start + m)
-    obs = np.zeros((m, 84, 84), np.uint8)
-    obs[:, 0, 0] = t % 256
-    obs[:, 0, 1] = t // 256
+    obs = np.zeros((m, 1, 84, 84), np.uint8)
+    obs[:, 0, 0, 0] = t % 256
+    obs[:, 0, 0, 1] = t // 256
     return {"obs": obs, "action": (t % A).astype(np.uint8), "reward": t.astype(np.float32),
             "term": np.isin(t, term_at), "pad": np.zeros(m, bool), "first": np.isin(t, first_at),
             "mu": np.full((m, A), 1 / A, np.float32), "state": np.full((m, 4, H), 0.5, np.float16)}
@@ -444,7 +444,7 @@ def test_sequence_replay_keys_eviction_and_gathers():
     rp.add(1, fill_chunk(0, 10))
     assert len(rp) == 2 + 6
     # frames are stored once: one uint8 frame per slot
-    assert rp.obs.shape == (2 * seg, 84, 84) and rp.obs.dtype == np.uint8
+    assert rp.obs.shape == (2 * seg, 1, 84, 84) and rp.obs.dtype == np.uint8
     # wrap segment 0 around: slots 0..5 are overwritten by times 20..25
     written = 6
     rng = np.random.default_rng(0)
@@ -460,10 +460,10 @@ def test_sequence_replay_keys_eviction_and_gathers():
     # every sampled sequence is T + 1 consecutive times of one actor
     for _ in range(20):
         keys, batch = rp.sample(4, rng, "cpu")
-        times = batch.obs[:, :, 0, 0].long() + 256 * batch.obs[:, :, 0, 1].long()
+        times = batch.obs[:, :, 0, 0, 0].long() + 256 * batch.obs[:, :, 0, 0, 1].long()
         assert (times[:, 1:] - times[:, :-1] == 1).all()
         np.testing.assert_array_equal(batch.rewards.numpy(), times.numpy().astype(np.float32))
-        assert batch.obs.shape == (4, T + 1, 84, 84) and batch.weights.max() == 1.0
+        assert batch.obs.shape == (4, T + 1, 1, 84, 84) and batch.weights.max() == 1.0
 
 
 def test_sequence_replay_episode_boundaries_in_batches():
@@ -471,7 +471,7 @@ def test_sequence_replay_episode_boundaries_in_batches():
     rp = SequenceReplay(40, 1, T, 3, 4, uniform_eps=1.0)
     rp.add(0, fill_chunk(0, 12, first_at=(0, 6), term_at=(5,)))
     keys, batch = rp.sample(32, np.random.default_rng(1), "cpu")
-    times = (batch.obs[:, :, 0, 0].long()).numpy()
+    times = (batch.obs[:, :, 0, 0, 0].long()).numpy()
     np.testing.assert_array_equal(batch.first.numpy(), np.isin(times, [0, 6]))
     np.testing.assert_array_equal(batch.term.numpy(), times == 5)
     # the discount and the traces are cut right after the termination in every sequence that holds it
@@ -628,6 +628,24 @@ def test_bad_input_fails_with_one_line():
         reactor.check_replay_memory(reactor.Args(replay_size=10**10), 6)
     with pytest.raises(SystemExit, match="error: --policy-gradient must be one of beta-loo, tislr"):
         check_args(reactor.Args(policy_gradient="ppo"), reactor.ARG_RULES)
+    with pytest.raises(SystemExit, match="error: --torso paper needs 84x84 Atari frames"):
+        reactor.validate_args(reactor.Args(env_id="MinAtar/Breakout-v0", torso="paper"))
+
+
+def test_minatar_run_end_to_end(tmp_path):
+    """MinAtar: (4, 10, 10) 0/1 frames through the actors, the replay and MinAtar's torso; the loop learns, logs and
+    saves; the network and replay take their input size from the env."""
+    r = run_script(tmp_path, "--env-id", "MinAtar/Breakout-v0", "--num-actors", "1", "--replay-size", "600",
+                   "--learning-starts", "100", "--replay-ratio", "60", "--ratio-slack", "32", "--lstm-size", "16",
+                   "--num-atoms", "11", "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "1",
+                   "--total-timesteps", "300", "--no-progress", "--no-cuda", "--save-model")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run,) = list((tmp_path / "runs").iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["learning_steps"] >= 1 and summary["eval_episodes"] == 1
+    model = torch.load(run / "reactor.model", weights_only=False)
+    assert model["model"]["torso.0.weight"].shape == (16, 4, 3, 3)  # MinAtar's 3x3 conv on 4 channels
+    assert model["args"]["sticky_action_prob"] is None  # the family's standard (0.1) applied by make_env
 
 
 def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):

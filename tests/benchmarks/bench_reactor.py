@@ -134,7 +134,7 @@ def learner_step(device):
     rng = np.random.default_rng(0)
     m = 2000
     for start in range(0, 20_000 - 2000, m):
-        replay.add(0, {"obs": rng.integers(0, 255, (m, 84, 84), dtype=np.uint8), "action": rng.integers(0, 6, m),
+        replay.add(0, {"obs": rng.integers(0, 255, (m, 1, 84, 84), dtype=np.uint8), "action": rng.integers(0, 6, m),
                        "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01, "pad": np.zeros(m, bool),
                        "first": np.zeros(m, bool), "mu": np.full((m, 6), 1 / 6), "state": np.zeros((m, 4, 128))})
 
