@@ -899,20 +899,22 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
 
 
 def evaluate(net, args: Args, episodes: int, device, seed: int):
-    """Whole games (no life-loss ends), up to noop_max no-op starts, actions sampled from pi; real game scores."""
+    """Whole games (no life-loss ends), up to noop_max no-op starts, actions sampled from pi; real game scores. The
+    LSTM state is reset at a lost life, as in training, where a life loss ends the learning episode."""
     env = make_env(args.env_id, seed, args, evaluation=True)
     rng = np.random.default_rng(seed)
     returns = []
     for ep in range(episodes):
-        obs, _ = env.reset(seed=seed + ep)
-        state = net.initial_state(1, device)
+        obs, info = env.reset(seed=seed + ep)
+        state, lives = net.initial_state(1, device), info.get("lives")
         while True:
             with torch.no_grad():
                 out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool,
                           device=device), state)
             p = out.pi[0, 0].cpu().numpy().astype(np.float64)
             obs, _, terminated, truncated, info = env.step(int(rng.choice(len(p), p=p / p.sum())))
-            state = out.state
+            lost_life = lives is not None and info.get("lives", lives) < lives
+            state, lives = net.initial_state(1, device) if lost_life else out.state, info.get("lives", lives)
             if "episode" in info:
                 returns.append(float(info["episode"]["r"]))
             if terminated or truncated:

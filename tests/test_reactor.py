@@ -602,6 +602,41 @@ def test_reactor_loss_runs_and_priorities(float32, distributional, pg):
     torch.testing.assert_close(loss, loss2)
 
 
+def test_evaluation_resets_the_lstm_at_a_lost_life_as_training_does(float32, monkeypatch):
+    """Training ends a learning episode at a lost life (the actor resets its LSTM state); evaluation plays whole games
+    and must reset the state at the same points: zero state at the start and right after each lost life only."""
+    lives_after_step = [3, 3, 2, 2, 2, 1, 1]
+
+    class LivesEnv:  # Atari-like: lives in info, one game of 7 steps
+        def reset(self, seed=None):
+            self.t = 0
+            return np.zeros((1, 84, 84), np.uint8), {"lives": 3}
+
+        def step(self, action):
+            self.t += 1
+            info = {"lives": lives_after_step[self.t - 1]}
+            if self.t == len(lives_after_step):
+                info["episode"] = {"r": 1.0, "l": self.t}
+            return np.zeros((1, 84, 84), np.uint8), 0.0, self.t == len(lives_after_step), False, info
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(reactor, "make_env", lambda *a, **k: LivesEnv())
+    net = reactor.ReactorNetwork(3, 11, 8)
+    zero_state_at = []
+    forward = net.forward
+
+    def spy(obs, first, state):
+        zero_state_at.append(all(bool((h == 0).all()) for h in state))
+        return forward(obs, first, state)
+
+    monkeypatch.setattr(net, "forward", spy)
+    assert reactor.evaluate(net, reactor.Args(), 1, "cpu", seed=0) == [1.0]
+    # steps 0..6 are acted on; lives drop on steps 2 (3 -> 2) and 5 (2 -> 1): fresh state at steps 0, 3 and 6
+    assert zero_state_at == [True, False, False, True, False, False, True]
+
+
 def test_evaluate_plays_whole_games(float32):
     args = reactor.Args(env_id="ALE/Breakout-v5", lstm_size=16)
     net = reactor.ReactorNetwork(4, 51, 16)
