@@ -775,6 +775,13 @@ class SequenceReplay:
                        tuple(t(st[:, i]) for i in range(4)), t(weights, torch.float32))
         return keys, batch_
 
+    def cut_at_heads(self) -> None:
+        """For a resumed run, whose actors start new episodes: the last written slot of each segment becomes a pad (a
+        last frame that no transition leaves, as after a truncation), so no sequence bootstraps across into the next
+        episode's first frame; the transition into it still bootstraps from it."""
+        seg = np.flatnonzero(self.written > 0)
+        self.pad[seg * self.seg_cap + (self.written[seg] - 1) % self.seg_cap] = True
+
     def update_priorities(self, keys, priorities, exponent: float = 1.0) -> None:
         if self.prioritized:
             self.index.set_priority(keys, (np.asarray(priorities, np.float64) + 1e-6) ** exponent)
@@ -969,6 +976,7 @@ if __name__ == "__main__":
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
         if ckpt["replay"] is not None:
             replay.load_state_dict(ckpt["replay"])
+            replay.cut_at_heads()  # the actors start new episodes: no bootstrap across the checkpoint
             what = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
         else:  # the first learning_starts steps refill the replay; the ratio counts from there
             ratio_base = (learns_from, learn_steps)

@@ -466,6 +466,32 @@ def test_sequence_replay_keys_eviction_and_gathers():
         assert batch.obs.shape == (4, T + 1, 1, 84, 84) and batch.weights.max() == 1.0
 
 
+def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
+    """--checkpoint-replay resume: each actor's last stored transition was followed by a frame the run never saw, and
+    the resumed actor starts a new episode (first). After `cut_at_heads` the last stored slot is a pad: the
+    transition into it bootstraps from it (gamma, trace cut), the one out of it carries no loss; without the cut the
+    old episode's last transition bootstrapped from the new episode's first frame."""
+    T, seg = 4, 40
+    rp = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=1.0)
+    for segment in (0, 1):
+        rp.add(segment, fill_chunk(0, 10))  # an episode still running at the checkpoint
+    resumed = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=1.0)
+    resumed.load_state_dict(rp.state_dict())
+    resumed.cut_at_heads()
+    for segment in (0, 1):
+        resumed.add(segment, fill_chunk(10, 10, first_at=(10,)))  # the resumed actor's new episode
+    for segment in (0, 1):
+        slots = segment * seg + np.arange(6, 6 + T + 1)  # key 6: slots 6..10, across the checkpoint at 9 | 10
+        f = {k: torch.as_tensor(getattr(resumed, k)[slots][None]) for k in ("term", "pad", "first")}
+        disc, c_next, mask = reactor.discounts_and_traces(torch.ones(1, T + 1), f["term"], f["pad"], f["first"],
+                                                          0.9, 1.0)
+        # transitions 6, 7, 8 -> 9: normal; 8 -> 9 bootstraps from x_9 (gamma kept, trace cut); 9 -> 10: no loss
+        np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.9, 0.0])
+        np.testing.assert_allclose(c_next[0].numpy(), [1.0, 1.0, 0.0, 0.0])
+        np.testing.assert_allclose(mask[0].numpy(), [1.0, 1.0, 1.0, 0.0])
+    assert rp.pad.sum() == 0  # the original replay is untouched
+
+
 def test_sequence_replay_episode_boundaries_in_batches():
     T = 4
     rp = SequenceReplay(40, 1, T, 3, 4, uniform_eps=1.0)
@@ -714,6 +740,12 @@ def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
     summary2 = json.loads((run1 / "summary.json").read_text())
     assert summary2["global_step"] >= 360 and summary2["learning_steps"] > ckpt["learn_steps"]
     assert (run1 / "reactor.model").exists()
+    # the resumed run cut each actor's segment at the checkpoint (its last stored slot became a pad)
+    rep1, rep2 = ckpt["replay"], torch.load(run1 / "checkpoint.pt", weights_only=False)["replay"]
+    seg_cap = len(rep1["pad"]) // 2
+    for segment, written in enumerate(rep1["written"]):
+        assert not rep1["pad"][segment * seg_cap + (written - 1) % seg_cap]
+        assert rep2["pad"][segment * seg_cap + (written - 1) % seg_cap], segment
 
 
 def test_learner_fits_a_fixed_batch(float32):
