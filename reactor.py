@@ -25,8 +25,10 @@ Defaults and their source
 
 Differences from the paper
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
-- The lost Contextual Priority Tree is replaced by three sum trees (valid keys, known priorities, cell masses) that
-  meet the constraints of 3.3 in O(log n); cells are not temporal neighbours at 2 * num_actors ring borders.
+- The appendix's Contextual Priority Tree (AVL, subtree mean-priority estimates) is replaced by three sum trees (keys,
+  known priorities, cell masses): an unknown key takes its and the neighbour cells' mean, O(log n) (3.3).
+- LSTM states stored in float16; loss averaged over a sequence's valid steps, then IS-weighted; a lost life resets
+  the LSTM in training and evaluation alike.
 - R(A) in beta-LOO is the scalar Retrace return; IS weights are normalized by their batch maximum.
 - Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33).
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
