@@ -228,47 +228,6 @@ def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None
     return x
 
 
-def segmented_reverse_scan(a: np.ndarray, b: np.ndarray, lens: np.ndarray, block: int = 64) -> np.ndarray:
-    """Same recursion as `reverse_linear_scan` for consecutive segments of lengths `lens` (x after each segment's last
-    element = 0; a at that element is ignored), in about a dozen whole-array passes instead of ~4 log2(L).
-
-    Each segment is cut into blocks of K steps (K chosen so that prod(a) over a block stays within float64 range);
-    inside a block x_t = exp(-P_t) sum_{j>=t} exp(P_j) b_j with P_t = sum_{i<t} log a_i (two cumulative sums), then
-    the carries between the blocks of a segment are one short `reverse_linear_scan`. Needs a > 0 inside segments
-    (true here: a = gamma min(1, rho) with rho >= exp(-logrho_clip)); falls back to the plain scan otherwise.
-    """
-    lens = np.asarray(lens, np.int64)
-    total = int(lens.sum())
-    offs = np.cumsum(lens) - lens
-    last = offs + lens - 1
-    inner = np.ones(total, bool)
-    inner[last] = False
-    amin = float(a[inner].min()) if inner.any() else 1.0
-    if amin <= 0.0:
-        a = np.array(a, dtype=np.float64)
-        a[last] = 0.0
-        return reverse_linear_scan(a, b, int(lens.max()))
-    K = int(max(1, min(block, 600.0 / max(1e-3, -np.log(min(amin, 1.0))))))
-    nblk = (lens + K - 1) // K
-    pad_offs = (np.cumsum(nblk) - nblk) * K
-    pos = np.repeat(pad_offs - offs, lens) + np.arange(total)  # padded position of every element
-    la = np.zeros(int(nblk.sum()) * K)
-    bb = np.zeros_like(la)
-    la[pos] = np.log(np.where(inner, a, 1.0))  # padding: a = 1, b = 0 (x = 0 after a segment's end)
-    bb[pos] = b
-    la, bb = la.reshape(-1, K), bb.reshape(-1, K)
-    P = np.cumsum(la, axis=1) - la  # exclusive prefix sums of log a inside each block
-    S = np.cumsum((np.exp(P) * bb)[:, ::-1], axis=1)[:, ::-1]
-    x_local = np.exp(-P) * S  # solution with zero carry into the block
-    carry_gain = np.exp(P[:, -1:] + la[:, -1:] - P)  # prod_{i=t}^{K-1} a_i
-    block_last = np.zeros(len(la), bool)
-    block_last[np.cumsum(nblk) - 1] = True  # a segment's last block takes no carry
-    Xa = np.where(block_last, 0.0, carry_gain[:, 0])
-    X = reverse_linear_scan(Xa, x_local[:, 0], int(nblk.max()))  # x at the first step of every block
-    X_next = np.where(block_last, 0.0, np.append(X[1:], 0.0))
-    return (x_local + carry_gain * X_next[:, None]).ravel()[pos]
-
-
 def vtbc_targets(rewards: np.ndarray, values: np.ndarray, rhos: np.ndarray, gamma: float, terminated: bool) -> np.ndarray:
     """V^tbc_t for t = 0..L-1 of one episode (Eq. (8)).
 

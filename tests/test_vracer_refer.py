@@ -456,22 +456,6 @@ def test_replay_memory_need_is_the_size_of_its_arrays():
     assert vr.EpisodeReplay.bytes_needed(3000, 11, 3, 1000) == arrays
 
 
-def test_segmented_scan_matches_plain_scan():
-    rng = np.random.default_rng(13)
-    for trial in range(40):
-        lens = rng.integers(1, 300, size=int(rng.integers(1, 12)))
-        n = int(lens.sum())
-        a = 0.995 * np.minimum(1.0, np.exp(np.clip(rng.normal(scale=3.0, size=n), -7, 7)))
-        b = rng.normal(size=n)
-        ref_a = a.copy()
-        ref_a[np.cumsum(lens) - 1] = 0.0
-        np.testing.assert_allclose(vr.segmented_reverse_scan(a, b, lens), vr.reverse_linear_scan(ref_a, b),
-                                   rtol=1e-9, atol=1e-9)
-    a[0] = 0.0  # a zero inside a segment: falls back to the plain scan
-    ref_a[0] = 0.0
-    np.testing.assert_allclose(vr.segmented_reverse_scan(a, b, lens), vr.reverse_linear_scan(ref_a, b), atol=1e-12)
-
-
 @pytest.mark.parametrize("residual", [False, True])
 def test_numpy_actor_forward_matches_agent(residual):
     torch.manual_seed(1)
