@@ -512,7 +512,6 @@ class LevelSampler:
         start = np.zeros(N * T, bool)
         start[::T] = True
         start[1:] |= d[:-1]
-        start[::T] = True
         first = np.flatnonzero(start)
         last = np.r_[first[1:], N * T] - 1
         seg = np.cumsum(start) - 1
