@@ -767,3 +767,78 @@ def test_learner_fits_a_fixed_batch(float32):
         opt.step()
         losses.append(float(stats["losses/value_loss"]))
     assert losses[-1] < losses[0] - 0.2, losses
+
+
+def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypatch):
+    """Wiring: the real `actor_loop` (in a thread) and `SequenceReplay.add` (the learner's one line per chunk) store
+    exactly what a direct rollout written here gives with the same weights and seeds: frames, actions, rewards,
+    mu, the float16 LSTM state before each frame, term / first flags, and a pad slot (true last frame, uniform mu)
+    after each truncation. MinAtar Breakout with an 8-step limit has terminations and truncations."""
+    import queue as queue_mod
+    import threading
+    from types import SimpleNamespace
+
+    from common.minatar_env import make_minatar_env
+
+    limit, steps = 8, 150
+    monkeypatch.setattr(reactor, "make_env", lambda env_id, seed, args, **k: make_minatar_env(
+        env_id, seed, max_episode_steps=limit))
+    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16,
+                        seed=5, actor_sync_every=1)
+    probe = reactor.make_env(args.env_id, 0, args)
+    A, shape = int(probe.action_space.n), probe.observation_space.shape
+    torch.manual_seed(0)
+    shared = reactor.make_network(args, A, shape)
+    buffers = reactor.make_chunk_buffers(1, args.actor_chunk, A, args.lstm_size, shape)
+    free, out, stop = queue_mod.Queue(), queue_mod.Queue(), threading.Event()
+    for i in range(reactor.CHUNK_SLOTS):
+        free.put(i)
+    actor_steps, threads = [0], torch.get_num_threads()
+    actor = threading.Thread(target=reactor.actor_loop, args=(
+        0, args, shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), buffers, free,
+        out, stop))  # ratio base far ahead: no acting:learning gate
+    replay = reactor.SequenceReplay(4000, 1, 8, A, args.lstm_size, obs_shape=shape)
+    actor.start()
+    try:
+        while replay.written[0] < steps:
+            msg = out.get(timeout=30)
+            if msg[0] == "chunk":
+                _, i, slot, m, _ = msg
+                replay.add(i, {k: v[i, slot, :m].numpy() for k, v in buffers.items()})
+                free.put(slot)
+    finally:
+        stop.set()
+        actor.join()
+        torch.set_num_threads(threads)
+
+    env = make_minatar_env(args.env_id, args.seed, max_episode_steps=limit)  # the direct rollout
+    net = reactor.make_network(args, A, shape)
+    net.load_state_dict(shared.state_dict())
+    rng, rows, ends = np.random.default_rng(args.seed), [], {"term": 0, "trunc": 0}
+    obs, _ = env.reset(seed=args.seed)
+    state, first = net.initial_state(1), True
+    while len(rows) < replay.written[0]:
+        with torch.no_grad():
+            o = net(torch.from_numpy(obs)[None, None], torch.zeros(1, 1, dtype=torch.bool), state)
+        mu = o.pi[0, 0].numpy().astype(np.float64)
+        mu /= mu.sum()
+        a = int(rng.choice(A, p=mu))
+        nxt, r, term, trunc, _ = env.step(a)
+        rows.append((obs, a, r, term, False, first, mu, torch.cat(state, 0).numpy()))
+        if term or trunc:
+            ends["term" if term else "trunc"] += 1
+            if not term:
+                rows.append((nxt, 0, 0.0, False, True, False, np.full(A, 1 / A), torch.cat(o.state, 0).numpy()))
+            obs, _ = env.reset()
+            state, first = net.initial_state(1), True
+        else:
+            obs, state, first = nxt, o.state, False
+    assert ends["term"] >= 1 and ends["trunc"] >= 1
+    n = int(replay.written[0])
+    for k, name in enumerate(reactor.SequenceReplay.FIELDS):
+        want = np.array([row[k] for row in rows[:n]])
+        got = getattr(replay, name)[:n]
+        if name in ("mu", "state"):
+            np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-3, atol=1e-3, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=name)
