@@ -842,3 +842,81 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-3, atol=1e-3, err_msg=name)
         else:
             np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=name)
+
+
+def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_default):
+    """reactor_loss through a stub network (parameters = the online Q logits and policy logits; a different target
+    net) against a slow loop written from the paper: rho_t = pi(a_t|x_t) / mu(a_t|x_t), c_u = lambda min(1, rho_u)
+    cut at episode starts and pads, gamma cut at terminations and pads (Eq. (4)); the distributional Retrace target
+    from the *target* net's q and the online pi (3.2, textbook above); Eq. (12) cross-entropy; beta-LOO (Eq. (10))
+    with R(A) = scalar Retrace (Eq. (3)) on the target's expected Q; entropy bonus; each sequence's mean over its
+    valid steps times its IS weight, averaged over the batch; priorities = mean total variation (3.3). Loss,
+    gradients and priorities must agree (they do not if the bootstrap uses the online net, the IS weights are
+    dropped, or rho is shifted by one step)."""
+    rng = np.random.default_rng(11)
+    B, T, A, K, gamma, lam, c_loo, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 0.01
+    support = torch.linspace(-2.0, 2.0, K)
+    args = reactor.Args(num_atoms=K, v_min=-2.0, v_max=2.0, gamma=gamma, retrace_lambda=lam, beta_loo_c=c_loo,
+                        entropy_coef=ent)
+    q_on, pl_on = rng.normal(size=(B, T + 1, A, K)), rng.normal(size=(B, T + 1, A))
+    q_tg = rng.normal(size=(B, T + 1, A, K))
+
+    class Stub(torch.nn.Module):
+        def __init__(self, q, pl):
+            super().__init__()
+            self.q, self.pl = torch.nn.Parameter(torch.tensor(q)), torch.nn.Parameter(torch.tensor(pl))
+
+        def forward(self, obs, first, state):
+            return reactor.NetOut(self.q, torch.softmax(self.pl, -1), state)
+
+    term = np.zeros((B, T + 1), bool)
+    pad, first = term.copy(), term.copy()
+    term[0, 2], first[0, 3] = True, True  # a termination, then a new episode
+    pad[1, 4], first[1, 5] = True, True  # a truncation: pad slot (true last frame), then a new episode
+    first[2, 0] = True
+    actions = rng.integers(0, A, (B, T + 1))
+    mu = rng.dirichlet(np.ones(A), size=(B, T + 1))
+    rewards = rng.uniform(-0.5, 0.5, (B, T + 1)).astype(np.float32).astype(np.float64)  # stored as float32
+    weights = np.array([1.0, 0.4, 0.7])
+    batch = reactor.Batch(torch.zeros(B, T + 1, 1, 2, 2, dtype=torch.uint8), torch.tensor(actions),
+                          torch.tensor(rewards), torch.tensor(term), torch.tensor(pad), torch.tensor(first),
+                          torch.tensor(mu), tuple(torch.zeros(B, 2) for _ in range(4)), torch.tensor(weights))
+    net, target = Stub(q_on, pl_on), Stub(q_tg, rng.normal(size=(B, T + 1, A)))
+    loss, prios, _ = reactor.reactor_loss(net, target, batch, support, args)
+    loss.backward()
+
+    ref = Stub(q_on, pl_on)  # the slow loop, differentiable in the same parameters
+    z, total, want_prios = support.double().numpy(), 0.0, []
+    for b in range(B):
+        pi = torch.softmax(ref.pl[b], -1)
+        pi_np = pi.detach().numpy()
+        rho = [pi_np[t, actions[b, t]] / mu[b, t, actions[b, t]] for t in range(T + 1)]
+        c = np.zeros(T + 1)
+        for u in range(1, T + 1):
+            if not (first[b, u] or pad[b, u] or pad[b, u - 1]):
+                c[u] = lam * min(1.0, rho[u])
+        disc = np.array([0.0 if term[b, t] or pad[b, t] else gamma for t in range(T)])
+        q_next = np.exp(q_tg[b]) / np.exp(q_tg[b]).sum(-1, keepdims=True)  # target net's return distributions
+        target_dist = textbook_distributional_retrace(rewards[b, :T], disc, c, pi_np, q_next, actions[b], z)
+        R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, (q_next * z).sum(-1), actions[b])
+        per_step, tv = [], []
+        for t in range(T):
+            if pad[b, t]:
+                continue
+            logq = torch.log_softmax(ref.q[b, t, actions[b, t]], -1)
+            value_loss = -(torch.tensor(target_dist[t]) * logq).sum()
+            Q = (torch.softmax(ref.q[b, t], -1) * torch.tensor(z)).sum(-1).detach()
+            beta = min(c_loo, 1.0 / mu[b, t, actions[b, t]])
+            a = actions[b, t]
+            policy_loss = -(beta * (R[t] - Q[a]) * pi[t, a] + (Q * pi[t]).sum())
+            entropy = -(pi[t] * torch.log(pi[t])).sum()
+            per_step.append(value_loss + policy_loss - ent * entropy)
+            tv.append(0.5 * np.abs(target_dist[t] - np.exp(logq.detach().numpy())).sum())
+        total = total + weights[b] * torch.stack(per_step).mean()
+        want_prios.append(np.mean(tv))
+    want = total / B
+    want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(net.q.grad, ref.q.grad, rtol=1e-6, atol=1e-8)  # (rewards: float32)
+    torch.testing.assert_close(net.pl.grad, ref.pl.grad, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(prios.detach().numpy(), want_prios, rtol=1e-8, atol=1e-10)
