@@ -141,7 +141,7 @@ def test_signal_stops_every_process_and_writes_the_summary(tmp_path, script, sig
     proc = start(tmp_path, script, *TINY[script], *LONG[script], ignore_sigint=ignore_sigint)
     run = wait_for_metrics(tmp_path, proc)
     os.kill(proc.pid, signum)
-    assert finish(proc, timeout=30) == 128 + signum
+    assert finish(proc, timeout=60) == 128 + signum  # (bounded shutdown; generous on a loaded machine)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == f"interrupted by {signal.Signals(signum).name}"
     assert_clean_end(tmp_path, proc)
