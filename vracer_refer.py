@@ -1,39 +1,33 @@
 # docs and results: README.md#vracer_referpy-v-racer-with-remember-and-forget-experience-replay
 """V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827).
 
-For gymnasium MuJoCo tasks, one file.
-
-Paper parts implemented here
+Paper parts (gymnasium MuJoCo tasks)
 - Network (Sec. 2, App. A) `Agent`: MLP 2 x 128 Softsign, V(s) and the Gaussian mean, a state-independent std.
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
-  `vtbc_targets`, `reverse_linear_scan`, stored as Q^ret and refreshed by `EpisodeReplay.update_samples`.
+  `vtbc_targets`, stored as Q^ret and refreshed by `EpisodeReplay.update_samples` / `refresh_delta`.
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
   lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
   (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
-- Master algorithm (App. C Alg. 1): `actor_loop` processes stream transitions through shared-memory rings; the
-  learner keeps F = env steps / gradient steps.
+- Master algorithm (App. C Alg. 1): `actor_loop` processes stream transitions through shared-memory rings
+  (`store_episodes`); the learner (`train_step`) keeps F = env steps / gradient steps.
 
-Defaults and their source
-- gamma 0.995, C 4, A 5e-7, D 0.1, N 2**18, B 256, lr 1e-4, F 1 (App. A, Sec. 3); learning_starts = N (Alg. 1);
-  Sigma = 0.2 I, softplus std, D_KL(mu || pi) (App. A); stats_every 1000, eps 1e-7 (App. B).
-- Not in the paper: beta_init 0, beta_lr 1e-4 fixed, log rho clip 7, Adam eps 1.19e-7 (authors' code); PER
-  alpha 0.5, beta0 0.5 (authors' PER baseline); no gradient clipping, no target network.
+Defaults: gamma 0.995, C 4, A 5e-7, D 0.1, N = N_start = 2**18, B 256, lr 1e-4, F 1, Sigma = 0.2 I, softplus std,
+D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent):
+beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0 0.5; no gradient clip or target net.
 
-Differences from the paper
+Differences from the paper (long form: README.md, section vracer_refer.py)
 - The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
 - Prior steps are refreshed once per gradient step; Q^ret is recomputed with the new scale at every reward-scale
   update (stored V keep their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
 - Eq. (13)'s t counts gradient steps; PER weights / batch max; a PER draw of a removed slot: uniform, weight of rank n//2.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
 - Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
-- `--resume` restores the learner exactly; the actors restart their episodes, re-seeded.
 - Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
-Long form: README.md, section vracer_refer.py.
 
-Gymnasium autoreset mode: none (each actor steps one env and resets it; truncation bootstraps from the true s_T).
-Copying this file: it needs common/mujoco_env.py, common/args.py, common/logger.py, common/checkpoint.py,
-common/processes.py, common/video.py.
+Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
+exactly; actors restart their episodes, re-seeded. Copying this file: it needs common/mujoco_env.py, args.py,
+logger.py, checkpoint.py, processes.py, video.py.
 """
 import os
 
@@ -48,11 +42,12 @@ import torch
 import torch.nn as nn
 
 from common.args import CommonArgs, check_args, parse_run_args
-from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
+                               set_rng_state, state_dicts)
 from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
-                              stop_reason)
+from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
+                              stop_on_signals)
 from common.video import check_video_support
 
 
@@ -93,8 +88,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """penalty direction: mu_pi = D_KL(mu||pi) (Eq. (11)); pi_mu = D_KL(pi||mu) (the authors' code)"""
     logrho_clip: float = 7.0
     """clip log(rho) to +-this (not in the paper; the authors' code uses 7)"""
-    rule2_rho_max: float = 1e3
-    """rule2 ablation: rho <- min(rho, this) in the policy gradient (Sec. 5.3)"""
     per: Literal["none", "rank"] = "none"
     """sampling: uniform, or rank-based prioritized experience replay (the paper's PER comparison)"""
     per_alpha: float = 0.5
@@ -121,8 +114,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """actor processes stepping one environment each (CPU, one thread each)"""
     ring_size: int = 4096
     """transitions each actor can stream ahead of the learner (shared-memory ring)"""
-    max_grad_steps_per_iter: int = 64
-    """gradient steps between two reads of the actor rings"""
     log_every: int = 1000
     """gradient steps between two metric lines"""
     checkpoint_replay: bool = False
@@ -132,14 +123,16 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
 
 ENV_FLAGS = ("env_id", "total_timesteps")  # --help's environment group
+RULE2_RHO_MAX = 1e3  # the rule2 ablation clips rho at this in the policy gradient (Sec. 5.3)
+GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every this many gradient steps
 # the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
 FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per", "buffer_size")
 ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
     "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0",
-    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "rule2_rho_max": "> 0",
+    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0",
     "per_alpha": ">= 0", "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1",
-    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2", "max_grad_steps_per_iter": ">= 1",
+    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2",
     "log_every": ">= 1", "checkpoint_every": ">= 0", "eval_episodes": ">= 0",
 }
 
@@ -152,20 +145,21 @@ def validate_args(args: Args) -> None:
             check_video_support()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.buffer_size < args.batch_size:
-        raise SystemExit("error: --batch-size must be <= --buffer-size")
-    if args.learning_starts > args.buffer_size:
-        raise SystemExit("error: --learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)")
-    if args.learning_starts < args.batch_size:
-        raise SystemExit("error: --learning-starts must be >= --batch-size (the first batch needs that many samples)")
-    if args.C <= 0 and args.refer != "none":
-        raise SystemExit("error: --C must be > 0 with ReF-ER (use --refer none for conventional ER)")
+    for bad, msg in (
+        (args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
+        (args.learning_starts > args.buffer_size, "--learning-starts must be <= --buffer-size (the memory never holds "
+                                                  "more than N + one episode)"),
+        (args.learning_starts < args.batch_size, "--learning-starts must be >= --batch-size (the first batch needs "
+                                                 "that many samples)"),
+        (args.C <= 0 and args.refer != "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)"),
+    ):  # fmt: skip
+        if bad:
+            raise SystemExit(f"error: {msg}")
 
 
 def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
-    env = make_mujoco_env(env_id, seed, capture_video=capture_video,
-                          video_folder=f"videos/{run_name}" if capture_video else None)
-    return env
+    return make_mujoco_env(env_id, seed, capture_video=capture_video,
+                           video_folder=f"videos/{run_name}" if capture_video else None)
 
 
 # NETWORK
@@ -282,12 +276,12 @@ def gaussian_logprob(act, mean, std):
 
 
 def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: float, refer: str = "full",
-               kl_direction: str = "mu_pi", logrho_clip: float = 7.0, rule2_rho_max: float = 1e3, weights=None):
+               kl_direction: str = "mu_pi", logrho_clip: float = 7.0, weights=None):
     """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10)).
 
     Per sample i: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL;
     far-policy: (1 - beta) D_KL only (Rule 1). Batch gradient = sum / B (App. C Alg. 3).
-    refer = rule1: beta_eff = 1 (no penalty); rule2: every sample near (rho clipped at rule2_rho_max in the PG);
+    refer = rule1: beta_eff = 1 (no penalty); rule2: every sample near (rho clipped at RULE2_RHO_MAX in the PG);
     none: conventional ER (every sample near, beta_eff = 1).
     Returns (loss, info) with per-sample detached tensors rho, far, kl_mu_pi, abs_err and scalar losses.
     """
@@ -306,7 +300,7 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
     adv = qret - v_det  # Q^ret - V^w(s) (Eq. (5))
     cbar = torch.clamp(rho, max=1.0)  # rho-bar = min(1, rho)
     vtbc = v_det + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
-    rho_pg = torch.clamp(rho, max=rule2_rho_max) if refer == "rule2" else rho
+    rho_pg = torch.clamp(rho, max=RULE2_RHO_MAX) if refer == "rule2" else rho
     zero = torch.zeros_like(rho)  # masks select (torch.where), never multiply
     pg_loss = torch.where(near, -(rho_pg * adv) * logp, zero)  # Eq. (5): rho (Q^ret - V) grad log pi, both detached
     v_loss = torch.where(near, 0.5 * (value - vtbc) ** 2, zero)  # Eq. (9)
@@ -353,41 +347,33 @@ class EpisodeReplay:
     1 at insertion), Q^ret_t. Per episode end: V(s_L) (0 if terminated) and s_L (for truncated episodes).
     """
 
+    # per-slot arrays: name -> (width: "obs" | "act" | 1, dtype, initial value)
+    ARRAYS = {"obs": ("obs", np.float32, 0), "act": ("act", np.float32, 0),  # s_t, u_t (normalised action space)
+              "mu_mean": ("act", np.float32, 0), "mu_std": ("act", np.float32, 1),  # mu_t
+              "rew": (1, np.float64, 0), "rs": (1, np.float64, 0),  # raw r_{t+1}; scaled r / (sigma_r + eps) (App. B)
+              "val": (1, np.float64, 0), "rho": (1, np.float64, 1),  # most recent V(s_t) and rho_t
+              "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
+              "qret": (1, np.float64, 0), "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
+              "ep_start": (1, np.int64, 0), "ep_last": (1, np.int64, 0), "valid": (1, bool, 0),
+              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
+              "truncated_last": (1, bool, 0)}
+
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
-        self.N, self.gamma = N, gamma
-        self.cap = N + 4 * max_episode_len
-        cap = self.cap
-        self.obs = np.zeros((cap, obs_dim), np.float32)
-        self.act = np.zeros((cap, act_dim), np.float32)
-        self.mu_mean = np.zeros((cap, act_dim), np.float32)
-        self.mu_std = np.ones((cap, act_dim), np.float32)
-        self.rew = np.zeros(cap)  # raw r_{t+1}
-        self.rs = np.zeros(cap)  # scaled reward r / (sigma_r + eps) (App. B)
-        self.val = np.zeros(cap)  # most recent V(s_t)
-        self.rho = np.ones(cap)  # most recent rho_t
-        self.la = np.full(cap, np.log(gamma))  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
-        self.qret = np.zeros(cap)  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
-        self.prio = np.zeros(cap)  # PER priority |V^tbc - V|
-        self.ep_start = np.zeros(cap, np.int64)
-        self.ep_last = np.zeros(cap, np.int64)
-        self.valid = np.zeros(cap, bool)
-        self.vboot = np.zeros(cap)  # at an episode's last step: V(s_L) (0 if terminated)
-        self.boot_obs = np.zeros((cap, obs_dim), np.float32)  # at a truncated episode's last step: s_L
-        self.truncated_last = np.zeros(cap, bool)
+        self.N, self.gamma, self.cap = N, gamma, N + 4 * max_episode_len
+        for name, (width, dtype, value) in self.ARRAYS.items():
+            width = {"obs": obs_dim, "act": act_dim}.get(width, width)
+            setattr(self, name, np.full((self.cap, width) if width != 1 else self.cap, value, dtype))
         self.episodes: deque = deque()  # (start, length) oldest first
-        self.size = self.head = self.hi = 0
-        self.max_len = 1
-        self.reward_scale = 1.0  # sigma_r + eps
+        self.size = self.head = self.hi = self.forced_removals = 0
+        self.max_len, self.reward_scale, self.max_prio = 1, 1.0, 1.0  # reward_scale = sigma_r + eps
         self.n_far, self.cmax = 0, np.inf
-        self.forced_removals = 0
-        self.per_order = None  # rank-based PER: slot indices by decreasing priority
-        self.per_alpha, self.per_p, self.per_cdf = 0.5, None, None
-        self.max_prio = 1.0
+        self.per_order, self.per_alpha, self.per_p, self.per_cdf = None, 0.5, None, None  # rank-based PER
 
     @staticmethod
     def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
-        """RAM of the arrays above: per slot 2 states, 3 actions (float32), 8 float64, 2 int64 and 2 bools."""
-        return (N + 4 * max_episode_len) * (8 * obs_dim + 12 * act_dim + 8 * 8 + 2 * 8 + 2)
+        """RAM of the arrays in ARRAYS, computed before allocating them."""
+        return (N + 4 * max_episode_len) * sum({"obs": obs_dim, "act": act_dim}.get(w, w) * np.dtype(t).itemsize
+                                               for w, t, _ in EpisodeReplay.ARRAYS.values())
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
@@ -569,9 +555,10 @@ class EpisodeReplay:
 
     # -- statistics (App. B)
     def state_stats(self):
-        """Eqs. (14)-(15): mean and std of the stored states."""
+        """Eqs. (14)-(15): mean and std (+ eps 1e-7) of the stored states; a constant input: std 1 (authors' code)."""
         o = self.obs[: self.hi][self.valid[: self.hi]].astype(np.float64)
-        return o.mean(0), o.std(0)
+        std = o.std(0)
+        return o.mean(0), np.where(std < 1e-7, 1.0, std) + 1e-7
 
     def update_reward_scale(self, eps: float = 1e-7) -> float:
         """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret."""
@@ -582,9 +569,7 @@ class EpisodeReplay:
         return self.reward_scale
 
     def state_dict(self) -> dict:
-        keys = ["obs", "act", "mu_mean", "mu_std", "rew", "rs", "val", "rho", "qret", "prio", "ep_start", "ep_last",
-                "valid", "vboot", "boot_obs", "truncated_last"]
-        d = {k: getattr(self, k)[: self.hi].copy() for k in keys}
+        d = {k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"}  # la: derived from rho
         d.update(episodes=list(self.episodes), size=self.size, head=self.head, hi=self.hi, max_len=self.max_len,
                  reward_scale=self.reward_scale, n_far=self.n_far, cmax=self.cmax, max_prio=self.max_prio,
                  N=self.N, cap=self.cap)
@@ -632,7 +617,7 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     mean, std, value = agent(obs_t)
     B = args.batch_size
     loss, info = refer_loss(mean[:B], std[:B], value[:B], act, mu_mean, mu_std, qret, state["beta"], cmax,
-                            args.refer, args.kl_direction, args.logrho_clip, args.rule2_rho_max, weights)
+                            args.refer, args.kl_direction, args.logrho_clip, weights)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -712,17 +697,9 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
         next_obs, r, term, trunc, _ = env.step(to_env_action(u, low, high, args.clip_actions))
         ep_ret += float(r)
         ep_len += 1
-        row = ring[n % R]
-        row[:obs_dim] = obs
-        p = obs_dim
-        row[p:p + act_dim], row[p + act_dim:p + 2 * act_dim], row[p + 2 * act_dim:p + 3 * act_dim] = u, mean, std
-        p += 3 * act_dim
-        row[p:p + 4] = (v, r, float(term), float(trunc and not term))
-        p += 4
-        if trunc and not term:  # time limit: s_T and V(s_T) for the bootstrap
-            row[p:p + obs_dim] = next_obs
-            row[p + obs_dim] = numpy_forward(net, next_obs, args.residual)[2]
-        row[p + obs_dim + 1:p + obs_dim + 3] = (ep_ret, ep_len)
+        truncated = trunc and not term  # time limit: s_T and V(s_T) for the bootstrap
+        end = (next_obs, numpy_forward(net, next_obs, args.residual)[2]) if truncated else (np.zeros(obs_dim), 0.0)
+        ring[n % R] = np.concatenate([obs, u, mean, std, (v, r, term, truncated), end[0], (end[1], ep_ret, ep_len)])
         written_np[actor_id] = n + 1  # publish after the row is complete
         if term or trunc:
             obs, _ = env.reset()
@@ -788,10 +765,7 @@ if __name__ == "__main__":
     obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
     max_ep_len = probe.spec.max_episode_steps or 1000
     probe.close()
-    need, avail = EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), available_memory_bytes()
-    if need > 0.9 * avail:
-        raise SystemExit(f"error: --buffer-size {args.buffer_size:,} needs {need / 2**30:.1f} GiB of replay memory but "
-                         f"only {avail / 2**30:.1f} GiB of RAM is available: lower --buffer-size")
+    check_memory(EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), "--buffer-size")
 
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
     run_name = logger.run_name
@@ -810,23 +784,17 @@ if __name__ == "__main__":
     obs_std = torch.ones(obs_dim, device=device)
     state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
     global_step, t0, started, stats_ready = 0, 0, False, False
-    if ckpt:  # restore, then one line
-        agent.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        state = ckpt["state"]
-        global_step, stats_ready = ckpt["global_step"], ckpt["stats_ready"]
+    if ckpt:  # restore, then one line; with the replay memory, learning continues at once
+        started = ckpt["replay"] is not None
+        load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=rm if started else None)
+        state, global_step, t0, stats_ready, rng, rm.reward_scale = (
+            ckpt[k] for k in ("state", "global_step", "t0", "stats_ready", "np_rng", "reward_scale"))
         obs_mean, obs_std = ckpt["obs_mean"].to(device), ckpt["obs_std"].to(device)
-        rm.reward_scale = ckpt["reward_scale"]
-        if ckpt["replay"] is not None:  # full restore: continue learning at once
-            rm.load_state_dict(ckpt["replay"])
-            started, t0 = True, ckpt["t0"]
-        rng = ckpt["np_rng"]
         set_rng_state(ckpt["rng"])
-        replay = (f"replay memory ({rm.size:,} samples)" if started else
-                  f"no replay memory (the next {refill:,}+ env steps refill it)")
-        print(f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, state and reward "
-              f"statistics, learner RNGs, {replay}; flags from this command line: {', '.join(overridden) or 'none'}; "
-              f"runs to step {args.total_timesteps:,}", flush=True)
+        replay = f"replay memory ({rm.size:,} samples)" if started else f"no replay memory (refilled in {refill:,}+ steps)"
+        print(f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, statistics, RNGs, "
+              f"{replay}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
+              f"{args.total_timesteps:,}", flush=True)
 
     ctx = torch.multiprocessing.get_context(args.start_method)
     procs = ProcessGroup(ctx)
@@ -879,10 +847,7 @@ if __name__ == "__main__":
             if not started and rm.size >= args.learning_starts:
                 # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
                 if not stats_ready:
-                    m, s = rm.state_stats()
-                    s = np.where(s < 1e-7, 1.0, s)  # constant inputs: std 1 (the authors' code)
-                    obs_mean = torch.as_tensor(m, dtype=torch.float32, device=device)
-                    obs_std = torch.as_tensor(s + 1e-7, dtype=torch.float32, device=device)
+                    obs_mean, obs_std = (torch.as_tensor(x, dtype=torch.float32, device=device) for x in rm.state_stats())
                     stats_ready = True
                 rm.update_reward_scale()
                 rm.recount_far(refer_cmax(state["k"], args.C, args.A))
@@ -892,18 +857,15 @@ if __name__ == "__main__":
 
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1)
             did = 0
-            while started and state["k"] < (global_step - t0) / args.F and did < args.max_grad_steps_per_iter:
+            while started and state["k"] < (global_step - t0) / args.F and did < GRAD_STEPS_PER_READ:
                 k = state["k"]
                 if k > 0 and k % args.stats_every == 0:  # App. B: every 1000 steps
                     rm.update_reward_scale()
                     rm.recount_far(refer_cmax(k, args.C, args.A))
                     if args.per == "rank":
                         rm.per_rebuild()
-                    if args.state_stats_rate > 0:
-                        m, s = rm.state_stats()
-                        s = torch.as_tensor(np.where(s < 1e-7, 1.0, s) + 1e-7, dtype=torch.float32, device=device)
-                        obs_mean += args.state_stats_rate * (torch.as_tensor(m, dtype=torch.float32, device=device) - obs_mean)
-                        obs_std += args.state_stats_rate * (s - obs_std)
+                    for current, target in zip((obs_mean, obs_std), rm.state_stats() if args.state_stats_rate else ()):
+                        current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
                 stats = train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
                 if not torch.isfinite(stats).all():  # NaN guard: stop with the step and the reason
                     raise FloatingPointError(
@@ -943,11 +905,11 @@ if __name__ == "__main__":
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
                 save_checkpoint(logger.dir / "checkpoint.pt", {
                     "script": "vracer_refer.py", "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim),
-                    "model": agent.state_dict(),
-                    "optimizer": optimizer.state_dict(), "state": dict(state), "global_step": global_step,
-                    "t0": t0, "stats_ready": stats_ready, "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(),
-                    "reward_scale": rm.reward_scale, "np_rng": rng, "rng": rng_state(),
-                    "replay": rm.state_dict() if (args.checkpoint_replay and started) else None})
+                    **state_dicts(model=agent, optimizer=optimizer,
+                                  replay=rm if args.checkpoint_replay and started else None),
+                    "state": dict(state), "global_step": global_step, "t0": t0, "stats_ready": stats_ready,
+                    "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(), "reward_scale": rm.reward_scale, "np_rng": rng,
+                    "rng": rng_state()})
                 last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
@@ -959,32 +921,23 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
-    reason, exit_code = stop_reason(error)
-    if isinstance(error, ActorDied) and error.traceback:
-        print(error.traceback, flush=True)
-    if exit_code:
-        print(f"stopped: {reason}", flush=True)
 
-    # SAVE + EVALUATE
-    summary = {"stop_reason": reason, "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
-               "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
-               "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)}
-    if args.save_model and not exit_code:
+    # SAVE + EVALUATE (after a normal end), summary.json, the exit code
+    def save_model():
         path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
                     "obs_std": obs_std.cpu()}, path)
-        print(f"model saved to {path}", flush=True)
-        try:
-            returns = evaluate(agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device,
-                               args.clip_actions) if args.eval_episodes > 0 else []
-        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
-            (reason, exit_code), returns = stop_reason(e), []
-            summary["stop_reason"] = f"{reason} during the final evaluation"
-        for i, r in enumerate(returns):
+        return path
+
+    def final_eval() -> dict:
+        returns = evaluate(agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device,
+                           args.clip_actions)
+        for r in returns:
             logger.log(global_step, {"eval/episodic_return": r})
-        if returns:
-            summary["eval_return_mean"] = float(np.mean(returns))
-    logger.summary(summary)
-    logger.close()
-    if exit_code:
-        raise SystemExit(exit_code)
+        return {"eval_return_mean": float(np.mean(returns))}
+
+    finish_run(logger, error, {
+        "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
+        "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+        "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)},
+        save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)

@@ -16,7 +16,8 @@ Signals and stop reasons, the same in every script: `stop_on_signals()` makes SI
 started with SIGINT ignored, as a background job) and SIGTERM raise `Interrupted` in the main process; the script's
 main loop catches it (and `ActorDied`), stops its processes in `finally`, and `stop_reason(error)` gives summary.json's
 `stop_reason` ("completed", "interrupted by SIGTERM", "actor-1 died (exit code -9): ...") and the exit code (0,
-128 + signal, 1).
+128 + signal, 1); `finish_run` is the end of every script (model, final evaluation, summary.json, exit code).
+`check_memory(need, flag)` refuses at start-up a replay memory that does not fit in RAM.
 
 Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
 its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
@@ -45,6 +46,16 @@ def available_memory_bytes() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return 1 << 62
+
+
+def check_memory(need: int, flag: str, fraction: float = 0.9) -> None:
+    """Print what a replay memory needs at start-up; refuse with one line (`error: ...`) when it would take more than
+    `fraction` of the available RAM, naming the flag that sizes it."""
+    avail = available_memory_bytes()
+    print(f"replay memory: {need / 2**30:.2f} GiB ({avail / 2**30:.1f} GiB available)", flush=True)
+    if need > fraction * avail:
+        raise SystemExit(f"error: the replay memory needs {need / 2**30:.2f} GiB, more than {fraction:.0%} of the "
+                         f"{avail / 2**30:.1f} GiB of RAM available: lower {flag}")
 
 
 def set_learner_threads(num_actor_processes: int) -> int:
@@ -100,6 +111,33 @@ def stop_reason(error: BaseException | None) -> tuple[str, int]:
     if isinstance(error, ActorDied):
         return str(error), 1
     return f"error: {type(error).__name__}: {error}", 1
+
+
+def finish_run(logger, error: BaseException | None, summary: dict, save_model: Callable | None = None,
+               final_eval: Callable | None = None) -> None:
+    """The end of every script, once its processes are stopped: print why the run stopped; after a normal end save
+    the model (`save_model()` returns its path) and run the final evaluation (`final_eval()` logs and returns summary
+    entries; a signal during either stops it and keeps the summary); write summary.json with `stop_reason`, close the
+    logger and exit with the stop's code (0, 128 + signal, 1)."""
+    reason, exit_code = stop_reason(error)
+    if isinstance(error, ActorDied) and error.traceback:
+        print(error.traceback, flush=True)
+    if exit_code:
+        print(f"stopped: {reason}", flush=True)
+    summary["stop_reason"] = reason
+    if not exit_code:
+        try:
+            if save_model is not None:
+                print(f"model saved to {save_model()}", flush=True)
+            if final_eval is not None:
+                summary.update(final_eval())
+        except KeyboardInterrupt as e:
+            reason, exit_code = stop_reason(e)
+            summary["stop_reason"] = f"{reason} during the final evaluation"
+    logger.summary(summary)
+    logger.close()
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 class ActorDied(RuntimeError):
