@@ -558,6 +558,20 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
+def learner_loss(model, slots: dict, idx: list[int], which: torch.Tensor, args: Args, device):
+    """The learner's batch and loss (CLEAR App. A.1): half `which[j]` (1 = replay) of the pair in actor idx[j]'s slot,
+    time-major [T+1, B, ...]; the network over all T+1 rows; `clear_loss` with cloning on the replay columns.
+    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    idx_t = torch.tensor(idx)
+    batch = {k: v[idx_t, which].transpose(0, 1).contiguous() for k, v in slots.items()}  # [T+1, B, ...]
+    R, B = batch["action"].shape
+    logits_all, values_all = model(batch["obs"].to(device).flatten(0, 1))
+    logits_all, values_all = logits_all.view(R, B, -1), values_all.view(R, B)
+    dev_batch = {k: v.to(device) for k, v in batch.items() if k != "obs"}
+    loss, parts = clear_loss(logits_all, values_all, dev_batch, which.float().to(device), args)
+    return loss, parts, logits_all, values_all, dev_batch
+
+
 def task_for_actor(actor_id: int, step: int, args: Args) -> int:
     """The task an actor plays when it starts an unroll at learner-counted step `step` (CLEAR App. A.6: all actors
     switch at the same designated step). sequential: task (step // steps_per_task) mod K (last task after the end);
@@ -894,10 +908,8 @@ if __name__ == "__main__":
                     continue
                 idx.append(full_queues[net].get())
             t_learn = time.time()
-            idx_t = torch.tensor(idx)
-            m = meta[idx_t].clone()
+            m = meta[torch.tensor(idx)].clone()
             which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
-            batch = {k: v[idx_t, which].transpose(0, 1).contiguous() for k, v in slots.items()}  # [T+1, B, ...]
             # task-switch bookkeeping: every unroll must be on the task its start step designates
             for a_id, row in zip(idx, m.tolist()):
                 task_mismatch += int(row[0] != task_for_actor(a_id, row[1], args))
@@ -909,13 +921,7 @@ if __name__ == "__main__":
 
             # LEARN
             model, optimizer = models[net], optimizers[net]
-            obs = batch["obs"].to(device)
-            logits_all, values_all = model(obs.reshape(-1, *obs_shape))
-            logits_all = logits_all.view(T + 1, B, num_actions)
-            values_all = values_all.view(T + 1, B)
-            dev_batch = {k: v.to(device) for k, v in batch.items() if k != "obs"}
-            replay_mask = which.float().to(device)
-            loss, parts = clear_loss(logits_all, values_all, dev_batch, replay_mask, args)
+            loss, parts, logits_all, values_all, dev_batch = learner_loss(model, slots, idx, which, args, device)
             optimizer.zero_grad()
             loss.backward()
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -933,7 +939,7 @@ if __name__ == "__main__":
             if args.replay_ratio > 0:  # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour
                 # policy was sure of (mu >= 0.5), summed per task the unroll came from (no sync here)
                 rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch))
-                confident = (mu_taken >= 0.5).float() * replay_mask
+                confident = (mu_taken >= 0.5).float() * which.float().to(device)
                 replay_source = m[:, 4].clamp(min=0).to(device)
                 rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
                 rho_count.index_add_(0, replay_source, confident.sum(0))

@@ -465,3 +465,141 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     assert s2["global_step"] == 960 and s2["task_mismatch"] == 0 and s2["stop_reason"] == "completed"
     n1, n2 = sum(summary["num_eval_episodes"].values()), sum(s2["num_eval_episodes"].values())
     assert n2 >= n1  # the evaluation history continues
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wiring: what the real actor loop writes, and the loss the real learner function computes on it
+# ----------------------------------------------------------------------------------------------------------------
+def run_actor_loops(args, obs_shape, num_actions, shared_model, unrolls, tmp_path):
+    """Run the real `actor_loop` of every actor in a thread with the script's shared structures (slots, meta, one full
+    queue, a semaphore per slot) and collect `unrolls` published pairs per actor: [{field: [2, T+1, ...]}, ...]."""
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    A, T = args.num_actors, args.unroll_length
+    slots = {k: torch.from_numpy(np.zeros((A, 2, *shape), dtype=dtype))
+             for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()}
+    meta = torch.zeros(A, 6, dtype=torch.int64)
+    full, stats = queue.SimpleQueue(), queue.SimpleQueue()
+    slot_free = [threading.Semaphore(1) for _ in range(A)]
+    stop = threading.Event()
+    counters = [SimpleNamespace(value=0) for _ in range(3)]  # global_step, policy_version, ckpt_request
+    threads = [threading.Thread(target=ci.actor_loop, daemon=True, args=(
+        i, args, obs_shape, num_actions, [shared_model], slots, meta, [full], slot_free, counters[0], counters[1],
+        [0] * A, stop, stats, counters[2], str(tmp_path))) for i in range(A)]
+    for th in threads:
+        th.start()
+    pairs = {i: [] for i in range(A)}
+    while min(len(p) for p in pairs.values()) < unrolls:
+        i = full.get(timeout=60)
+        pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"meta": meta[i].clone()})
+        if len(pairs[i]) < unrolls:
+            slot_free[i].release()
+    stop.set()
+    for i in range(A):
+        slot_free[i].release()
+    for th in threads:
+        th.join(timeout=30)
+    return pairs, slots
+
+
+def slow_clear_loss(learner, half_per_column, which, args):
+    """CLEAR's loss written per element from the papers, for stored unrolls (row r = 1..T holds a_{r-1}, r_{r-1},
+    done_{r-1}, mu(.|x_{r-1}), V_mu(x_{r-1}); row r's frame is x_r): IMPALA Eq. (1) V-trace (`textbook_vtrace`) with
+    gamma cut at every episode end and a truncation bootstrapped through V_mu(final obs); L = pg + 0.5 value
+    + entropy_cost sum pi log pi, + on replay columns KL(mu || pi) and (V - V_mu)^2 (CLEAR Sec. 3)."""
+    T, B, g = args.unroll_length, len(half_per_column), args.gamma
+    log_rhos, disc, rew, vals = (np.zeros((T, B)) for _ in range(4))
+    boot = np.zeros(B)
+    pi, mu, act, vmu = {}, {}, {}, {}
+    for b, u in enumerate(half_per_column):
+        with torch.no_grad():
+            lg, v = learner(u["obs"])
+        for t in range(T + 1):
+            p = torch.softmax(lg[t].double(), -1).numpy()
+            if t == T:
+                boot[b] = float(v[T])
+                break
+            pi[t, b], mu[t, b] = p, torch.softmax(u["logits"][t + 1].double(), -1).numpy()
+            act[t, b], vmu[t, b], vals[t, b] = int(u["action"][t + 1]), float(u["baseline"][t + 1]), float(v[t])
+            log_rhos[t, b] = math.log(pi[t, b][act[t, b]]) - math.log(mu[t, b][act[t, b]])
+            done, trunc = bool(u["done"][t + 1]), bool(u["truncated"][t + 1])
+            disc[t, b] = 0.0 if done else g
+            rew[t, b] = float(u["reward"][t + 1]) + (g * float(u["final_value"][t + 1]) if trunc else 0.0)
+    vs, adv = textbook_vtrace(log_rhos, disc, rew, vals, boot, args.clip_rho_threshold, args.clip_pg_rho_threshold)
+    pg = value = entropy = pc = vc = 0.0
+    for b in range(B):
+        for t in range(T):
+            pg -= math.log(pi[t, b][act[t, b]]) * adv[t, b]
+            value += 0.5 * (vs[t, b] - vals[t, b]) ** 2
+            entropy += float(np.sum(pi[t, b] * np.log(pi[t, b])))
+            if which[b]:
+                pc += float(np.sum(mu[t, b] * (np.log(mu[t, b]) - np.log(pi[t, b]))))
+                vc += (vals[t, b] - vmu[t, b]) ** 2
+    total = args.pg_cost * pg + args.baseline_cost * value + args.entropy_cost * entropy
+    total += args.policy_cloning_cost * pc + args.value_cloning_cost * vc if args.behavior_cloning else 0.0
+    return {"losses/pg_loss": pg, "losses/value_loss": value, "losses/policy_cloning_loss": pc,
+            "losses/value_cloning_loss": vc, "losses/total_loss": total}
+
+
+def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop(tmp_path):
+    """The real actor loop on LavaGap (lava terminates, a 6-step limit truncates): each stored unroll equals a direct
+    rollout of the same env with its actions, row r holds mu and V_mu of the SHARED network at frame r - 1 (catches an
+    actor writing them one row early), the replay half is one of the actor's earlier unrolls; then the real
+    `learner_loss` on the pairs the loop published, with a different learner network, equals `slow_clear_loss`
+    (catches an inverted replay mask and a flipped entropy sign)."""
+    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], minigrid_max_steps=6, num_actors=2, batch_size=2,
+                   unroll_length=12, steps_per_task=10_000, replay_ratio=0.5, bootstrap_truncation=True, seed=3)
+    obs_shape, num_actions, _ = ci.probe_envs(args)
+    torch.manual_seed(0)
+    shared = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
+    pairs, slots = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=4, tmp_path=tmp_path)
+    T, ends = args.unroll_length, {"terminated": 0, "truncated": 0}
+    for i, published in pairs.items():
+        seed = args.seed + 1000 * i
+        env = ci.make_env(args.env_ids[0], seed, args)
+        obs, _ = env.reset(seed=seed)
+        new_halves = []
+        for n, pair in enumerate(published):
+            new = {k: v[0] for k, v in pair.items() if k != "meta"}
+            if n == 0:
+                assert (new["obs"][0] == torch.from_numpy(obs)).all()
+            else:  # row 0 repeats the previous unroll's last row
+                for k in new:
+                    assert torch.equal(new[k][0], new_halves[-1][k][T]), k
+            with torch.no_grad():
+                logits, values = shared(new["obs"][:T])
+            torch.testing.assert_close(new["logits"][1:], logits)  # mu(.|x_{r-1}) at row r
+            torch.testing.assert_close(new["baseline"][1:], values)  # V_mu(x_{r-1}) at row r
+            for r in range(1, T + 1):
+                obs, reward, term, trunc, _ = env.step(int(new["action"][r]))
+                assert float(new["reward"][r]) == pytest.approx(reward)
+                assert bool(new["done"][r]) == (term or trunc) and bool(new["truncated"][r]) == (trunc and not term)
+                if trunc and not term:
+                    with torch.no_grad():
+                        fv = shared(torch.from_numpy(obs)[None])[1]
+                    assert float(new["final_value"][r]) == pytest.approx(float(fv), rel=1e-5, abs=1e-6)
+                else:
+                    assert float(new["final_value"][r]) == 0.0
+                ends["terminated"] += term
+                ends["truncated"] += trunc and not term
+                if term or trunc:
+                    obs, _ = env.reset()
+                assert (new["obs"][r] == torch.from_numpy(obs)).all(), (i, n, r)
+            new_halves.append(new)
+            rep = {k: v[1] for k, v in pair.items() if k != "meta"}
+            assert int(pair["meta"][3]) == 1 and any(all(torch.equal(rep[k], h[k]) for k in h) for h in new_halves)
+    assert ends["terminated"] > 0 and ends["truncated"] > 0, ends
+    # the learner: the real batch assembly and loss on the slots as the loop left them, a different network
+    torch.manual_seed(1)
+    learner = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
+    with torch.no_grad():
+        learner.policy.weight.mul_(100.0)  # a policy far from the actors' near-uniform one: cloning terms matter
+    for which in ([0, 1], [1, 0]):
+        _, parts, _, _, _ = ci.learner_loss(learner, slots, [0, 1], torch.tensor(which), args, torch.device("cpu"))
+        halves = [{k: slots[k][i, which[i]] for k in slots} for i in range(2)]
+        slow = slow_clear_loss(learner, halves, which, args)
+        for k, v in slow.items():
+            assert float(parts[k]) == pytest.approx(v, rel=1e-4, abs=1e-5), k
+        assert slow["losses/policy_cloning_loss"] > 0.01 and slow["losses/value_cloning_loss"] > 1e-3
