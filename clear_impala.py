@@ -2,8 +2,9 @@
 """CLEAR (Rolnick et al. 2019, https://arxiv.org/abs/1811.11682) on IMPALA (https://arxiv.org/abs/1802.01561).
 
 Paper parts implemented here
-- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread) act with a shared-memory policy
-  copy; each actor's shared slot holds a (new, replay) unroll pair, and it waits until the learner has read it.
+- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread, `--envs-per-actor` envs with one
+  batched forward) act with a shared-memory policy copy; each env's slot holds a (new, replay) unroll pair, and the
+  process waits until the learner has read its pairs; `learner_loss` builds the batch and the loss.
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / policy-gradient / entropy losses (CLEAR Sec. 3)
   `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
@@ -32,8 +33,7 @@ Differences from the paper
 Long form: README.md, section clear_impala.py.
 
 Gymnasium autoreset mode: none (each actor resets its plain env itself, so the true final observation is available).
-Copying this file: it needs common/atari_env.py, common/minigrid_env.py, common/logger.py, common/checkpoint.py,
-common/args.py, common/processes.py, common/video.py.
+Copying this file: it needs common/{atari_env,minatar_env,minigrid_env,logger,checkpoint,args,processes,video}.py.
 """
 import collections
 import json
@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
+from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
 from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
                               stop_reason)
 from common.video import check_video_support
@@ -63,7 +64,8 @@ ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 
 class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
     # --- algorithm specific arguments ---
     env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
-    """the task sequence (all Atari or all MiniGrid); the paper's Atari run: the 6 games of ATARI_6_GAMES"""
+    """the task sequence (all Atari, all MinAtar or all MiniGrid); the paper's Atari run: the 6 games of ATARI_6_GAMES;
+    MinAtar: channels padded to 10 and the full 6-action set (-v0 ids), as the paper's 18 actions on Atari"""
     steps_per_task: int = 200_000
     """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
     num_cycles: int = 2
@@ -72,7 +74,10 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """sequential (one task at a time, all actors switch together) | simultaneous (actor i on task i % K) | separate
     (like simultaneous but one network per task) (CLEAR Sec. 4.1, Fig. 1)"""
     num_actors: int = 32
-    """training actor processes; must be >= batch_size (each actor puts at most one pair in a batch, CLEAR App. A.1)"""
+    """training actor processes (CPU, one thread each); num_actors x envs_per_actor must be >= batch_size"""
+    envs_per_actor: int = 1
+    """envs each actor process steps in lock-step with one batched forward; each env is one actor of the paper: one
+    (new, replay) pair per env in a batch at most (CLEAR App. A.1); the reservoir is shared by the process's envs"""
     num_test_actors: int = 1
     """test actors PER TASK: always on their own task, current weights, no buffer, never feed the learner (App. A.5)"""
     batch_size: int = 32
@@ -115,9 +120,9 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """global gradient-norm clip (IMPALA Table G.1)"""
     torso: str = "auto"
     """network torso: nature (Nature DQN CNN, monobeast's AtariNet) | resnet (IMPALA deep ResNet) | minigrid (CNN for
-    the 7x7x3 view) | auto (nature for Atari, minigrid for MiniGrid)"""
-    sticky_action_prob: float = 0.0
-    """Atari sticky-action probability (IMPALA/CLEAR used none)"""
+    the 7x7x3 view) | minatar (MinAtar's network: conv 3x3 16, 128 units) | auto (by the tasks' observations)"""
+    sticky_action_prob: float | None = None
+    """sticky-action probability; None = per family: 0 on Atari (IMPALA/CLEAR used none), 0.1 on MinAtar (its own)"""
     max_episode_frames: int = 108_000
     """Atari episode cap in emulator frames (truncation, bootstrapped)"""
     checkpoint_replay: bool = False
@@ -140,11 +145,12 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames",
              "minigrid_max_steps")  # --help's environment group
 # the flags a resumed run may not change (tasks, seed, network, method; replay and tasks are per actor), range rules
-FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "unroll_length", "replay_ratio", "behavior_cloning")
+FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "envs_per_actor", "unroll_length", "replay_ratio",
+                   "behavior_cloning")
 ARG_RULES = {
     "mode": ("sequential", "simultaneous", "separate"), "start_method": ("spawn", "forkserver"),
-    "torso": ("auto", "nature", "resnet", "minigrid"), "steps_per_task": ">= 1", "num_cycles": ">= 1",
-    "num_actors": ">= 1", "num_test_actors": ">= 0", "batch_size": ">= 1", "unroll_length": ">= 1",
+    "torso": ("auto", "nature", "resnet", "minigrid", "minatar"), "steps_per_task": ">= 1", "num_cycles": ">= 1",
+    "num_actors": ">= 1", "envs_per_actor": ">= 1", "num_test_actors": ">= 0", "batch_size": ">= 1", "unroll_length": ">= 1",
     "replay_ratio": "[0, 1]", "buffer_frames": ">= -1", "policy_cloning_cost": ">= 0", "value_cloning_cost": ">= 0",
     "gamma": "[0, 1]", "pg_cost": ">= 0", "baseline_cost": ">= 0", "entropy_cost": ">= 0", "clip_rho_threshold": "> 0",
     "clip_pg_rho_threshold": "> 0", "learning_rate": "> 0", "rmsprop_alpha": "[0, 1]", "rmsprop_eps": ">= 0",
@@ -165,16 +171,16 @@ def validate_args(args: Args) -> None:
             check_video_support()
         except ValueError as e:
             fail(str(e))
-    k = len(args.env_ids)
+    k, E = len(args.env_ids), args.envs_per_actor
     if args.mode == "separate":
-        if args.num_actors < k * args.batch_size:
-            fail(f"--mode separate needs --num-actors >= len(env_ids) * batch-size = {k * args.batch_size} "
-                 f"(each network's batch comes from its own task's actors, one pair per actor)")
-    elif args.num_actors < args.batch_size:
-        fail(f"--num-actors ({args.num_actors}) must be >= --batch-size ({args.batch_size}): each actor contributes "
-             f"at most one pair to a batch (CLEAR App. A.1)")
-    if args.mode == "simultaneous" and args.num_actors % k:
-        fail(f"--mode simultaneous needs --num-actors a multiple of the number of tasks ({k}): actor i plays task "
+        if (args.num_actors // k) * E < args.batch_size:
+            fail(f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size "
+                 f"({args.batch_size}): each network's batch comes from its own task's envs, one pair per env")
+    elif args.num_actors * E < args.batch_size:
+        fail(f"--num-actors x --envs-per-actor ({args.num_actors * E}) must be >= --batch-size ({args.batch_size}): "
+             f"each env contributes at most one pair to a batch (CLEAR App. A.1)")
+    if args.mode in ("simultaneous", "separate") and args.num_actors % k:
+        fail(f"--mode {args.mode} needs --num-actors a multiple of the number of tasks ({k}): actor i plays task "
              f"i mod {k}, so any other count gives some tasks more data")
     if args.buffer_frames == 0 and args.replay_ratio > 0:
         fail("--buffer-frames 0 (no replay buffer) needs --replay-ratio 0")
@@ -200,14 +206,16 @@ def env_kind(env_id: str) -> str:
     from common.atari_env import ATARI_ENV_IDS
     if env_id in ATARI_ENV_IDS:
         return "atari"
+    if env_id in MINATAR_ENV_IDS:
+        return "minatar"
     from common.minigrid_env import resolve_minigrid_id
     try:
         resolve_minigrid_id(env_id)
         return "minigrid"
     except ValueError:
         pass
-    raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5) or MiniGrid ids "
-                     f"(e.g. MiniGrid-DoorKey-5x5-v0)")
+    raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5), MinAtar ids (e.g. "
+                     f"MinAtar/Breakout-v0) or MiniGrid ids (e.g. MiniGrid-DoorKey-5x5-v0)")
 
 
 def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, video_folder: str | None = None):
@@ -217,6 +225,9 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
         # full 18-action space so one policy head serves every game (IMPALA multi-task, CLEAR Sec. 4.6);
         # a lost life ends the learning episode but not the game (IMPALA Table G.1, notes P8)
         return make_atari_env_full(env_id, seed, args, capture_video, video_folder)
+    if env_kind(env_id) == "minatar":  # channels padded to 10: one network reads every game (CLEAR Sec. 4.6 analogue)
+        sticky = 0.1 if args.sticky_action_prob is None else args.sticky_action_prob
+        return make_minatar_env(env_id, seed, pad_channels=MINATAR_MAX_CHANNELS, sticky_action_prob=sticky)
     from common.minigrid_env import make_minigrid_env
     env = make_minigrid_env(env_id, fully_observable=False, max_steps=args.minigrid_max_steps,
                             render_mode="rgb_array" if capture_video else None)
@@ -230,7 +241,7 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
 def make_atari_env_full(env_id, seed, args, capture_video, video_folder):
     from common.atari_env import make_atari_env
     return make_atari_env(env_id, seed, full_action_space=True, terminal_on_life_loss=True, clip_rewards=True,
-                          sticky_action_prob=args.sticky_action_prob, max_episode_frames=args.max_episode_frames,
+                          sticky_action_prob=args.sticky_action_prob or 0.0, max_episode_frames=args.max_episode_frames,
                           capture_video=capture_video, video_folder=video_folder)
 
 
@@ -249,7 +260,7 @@ def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
         actions.add(int(env.action_space.n))
         env.close()
     if len(kinds) > 1:
-        raise SystemExit("error: --env-ids mixes Atari and MiniGrid tasks; one network cannot read both observations")
+        raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
     if len(shapes) > 1 or len(actions) > 1:
         raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions}; "
                          f"the shared policy/value heads need one of each")
@@ -301,6 +312,10 @@ def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
             ch = out
         net = nn.Sequential(*stages, nn.Flatten(), nn.ReLU())
         hidden = 256
+    elif torso == "minatar":  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels, 128 units
+        c = obs_shape[0]
+        net = nn.Sequential(layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), nn.Flatten())
+        hidden = 128
     else:  # minigrid: the 7x7x3 egocentric view (object, colour, state indices), our choice
         c = obs_shape[-1]
         net = nn.Sequential(
@@ -331,7 +346,7 @@ class Agent(nn.Module):
         x = obs.float()
         if self.torso_name == "minigrid":
             x = x.permute(0, 3, 1, 2) / 10.0  # MiniGrid indices are <= 10
-        else:
+        elif self.torso_name != "minatar":  # MinAtar frames are 0/1
             x = x / 255.0
         h = self.torso(x)
         return self.policy(h), self.baseline(h).squeeze(-1)
@@ -655,12 +670,14 @@ def plot_task_returns(records, env_ids, args: Args, path_prefix, total: int) -> 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
                global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
-    """One training actor: act for T steps with the latest weights, store the unroll in its reservoir, sample a replay
-    unroll, publish the (new, replay) pair in its slot, then wait until the learner has read it (CLEAR App. A.1)."""
+    """One training actor process: E = --envs-per-actor envs of its task stepped in lock-step with one batched
+    forward of the latest weights. Each env is an actor of the paper (CLEAR App. A.1): per unroll it stores its new
+    unroll in the process's reservoir, gets a replay unroll sampled from it, publishes the (new, replay) pair in its
+    own slot (actor_id * E + e) and waits until the learner has read the pair."""
+    E, T = args.envs_per_actor, args.unroll_length
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    T = args.unroll_length
     capacity = buffer_capacity_per_actor(args)
     buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, rng) if capacity > 0 else None
     replay_file = f"replay_actor{actor_id}.npz"
@@ -670,12 +687,15 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             print(f"actor-{actor_id} restored {buffer.load(path)} replay unrolls from {path}", flush=True)
     saved_request = ckpt_request.value
     model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
-    new = {k: slots[k][actor_id, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory
-    rep = {k: slots[k][actor_id, 1].numpy() for k in UNROLL_FIELDS}
-    task, env, episode = -1, None, 0
+    ids = list(range(actor_id * E, (actor_id + 1) * E))  # our slots
+    new = {k: slots[k][ids[0]:ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
+    rep = {k: slots[k][ids[0]:ids[-1] + 1, 1].numpy() for k in UNROLL_FIELDS}
+    task, envs, episode, acquired = -1, [], 0, 0
     while not stop.is_set():
-        if not slot_free[actor_id].acquire(timeout=0.2):  # the learner has not read our last pair yet
+        if acquired < E:  # the learner has not read all our last pairs yet
+            acquired += slot_free[ids[acquired]].acquire(timeout=0.2)
             continue
+        acquired = 0
         if ckpt_request.value != saved_request:  # the learner wrote a checkpoint: save our buffer next to it
             saved_request = ckpt_request.value
             if buffer is not None and args.checkpoint_replay:
@@ -683,58 +703,60 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         start_step = global_step.value
         new_task = task_for_actor(actor_id, start_step, args)
         if new_task != task:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
-            if env is not None:
+            for env in envs:
                 env.close()
             task = new_task
-            env = make_env(args.env_ids[task], seed, args,
-                           capture_video=args.capture_video and actor_id == 0 and task == 0,
-                           video_folder=f"videos/{os.path.basename(run_dir)}")
-            obs, _ = env.reset(seed=seed + episode)
+            envs = [make_env(args.env_ids[task], seed + e, args,
+                             capture_video=args.capture_video and actor_id == 0 and e == 0 and task == 0,
+                             video_folder=f"videos/{os.path.basename(run_dir)}") for e in range(E)]
             for k in UNROLL_FIELDS:
-                new[k][0] = 0
-            new["obs"][0] = obs
+                new[k][:, 0] = 0
+            for e, env in enumerate(envs):
+                new["obs"][e, 0] = env.reset(seed=seed + 1_000_003 * e + episode)[0]
         else:
             for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row
-                new[k][0] = new[k][T]
+                new[k][:, 0] = new[k][:, T]
         version = policy_version.value
         model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
         for t in range(T):
+            r = t + 1  # row r holds what acting on frame t produced (unroll_specs)
             with torch.no_grad():
-                logits, value = model(torch.from_numpy(new["obs"][t]).unsqueeze(0))
-                action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
-            obs, reward, terminated, truncated, info = env.step(action)
-            final_value = 0.0
-            if args.bootstrap_truncation and truncated and not terminated:  # time limit: keep V_mu(final obs)
+                logits, value = model(torch.from_numpy(new["obs"][:, t]))
+                actions = torch.multinomial(F.softmax(logits, -1), 1).squeeze(1)
+            new["action"][:, r], new["logits"][:, r], new["baseline"][:, r] = actions, logits, value
+            new["final_value"][:, r] = 0.0
+            truncated_obs = {}
+            for e, env in enumerate(envs):
+                obs, reward, terminated, truncated, info = env.step(int(actions[e]))
+                if args.bootstrap_truncation and truncated and not terminated:  # time limit: keep V_mu(final obs)
+                    truncated_obs[e] = obs
+                if "episode" in info:
+                    stats_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
+                if terminated or truncated:
+                    episode += 1
+                    obs, _ = env.reset()
+                new["obs"][e, r], new["reward"][e, r] = obs, reward
+                new["done"][e, r], new["truncated"][e, r] = terminated or truncated, truncated and not terminated
+            if truncated_obs:
                 with torch.no_grad():
-                    final_value = float(model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))[1])
-            if "episode" in info:
-                stats_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
-            if terminated or truncated:
-                episode += 1
-                obs, _ = env.reset()
-            r = t + 1
-            new["obs"][r] = obs
-            new["action"][r] = action
-            new["reward"][r] = reward
-            new["done"][r] = terminated or truncated
-            new["truncated"][r] = truncated and not terminated
-            new["final_value"][r] = final_value
-            new["logits"][r] = logits[0].numpy()
-            new["baseline"][r] = float(value[0])
-        replay_valid, replay_task = 0, -1
-        if buffer is not None:
-            buffer.add(new, task)  # CLEAR App. A.1: insert the new unroll (reservoir) then sample a replay unroll
-            row = buffer.sample()
+                    final = model(torch.from_numpy(np.stack(list(truncated_obs.values()))))[1]
+                new["final_value"][list(truncated_obs), r] = final.numpy()
+        replay_valid, replay_task = np.zeros(E, np.int64), np.full(E, -1)
+        if buffer is not None:  # CLEAR App. A.1: insert the new unrolls (reservoir) then sample replay unrolls
+            for e in range(E):
+                buffer.add({k: v[e] for k, v in new.items()}, task)
+            rows = [buffer.sample() for _ in range(E)]
             for k in UNROLL_FIELDS:
-                rep[k][:] = buffer.data[k][row]
-            replay_valid, replay_task = 1, int(buffer.task[row])
-        meta[actor_id] = torch.tensor([task, start_step, version, replay_valid, replay_task,
-                                       buffer.size if buffer else 0])
-        frames_done[actor_id] += T  # our own counter: no lock a killed actor could leave held
-        full_queues[net_for_task(task, args)].put(actor_id)
+                rep[k][:] = buffer.data[k][rows]
+            replay_valid[:], replay_task[:] = 1, buffer.task[rows]
+        meta[ids[0]:ids[-1] + 1] = torch.from_numpy(np.stack([np.full(E, task), np.full(E, start_step), np.full(
+            E, version), replay_valid, replay_task, np.full(E, buffer.size if buffer else 0)], 1))
+        frames_done[actor_id] += T * E  # our own counter: no lock a killed actor could leave held
+        for i in ids:
+            full_queues[net_for_task(task, args)].put(i)
     if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
         buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
-    if env is not None:
+    for env in envs:
         env.close()
 
 
@@ -768,6 +790,8 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
 def resolve_torso(args: Args, obs_shape) -> str:
     if args.torso != "auto":
         return args.torso
+    if tuple(obs_shape[-2:]) == (10, 10):
+        return "minatar"
     return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
 
 
@@ -793,10 +817,13 @@ if __name__ == "__main__":
     torso = resolve_torso(args, obs_shape)
     if torso == "minigrid" and kind != "minigrid":
         raise SystemExit("error: --torso minigrid needs MiniGrid tasks")
-    if torso in ("nature", "resnet") and kind != "atari":
-        raise SystemExit(f"error: --torso {torso} expects 84x84 Atari frames; use --torso minigrid for MiniGrid")
+    if args.capture_video and kind == "minatar":
+        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
+    if torso in ("nature", "resnet") and kind != "atari" or (torso == "minatar") != (kind == "minatar"):
+        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
     K = len(args.env_ids)
-    T, B = args.unroll_length, args.batch_size
+    T, B, E = args.unroll_length, args.batch_size, args.envs_per_actor
+    num_envs = args.num_actors * E  # the paper's actors: one (new, replay) pair each per batch
     num_nets = K if args.mode == "separate" else 1
     TOTAL = total_steps(args)
     if ckpt and ckpt["global_step"] >= TOTAL:
@@ -808,7 +835,7 @@ if __name__ == "__main__":
     per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
     frame_bytes = int(np.prod(obs_shape))
     buffer_bytes = capacity * args.num_actors * per_unroll
-    slot_bytes = 2 * args.num_actors * per_unroll
+    slot_bytes = 2 * args.num_actors * E * per_unroll
     print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames; "
           f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + "
           f"{(per_unroll - T * frame_bytes) / T:.0f} B per-unroll overhead incl. row 0) "
@@ -861,14 +888,14 @@ if __name__ == "__main__":
     if args.start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.atari_env"])
     specs = unroll_specs(obs_shape, num_actions, T)
-    slots = {k: torch.from_numpy(np.zeros((args.num_actors, 2, *shape), dtype=dtype)).share_memory_()
+    slots = {k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
              for k, (shape, dtype) in specs.items()}
     # per slot: task, start step, policy version, replay valid, replay task, buffer fill
-    meta = torch.zeros(args.num_actors, 6, dtype=torch.int64).share_memory_()
+    meta = torch.zeros(num_envs, 6, dtype=torch.int64).share_memory_()
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
     # one semaphore per actor's slot (1 = free). Not an Event: Event.set() waits for every process sleeping in wait()
     # to acknowledge, so a learner setting the event of an actor killed inside wait() would hang forever
-    slot_free = [ctx.Semaphore(1) for _ in range(args.num_actors)]
+    slot_free = [ctx.Semaphore(1) for _ in range(num_envs)]
     global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
     policy_version = ctx.Value("q", sum(learner_steps), lock=False)
     frames_done = ctx.Array("q", args.num_actors, lock=False)  # one counter per actor, each its only writer
@@ -912,8 +939,8 @@ if __name__ == "__main__":
             which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
             # task-switch bookkeeping: every unroll must be on the task its start step designates
             for a_id, row in zip(idx, m.tolist()):
-                task_mismatch += int(row[0] != task_for_actor(a_id, row[1], args))
-                if args.mode == "sequential" and row[0] != task_for_actor(a_id, global_step.value, args):
+                task_mismatch += int(row[0] != task_for_actor(a_id // E, row[1], args))
+                if args.mode == "sequential" and row[0] != task_for_actor(a_id // E, global_step.value, args):
                     stale_after_switch[global_step.value // args.steps_per_task] += 1
             global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
             for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step

@@ -405,8 +405,11 @@ def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
     assert str(e.value).startswith("error: unknown env id 'NoSuchEnv-v9'") and "\n" not in str(e.value)
     with pytest.raises(SystemExit) as e:
         ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "ALE/Pong-v5"]))
-    assert str(e.value).startswith("error: --env-ids mixes Atari and MiniGrid")
+    assert str(e.value).startswith("error: --env-ids mixes env families (atari, minigrid)")
     assert ci.probe_envs(ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])) == ((7, 7, 3), 7, "minigrid")
+    # MinAtar games: channels padded to 10, the full 6-action set, MinAtar's network
+    args = ci.Args(env_ids=["MinAtar/Breakout-v0", "MinAtar/SpaceInvaders-v0", "MinAtar/Asterix-v0"])
+    assert ci.probe_envs(args) == ((10, 10, 10), 6, "minatar") and ci.resolve_torso(args, (10, 10, 10)) == "minatar"
 
 
 def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
@@ -471,18 +474,19 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
 # Wiring: what the real actor loop writes, and the loss the real learner function computes on it
 # ----------------------------------------------------------------------------------------------------------------
 def run_actor_loops(args, obs_shape, num_actions, shared_model, unrolls, tmp_path):
-    """Run the real `actor_loop` of every actor in a thread with the script's shared structures (slots, meta, one full
-    queue, a semaphore per slot) and collect `unrolls` published pairs per actor: [{field: [2, T+1, ...]}, ...]."""
+    """Run the real `actor_loop` of every actor process in a thread with the script's shared structures (a slot per
+    env, meta, one full queue, a semaphore per slot) and collect `unrolls` published pairs per slot:
+    {slot: [{field: [2, T+1, ...], "meta": [6]}, ...]}."""
     import queue
     import threading
     from types import SimpleNamespace
 
-    A, T = args.num_actors, args.unroll_length
-    slots = {k: torch.from_numpy(np.zeros((A, 2, *shape), dtype=dtype))
+    A, T, N = args.num_actors, args.unroll_length, args.num_actors * args.envs_per_actor
+    slots = {k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
              for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()}
-    meta = torch.zeros(A, 6, dtype=torch.int64)
+    meta = torch.zeros(N, 6, dtype=torch.int64)
     full, stats = queue.SimpleQueue(), queue.SimpleQueue()
-    slot_free = [threading.Semaphore(1) for _ in range(A)]
+    slot_free = [threading.Semaphore(1) for _ in range(N)]
     stop = threading.Event()
     counters = [SimpleNamespace(value=0) for _ in range(3)]  # global_step, policy_version, ckpt_request
     threads = [threading.Thread(target=ci.actor_loop, daemon=True, args=(
@@ -490,14 +494,14 @@ def run_actor_loops(args, obs_shape, num_actions, shared_model, unrolls, tmp_pat
         [0] * A, stop, stats, counters[2], str(tmp_path))) for i in range(A)]
     for th in threads:
         th.start()
-    pairs = {i: [] for i in range(A)}
+    pairs = {i: [] for i in range(N)}
     while min(len(p) for p in pairs.values()) < unrolls:
         i = full.get(timeout=60)
         pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"meta": meta[i].clone()})
         if len(pairs[i]) < unrolls:
             slot_free[i].release()
     stop.set()
-    for i in range(A):
+    for i in range(N):
         slot_free[i].release()
     for th in threads:
         th.join(timeout=30)
@@ -543,31 +547,36 @@ def slow_clear_loss(learner, half_per_column, which, args):
             "losses/value_cloning_loss": vc, "losses/total_loss": total}
 
 
-def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop(tmp_path):
-    """The real actor loop on LavaGap (lava terminates, a 6-step limit truncates): each stored unroll equals a direct
-    rollout of the same env with its actions, row r holds mu and V_mu of the SHARED network at frame r - 1 (catches an
-    actor writing them one row early), the replay half is one of the actor's earlier unrolls; then the real
-    `learner_loss` on the pairs the loop published, with a different learner network, equals `slow_clear_loss`
-    (catches an inverted replay mask and a flipped entropy sign)."""
-    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], minigrid_max_steps=6, num_actors=2, batch_size=2,
-                   unroll_length=12, steps_per_task=10_000, replay_ratio=0.5, bootstrap_truncation=True, seed=3)
+@pytest.mark.parametrize("envs_per_actor", [1, 3])
+def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop(tmp_path, envs_per_actor):
+    """The real actor loop on LavaGap (lava terminates, a 6-step limit truncates), 2 processes x 1 or 3 envs: each
+    stored unroll equals a direct rollout of the same env with its actions, row r holds mu and V_mu of the SHARED
+    network at frame r - 1 (catches an actor writing them one row early), the replay half is one of the process's
+    earlier unrolls; then the real `learner_loss` on the pairs the loop published, with a different learner network,
+    equals `slow_clear_loss` (catches an inverted replay mask and a flipped entropy sign)."""
+    E = envs_per_actor
+    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], minigrid_max_steps=6, num_actors=2, envs_per_actor=E,
+                   batch_size=2, unroll_length=12, steps_per_task=10_000, replay_ratio=0.5, bootstrap_truncation=True,
+                   seed=3)
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     shared = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
     pairs, slots = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=4, tmp_path=tmp_path)
     T, ends = args.unroll_length, {"terminated": 0, "truncated": 0}
+    earlier = {p: [] for p in range(args.num_actors)}  # new halves of each process: its reservoir's content
     for i, published in pairs.items():
-        seed = args.seed + 1000 * i
-        env = ci.make_env(args.env_ids[0], seed, args)
-        obs, _ = env.reset(seed=seed)
-        new_halves = []
+        p, e = divmod(i, E)
+        seed = args.seed + 1000 * p
+        env = ci.make_env(args.env_ids[0], seed + e, args)
+        obs, _ = env.reset(seed=seed + 1_000_003 * e)
+        new_halves = earlier[p]
         for n, pair in enumerate(published):
             new = {k: v[0] for k, v in pair.items() if k != "meta"}
             if n == 0:
                 assert (new["obs"][0] == torch.from_numpy(obs)).all()
             else:  # row 0 repeats the previous unroll's last row
                 for k in new:
-                    assert torch.equal(new[k][0], new_halves[-1][k][T]), k
+                    assert torch.equal(new[k][0], prev[k][T]), k
             with torch.no_grad():
                 logits, values = shared(new["obs"][:T])
             torch.testing.assert_close(new["logits"][1:], logits)  # mu(.|x_{r-1}) at row r
@@ -588,8 +597,12 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
                     obs, _ = env.reset()
                 assert (new["obs"][r] == torch.from_numpy(obs)).all(), (i, n, r)
             new_halves.append(new)
+            prev = new
+    for i, published in pairs.items():  # a replay half is an unroll of the same process, published no later
+        for pair in published:
             rep = {k: v[1] for k, v in pair.items() if k != "meta"}
-            assert int(pair["meta"][3]) == 1 and any(all(torch.equal(rep[k], h[k]) for k in h) for h in new_halves)
+            assert int(pair["meta"][3]) == 1
+            assert any(all(torch.equal(rep[k], h[k]) for k in h) for h in earlier[i // E])
     assert ends["terminated"] > 0 and ends["truncated"] > 0, ends
     # the learner: the real batch assembly and loss on the slots as the loop left them, a different network
     torch.manual_seed(1)

@@ -7,10 +7,14 @@
    The "CLEAR overhead" is the extra learner time plus the actor-side replay work of the B unrolls of a batch.
 2. actors: end-to-end run of the script (N actors, batch N) for --seconds, charts/actor_SPS from its metrics.jsonl,
    against N processes that only step the same env with random actions (env-only SPS).
+3. training: end-to-end training steps/s of the script (steady state: global steps / time between the records after
+   --warmup s), replay off (--replay-ratio 0) vs CLEAR (50-50 + BC), interleaved A/B x --repeats in one invocation,
+   and env-only SPS of the same number of processes x envs in the same invocation.
 
   python tests/benchmarks/bench_clear_impala.py learner --config atari
   python tests/benchmarks/bench_clear_impala.py learner --config minigrid
   python tests/benchmarks/bench_clear_impala.py actors --env-id MiniGrid-DoorKey-5x5-v0 --num-procs 2 --seconds 40
+  python tests/benchmarks/bench_clear_impala.py training --env-id MinAtar/Breakout-v0 --num-procs 2 --envs-per-actor 16
 """
 import argparse
 import json
@@ -33,6 +37,7 @@ CONFIGS = {
     "atari": dict(obs_shape=(4, 84, 84), num_actions=18, torso="nature"),
     "atari-resnet": dict(obs_shape=(4, 84, 84), num_actions=18, torso="resnet"),
     "minigrid": dict(obs_shape=(7, 7, 3), num_actions=7, torso="minigrid"),
+    "minatar": dict(obs_shape=(10, 10, 10), num_actions=6, torso="minatar"),
 }
 
 
@@ -61,13 +66,9 @@ def bench_learner(cfg, B, T, iters, device, threads):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        idx = torch.arange(B)
         which = torch.from_numpy(ci.select_pairs(np.ones(B, bool), ratio, rng))
-        batch = {k: v[idx, which].transpose(0, 1).contiguous() for k, v in slots.items()}
-        lg, v = model(batch["obs"].to(device).reshape(-1, *obs_shape))
-        rest = {k: x.to(device) for k, x in batch.items() if k != "obs"}
-        logits_all, values_all, replay_mask = lg.view(T + 1, B, A), v.view(T + 1, B), which.float().to(device)
-        loss, parts = ci.clear_loss(logits_all, values_all, rest, replay_mask, args)
+        loss, parts, logits_all, values_all, rest = ci.learner_loss(model, slots, list(range(B)), which, args, device)
+        replay_mask = which.float().to(device)
         if ratio > 0:  # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
             rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
             confident = (mu_taken >= 0.5).float() * replay_mask
@@ -110,29 +111,76 @@ def bench_learner(cfg, B, T, iters, device, threads):
     return out
 
 
-def env_only_worker(env_id, seed, seconds, out_q):
+def env_only_worker(env_id, seed, seconds, out_q, num_envs=1):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    env = ci.make_env(env_id, seed, ci.Args())
-    env.reset(seed=seed)
+    envs = [ci.make_env(env_id, seed + e, ci.Args()) for e in range(num_envs)]
+    for e, env in enumerate(envs):
+        env.reset(seed=seed + e)
     n, t0 = 0, time.time()
     while time.time() - t0 < seconds:
-        _, _, term, trunc, _ = env.step(env.action_space.sample())
-        n += 1
-        if term or trunc:
-            env.reset()
+        for env in envs:
+            _, _, term, trunc, _ = env.step(env.action_space.sample())
+            n += 1
+            if term or trunc:
+                env.reset()
     out_q.put(n / (time.time() - t0))
 
 
-def bench_actors(env_id, num_procs, seconds):
+def env_only_sps(env_id, num_procs, seconds, num_envs=1):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=env_only_worker, args=(env_id, i, seconds, q)) for i in range(num_procs)]
+    procs = [ctx.Process(target=env_only_worker, args=(env_id, i, seconds, q, num_envs)) for i in range(num_procs)]
     for p in procs:
         p.start()
     env_sps = sum(q.get() for _ in procs)
     for p in procs:
         p.join()
+    return env_sps
+
+
+def run_script_for(flags, seconds):
+    """Run clear_impala.py with `flags` for `seconds` (after start-up), stop it like Ctrl-C, return its metrics."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(os.path.join(tmp, "out.txt"), "w")
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "clear_impala.py"), *flags], cwd=tmp,
+                             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(seconds)
+        os.killpg(p.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole process group
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            print(open(os.path.join(tmp, "out.txt")).read()[-3000:])
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        (run,) = os.listdir(os.path.join(tmp, "runs"))
+        return [json.loads(x) for x in open(os.path.join(tmp, "runs", run, "metrics.jsonl"))]
+
+
+def bench_training(env_id, num_procs, envs_per_actor, batch_size, seconds, warmup, repeats):
+    """Steady-state training SPS, replay off vs CLEAR 50-50 + BC, interleaved; env-only SPS in the same invocation."""
+    common = ["--env-ids", env_id, "--mode", "separate", "--steps-per-task", "100000000", "--num-cycles", "1",
+              "--num-actors", str(num_procs), "--envs-per-actor", str(envs_per_actor), "--batch-size",
+              str(batch_size), "--num-test-actors", "0", "--no-progress", "--log-every-seconds", "2", "--no-cuda",
+              "--buffer-frames", "500000"]
+    configs = {"replay off (--replay-ratio 0)": ["--replay-ratio", "0"], "CLEAR 50-50 + BC": []}
+    sps = {name: [] for name in configs}
+    for i in range(repeats):
+        for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+            records = [r for r in run_script_for(common + configs[name], warmup + seconds) if "charts/SPS" in r]
+            steady = [r for r in records if r["time"] >= warmup]
+            sps[name].append((steady[-1]["global_step"] - steady[0]["global_step"]) / (steady[-1]["time"] - steady[0]["time"]))
+    env_sps = env_only_sps(env_id, num_procs, 10, envs_per_actor)
+    names = list(configs)
+    return {"env_id": env_id, "num_procs": num_procs, "envs_per_actor": envs_per_actor, "batch_size": batch_size,
+            "seconds": seconds, "warmup": warmup, "repeats": repeats, "training_SPS": sps,
+            "mean_SPS": {k: float(np.mean(v)) for k, v in sps.items()},
+            "clear_over_replay_off": float(np.mean(sps[names[1]]) / np.mean(sps[names[0]])), "env_only_SPS": env_sps}
+
+
+def bench_actors(env_id, num_procs, seconds):
+    env_sps = env_only_sps(env_id, num_procs, seconds)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, os.path.join(ROOT, "clear_impala.py"), "--env-ids", env_id, "--steps-per-task",
                "100000000", "--num-cycles", "1", "--num-actors", str(num_procs), "--batch-size", str(num_procs),
@@ -161,7 +209,7 @@ def bench_actors(env_id, num_procs, seconds):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["learner", "actors"])
+    ap.add_argument("what", choices=["learner", "actors", "training"])
     ap.add_argument("--config", default="atari", choices=list(CONFIGS))
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--unroll-length", type=int, default=20)
@@ -171,9 +219,15 @@ if __name__ == "__main__":
     ap.add_argument("--env-id", default="MiniGrid-DoorKey-5x5-v0")
     ap.add_argument("--num-procs", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--envs-per-actor", type=int, default=16)
+    ap.add_argument("--warmup", type=float, default=20)
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, torch {torch.__version__}")
     if a.what == "learner":
         res = bench_learner(CONFIGS[a.config], a.batch_size, a.unroll_length, a.iters, torch.device(a.device), a.threads)
+    elif a.what == "training":
+        res = bench_training(a.env_id, a.num_procs, a.envs_per_actor, a.batch_size, a.seconds, a.warmup, a.repeats)
     else:
         res = bench_actors(a.env_id, a.num_procs, a.seconds)
     print(json.dumps(res, indent=1))
