@@ -179,9 +179,12 @@ def validate_args(args: Args) -> None:
     elif args.num_actors * E < args.batch_size:
         fail(f"--num-actors x --envs-per-actor ({args.num_actors * E}) must be >= --batch-size ({args.batch_size}): "
              f"each env contributes at most one pair to a batch (CLEAR App. A.1)")
-    if args.mode in ("simultaneous", "separate") and args.num_actors % k:
-        fail(f"--mode {args.mode} needs --num-actors a multiple of the number of tasks ({k}): actor i plays task "
-             f"i mod {k}, so any other count gives some tasks more data")
+    if args.mode == "simultaneous" and (args.num_actors * E) % k:
+        fail(f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({k}): "
+             f"env i plays task i mod {k}, so any other count gives some tasks more data")
+    if args.mode == "separate" and args.num_actors % k:
+        fail(f"--mode separate needs --num-actors a multiple of the number of tasks ({k}): actor process i plays "
+             f"task i mod {k}, so any other count gives some tasks more data")
     if args.buffer_frames == 0 and args.replay_ratio > 0:
         fail("--buffer-frames 0 (no replay buffer) needs --replay-ratio 0")
     if args.buffer_frames > 0 and args.buffer_frames < args.num_actors * args.unroll_length:
@@ -587,14 +590,15 @@ def learner_loss(model, slots: dict, idx: list[int], which: torch.Tensor, args: 
     return loss, parts, logits_all, values_all, dev_batch
 
 
-def task_for_actor(actor_id: int, step: int, args: Args) -> int:
-    """The task an actor plays when it starts an unroll at learner-counted step `step` (CLEAR App. A.6: all actors
-    switch at the same designated step). sequential: task (step // steps_per_task) mod K (last task after the end);
-    simultaneous / separate: actor i always plays task i mod K."""
+def task_for_actor(slot: int, step: int, args: Args) -> int:
+    """The task of actor `slot` (env e of process p: slot p * E + e) for an unroll that starts at learner-counted step
+    `step` (CLEAR App. A.6: all actors switch at the same designated step). sequential: task (step // steps_per_task)
+    mod K (the last task after the end); simultaneous: slot mod K (tasks mix in every process and batch); separate:
+    p mod K (one network per task: a process's envs share its task)."""
     k = len(args.env_ids)
     if args.mode == "sequential":
         return min(step // args.steps_per_task, k * args.num_cycles - 1) % k
-    return actor_id % k
+    return slot % k if args.mode == "simultaneous" else (slot // args.envs_per_actor) % k
 
 
 def net_for_task(task: int, args: Args) -> int:
@@ -690,7 +694,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
     ids = list(range(actor_id * E, (actor_id + 1) * E))  # our slots
     new = {k: slots[k][ids[0]:ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
     rep = {k: slots[k][ids[0]:ids[-1] + 1, 1].numpy() for k in UNROLL_FIELDS}
-    task, envs, episode, acquired = -1, [], 0, 0
+    tasks, envs, episode, acquired = [-1] * E, [None] * E, 0, 0
     while not stop.is_set():
         if acquired < E:  # the learner has not read all our last pairs yet
             acquired += slot_free[ids[acquired]].acquire(timeout=0.2)
@@ -701,23 +705,22 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             if buffer is not None and args.checkpoint_replay:
                 buffer.save(os.path.join(run_dir, replay_file))
         start_step = global_step.value
-        new_task = task_for_actor(actor_id, start_step, args)
-        if new_task != task:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
-            for env in envs:
-                env.close()
-            task = new_task
-            envs = [make_env(args.env_ids[task], seed + e, args,
-                             capture_video=args.capture_video and actor_id == 0 and e == 0 and task == 0,
-                             video_folder=f"videos/{os.path.basename(run_dir)}") for e in range(E)]
-            for k in UNROLL_FIELDS:
-                new[k][:, 0] = 0
-            for e, env in enumerate(envs):
-                new["obs"][e, 0] = env.reset(seed=seed + 1_000_003 * e + episode)[0]
-        else:
-            for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row
-                new[k][:, 0] = new[k][:, T]
+        for e, i in enumerate(ids):
+            task = task_for_actor(i, start_step, args)
+            if task != tasks[e]:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
+                if envs[e] is not None:
+                    envs[e].close()
+                tasks[e], envs[e] = task, make_env(args.env_ids[task], seed + e, args, video_folder=f"videos/"
+                                                   f"{os.path.basename(run_dir)}", capture_video=args.capture_video
+                                                   and actor_id == 0 and e == 0 and task == 0)
+                for k in UNROLL_FIELDS:
+                    new[k][e, 0] = 0
+                new["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episode)[0]
+            else:
+                for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row
+                    new[k][e, 0] = new[k][e, T]
         version = policy_version.value
-        model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
+        model.load_state_dict(shared_models[net_for_task(tasks[0], args)].state_dict())  # separate: one task each
         for t in range(T):
             r = t + 1  # row r holds what acting on frame t produced (unroll_specs)
             with torch.no_grad():
@@ -731,7 +734,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
                 if args.bootstrap_truncation and truncated and not terminated:  # time limit: keep V_mu(final obs)
                     truncated_obs[e] = obs
                 if "episode" in info:
-                    stats_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
+                    stats_queue.put((tasks[e], float(np.asarray(info["episode"]["r"])),
+                                     int(np.asarray(info["episode"]["l"]))))
                 if terminated or truncated:
                     episode += 1
                     obs, _ = env.reset()
@@ -744,20 +748,21 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         replay_valid, replay_task = np.zeros(E, np.int64), np.full(E, -1)
         if buffer is not None:  # CLEAR App. A.1: insert the new unrolls (reservoir) then sample replay unrolls
             for e in range(E):
-                buffer.add({k: v[e] for k, v in new.items()}, task)
+                buffer.add({k: v[e] for k, v in new.items()}, tasks[e])
             rows = [buffer.sample() for _ in range(E)]
             for k in UNROLL_FIELDS:
                 rep[k][:] = buffer.data[k][rows]
             replay_valid[:], replay_task[:] = 1, buffer.task[rows]
-        meta[ids[0]:ids[-1] + 1] = torch.from_numpy(np.stack([np.full(E, task), np.full(E, start_step), np.full(
+        meta[ids[0]:ids[-1] + 1] = torch.from_numpy(np.stack([np.array(tasks), np.full(E, start_step), np.full(
             E, version), replay_valid, replay_task, np.full(E, buffer.size if buffer else 0)], 1))
         frames_done[actor_id] += T * E  # our own counter: no lock a killed actor could leave held
-        for i in ids:
-            full_queues[net_for_task(task, args)].put(i)
+        for e, i in enumerate(ids):
+            full_queues[net_for_task(tasks[e], args)].put(i)
     if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
         buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
     for env in envs:
-        env.close()
+        if env is not None:
+            env.close()
 
 
 def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, stop, eval_queue):
@@ -939,8 +944,8 @@ if __name__ == "__main__":
             which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
             # task-switch bookkeeping: every unroll must be on the task its start step designates
             for a_id, row in zip(idx, m.tolist()):
-                task_mismatch += int(row[0] != task_for_actor(a_id // E, row[1], args))
-                if args.mode == "sequential" and row[0] != task_for_actor(a_id // E, global_step.value, args):
+                task_mismatch += int(row[0] != task_for_actor(a_id, row[1], args))
+                if args.mode == "sequential" and row[0] != task_for_actor(a_id, global_step.value, args):
                     stale_after_switch[global_step.value // args.steps_per_task] += 1
             global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
             for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step

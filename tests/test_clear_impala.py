@@ -349,6 +349,12 @@ def test_task_switch_at_designated_step_for_all_actors():
     sim = ci.Args(env_ids=["a", "b", "c"], mode="simultaneous")
     assert [ci.task_for_actor(i, s, sim) for i in range(4) for s in (0, 10**6)] == [0, 0, 1, 1, 2, 2, 0, 0]
     assert ci.net_for_task(2, ci.Args(mode="separate")) == 2 and ci.net_for_task(2, sim) == 0
+    # several envs per actor process (slot = process * E + env): simultaneous mixes the tasks within a process (and
+    # so within a batch); separate gives a process's envs its task, whose network they all use
+    sim3 = ci.Args(env_ids=["a", "b", "c"], mode="simultaneous", num_actors=2, envs_per_actor=3)
+    assert [ci.task_for_actor(slot, 0, sim3) for slot in range(6)] == [0, 1, 2, 0, 1, 2]
+    sep3 = ci.Args(env_ids=["a", "b"], mode="separate", num_actors=2, envs_per_actor=3)
+    assert [ci.task_for_actor(slot, 0, sep3) for slot in range(6)] == [0, 0, 0, 1, 1, 1]
 
 
 def test_buffer_capacity_split_over_actors():
