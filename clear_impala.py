@@ -12,7 +12,8 @@ Paper parts implemented here
 - Behavioural cloning on replay unrolls only (Sec. 3): `policy_cloning_loss` (KL(mu || pi)), `value_cloning_loss`,
   time-aligned by `align_unroll`.
 - Task sequences (App. A.6; sequential / simultaneous / separate for Fig. 1) `task_for_actor`; test-actor pools per
-  task (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`, `plot_task_returns`.
+  task (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`
+  (figures: tests/benchmarks/clear_forgetting_table.py).
 
 Defaults and their source
 - T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the whole run, alpha 0.99, eps 0.01
@@ -52,8 +53,8 @@ from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
-from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
-                              stop_reason)
+from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
+                              stop_on_signals)
 from common.video import check_video_support
 
 ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
@@ -637,40 +638,6 @@ def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, to
     return out
 
 
-def plot_task_returns(records, env_ids, args: Args, path_prefix, total: int) -> list[str]:
-    """Per-task test returns against training steps up to `total` (the steps reached; current sequential task shaded)
-    and the cumulative-mean version (CLEAR Figs. 1-6 and App. C)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    for cumulative in (False, True):
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for task, env_id in enumerate(env_ids):
-            steps, y = binned_returns(records, task, total)
-            if not len(y):
-                continue
-            if cumulative:
-                y = np.cumsum(y) / np.arange(1, len(y) + 1)
-            line, = ax.plot(steps, y, label=env_id, lw=1)
-            if args.mode == "sequential":
-                for visit in range(args.num_cycles):
-                    start = (visit * len(env_ids) + task) * args.steps_per_task
-                    if start < total:
-                        ax.axvspan(start, min(start + args.steps_per_task, total), color=line.get_color(), alpha=0.08)
-        ax.set_xlabel("training steps (agent steps, all tasks)")
-        ax.set_ylabel("cumulative mean test return" if cumulative else "test episode return (per 1% of training)")
-        ax.set_title(f"{args.exp_name} ({args.mode}, replay {args.replay_ratio}); shaded: task being trained")
-        if ax.lines:
-            ax.legend(fontsize=7)
-        path = f"{path_prefix}{'_cumulative' if cumulative else ''}.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 # ACTOR PROCESSES (module-level so spawn can pickle them)
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
                global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
@@ -835,20 +802,12 @@ if __name__ == "__main__":
         raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
                          f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
 
-    # MEMORY: report per stored frame, refuse what cannot fit (issue: robustness and memory)
+    # MEMORY: bytes per stored frame, refuse what cannot fit
     capacity = buffer_capacity_per_actor(args)
     per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
-    frame_bytes = int(np.prod(obs_shape))
-    buffer_bytes = capacity * args.num_actors * per_unroll
-    slot_bytes = 2 * args.num_actors * E * per_unroll
-    print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames; "
-          f"{per_unroll / T:.0f} B per stored frame (uint8 frame {frame_bytes} B + "
-          f"{(per_unroll - T * frame_bytes) / T:.0f} B per-unroll overhead incl. row 0) "
-          f"= {buffer_bytes / 2**30:.3f} GiB")
-    avail = available_memory_bytes()
-    if buffer_bytes + slot_bytes > 0.9 * avail:
-        raise SystemExit(f"error: the replay buffers need {(buffer_bytes + slot_bytes) / 2**30:.1f} GiB but only "
-                         f"{avail / 2**30:.1f} GiB of RAM is available; lower --buffer-frames")
+    print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
+          f"{per_unroll / T:.0f} B per stored frame (frame {int(np.prod(obs_shape))} B + the unroll's other fields)")
+    check_memory((capacity * args.num_actors + 2 * num_envs) * per_unroll, "--buffer-frames")
 
     logger = start_run(args, ckpt, "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks")
     run_name = logger.run_name
@@ -1032,40 +991,27 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
-    reason, exit_code = stop_reason(error)
-    if isinstance(error, ActorDied) and error.traceback:
-        print(error.traceback, flush=True)
-    if exit_code:
-        print(f"stopped: {reason}", flush=True)
 
-    # SAVE + SUMMARY: returns averaged and plotted over the steps reached (an interrupted run: its measured part)
+    # SAVE + SUMMARY: returns averaged over the steps reached (an interrupted run: its measured part)
     for task, ret, length in drain(eval_queue):
         eval_records.append((global_step.value, task, ret))
+    with open(logger.dir / "eval_records.json", "w") as f:  # tests/benchmarks/clear_forgetting_table.py plots them
+        json.dump(eval_records, f)
     cum = cumulative_returns(eval_records, K, global_step.value)
+    returns = {k: [r for _, t, r in eval_records if t == k] for k in range(K)}
     summary = {
         "global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
         "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
         "final_cumulative_return": {args.env_ids[k]: cum[k] for k in range(K)},
-        "final_return_last20": {args.env_ids[k]: (float(np.mean([r for _, t, r in eval_records if t == k][-20:]))
-                                                  if any(t == k for _, t, _ in eval_records) else float("nan"))
+        "final_return_last20": {args.env_ids[k]: float(np.mean(returns[k][-20:])) if returns[k] else float("nan")
                                 for k in range(K)},
-        "num_eval_episodes": {args.env_ids[k]: sum(1 for _, t, _ in eval_records if t == k) for k in range(K)},
-        "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch),
-        "stop_reason": reason,
-    }
-    with open(logger.dir / "eval_records.json", "w") as f:
-        json.dump(eval_records, f)
-    try:
-        summary["plots"] = plot_task_returns(eval_records, args.env_ids, args, str(logger.dir / "task_returns"),
-                                             global_step.value)
-    except Exception as e:  # a plotting failure must not lose the summary
-        print(f"warning: plot failed: {e}")
-    if args.save_model and not exit_code:
-        path = logger.dir / f"{args.exp_name}.model"
-        torch.save({"models": [x.state_dict() for x in models], "args": vars(args)}, path)
-        print(f"model saved to {path}")
-    logger.summary(summary)
-    logger.close()
-    print(json.dumps({k: summary[k] for k in ("stop_reason", "global_step", "final_cumulative_return", "task_mismatch")}))
-    if exit_code:
-        raise SystemExit(exit_code)
+        "num_eval_episodes": {args.env_ids[k]: len(returns[k]) for k in range(K)},
+        "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch)}
+    print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
+
+    def save_model():
+        torch.save({"models": [x.state_dict() for x in models], "args": vars(args)},
+                   path := logger.dir / f"{args.exp_name}.model")
+        return path
+
+    finish_run(logger, error, summary, save_model if args.save_model else None)

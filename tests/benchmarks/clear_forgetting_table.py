@@ -9,9 +9,14 @@ prints, grouped by configuration (replay ratio, behavioural cloning):
 3. with `--displaced A --displacing B` (task indices): per run, the moment B is first learned in its first visit
    (the first 2.5k-step window whose mean test return reaches 0.5), and A's mean test return in the 5k steps before
    that moment, in the 5k steps after it, and in the last 5k steps of the visit after B's. This separates the
-   collapse of A when B is learned from A's recovery (from replay only) while other tasks train.
+   collapse of A when B is learned from A's recovery (from replay only) while other tasks train;
+4. the forgetting table: each task's test return over the last --window steps of its (last) visit and of the run,
+   mean ± sd over seeds (in non-sequential modes every task trains all the time: "end of visit" = the same steps);
+5. with `--plot PATH`: the paper's Figure 2 for every configuration (one panel each): test return of every task vs
+   training steps, mean and min-max spread over seeds (1% bins, `binned_returns`), the visits shaded.
 
     python tests/benchmarks/clear_forgetting_table.py runs/<run 1> runs/<run 2> ... [--displaced 1 --displacing 2]
+        [--window 100000] [--plot tests/benchmarks/results/clear_minatar.png]
 """
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ import os
 from collections import defaultdict
 
 import numpy as np
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from clear_impala import binned_returns  # noqa: E402
 
 
 def load_run(run_dir: str) -> dict:
@@ -77,7 +87,38 @@ def collapse_and_recovery(records: np.ndarray, displaced: int, displacing: int, 
 
 
 def short(env_id: str) -> str:
-    return env_id.replace("MiniGrid-", "").replace("-v0", "")
+    return env_id.replace("MiniGrid-", "").replace("MinAtar/", "").replace("-v0", "")
+
+
+def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None:
+    """Rows: tasks, columns: configurations; test return vs steps, mean and min-max over seeds, the task's visits
+    shaded (sequential modes)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    K, total = len(env_ids), V * L
+    fig, axes = plt.subplots(K, len(groups), figsize=(2.3 * len(groups), 1.5 * K + 0.5), sharex=True, sharey="row",
+                             squeeze=False)
+    for col, (name, rs) in enumerate(groups.items()):
+        for k in range(K):
+            ax = axes[k][col]
+            curves = [binned_returns([tuple(x) for x in r["records"]], k, total) for r in rs]
+            n = min(len(c[0]) for c in curves)
+            steps, ys = curves[0][0][-n:] / 1e6, np.array([c[1][-n:] for c in curves])
+            ax.plot(steps, ys.mean(0), lw=1, color=f"C{k}")
+            ax.fill_between(steps, ys.min(0), ys.max(0), color=f"C{k}", alpha=0.25, lw=0)
+            if rs[0]["args"].get("mode", "sequential") == "sequential":
+                for v in range(k, V, K):
+                    ax.axvspan(v * L / 1e6, (v + 1) * L / 1e6, color="grey", alpha=0.12, lw=0)
+            ax.tick_params(labelsize=6)
+            if col == 0:
+                ax.set_ylabel(short(env_ids[k]), fontsize=7)
+        axes[0][col].set_title(f"{name.split(' (')[0]} ({len(rs)} seeds)", fontsize=7)
+        axes[-1][col].set_xlabel("training steps (M)", fontsize=7)
+    fig.suptitle("test return per task (mean, min-max over seeds; grey: the task's visit)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"\nwrote {path}")
 
 
 def main() -> None:
@@ -85,6 +126,8 @@ def main() -> None:
     p.add_argument("runs", nargs="+")
     p.add_argument("--displaced", type=int, help="task index whose collapse and recovery to report (e.g. 1)")
     p.add_argument("--displacing", type=int, help="task index whose first learning displaces it (e.g. 2)")
+    p.add_argument("--window", type=int, default=100_000, help="steps at the end of a visit / of the run (table 4)")
+    p.add_argument("--plot", help="write the per-configuration Figure 2 to this PNG")
     cli = p.parse_args()
     runs = [load_run(d) for d in cli.runs]
     env_ids = runs[0]["args"]["env_ids"]
@@ -122,6 +165,24 @@ def main() -> None:
         for k in range(K):
             print(f"| {short(env_ids[k])} | " + " | ".join(
                 (f"**{pv[k, v]:.2f}**" if v % K == k else f"{pv[k, v]:.2f}") for v in range(V)) + " |")
+
+    W = cli.window
+    print(f"\nForgetting: test return over the last {W // 1000}k steps of each task's last visit -> of the run, "
+          f"mean ± sd over seeds")
+    print("| run | " + " | ".join(short(e) for e in env_ids) + " |")
+    print("|---" * (K + 1) + "|")
+    for name, rs in groups.items():
+        cells = []
+        for k in range(K):
+            sequential = rs[0]["args"].get("mode", "sequential") == "sequential"
+            visit_end = (max(v for v in range(V) if v % K == k) + 1) * L if sequential else V * L
+            end = np.array([[window_mean(r["records"], k, visit_end - W, visit_end),
+                             window_mean(r["records"], k, V * L - W, V * L)] for r in rs])
+            cells.append(f"{end[:, 0].mean():.2f} ± {end[:, 0].std():.2f} -> {end[:, 1].mean():.2f} ± "
+                         f"{end[:, 1].std():.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if cli.plot:
+        plot_configs(groups, env_ids, L, V, cli.plot)
 
     if cli.displaced is not None and cli.displacing is not None:
         a, b = cli.displaced, cli.displacing
