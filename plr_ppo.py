@@ -46,7 +46,7 @@ from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, see
 from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
 from common.normalize import ReturnNormalizer
-from common.processes import ActorDied, set_learner_threads, stop_on_signals, stop_reason
+from common.processes import ActorDied, finish_run, set_learner_threads, stop_on_signals
 
 MAX_SEED = 2**31 - 1
 
@@ -797,31 +797,25 @@ if __name__ == "__main__":
         error = e
     finally:
         envs.close()
-    reason, exit_code = stop_reason(error)
-    if exit_code:
-        print(f"stopped: {reason}", flush=True)
+    # SAVE + EVALUATE (after a normal end), summary.json, the exit code
+    if error is None and args.checkpoint_every:
+        save(logger.dir / "checkpoint.pt")
 
-    # SAVE + EVALUATE
-    summary = {"global_step": global_step, "updates": update, "stop_reason": reason}
-    if error is None:
-        if args.checkpoint_every:
-            save(logger.dir / "checkpoint.pt")
-        if args.save_model:
-            save_checkpoint(logger.dir / f"{args.exp_name}.model", {"model": agent.state_dict(), "args": vars(args)})
-            print(f"model saved to {logger.dir / f'{args.exp_name}.model'}")
-        try:
-            final = run_eval(args.final_eval_episodes) if args.final_eval_episodes else {}
-        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
-            (reason, exit_code), final = stop_reason(e), {}
-            summary["stop_reason"] = f"{reason} during the final evaluation"
-        if final:
-            logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
-            summary |= {k.replace("eval/", "final_"): v for k, v in final.items()}
+    def save_model():
+        save_checkpoint(path := logger.dir / f"{args.exp_name}.model", {"model": agent.state_dict(), "args": vars(args)})
+        return path
+
+    def final_eval() -> dict:
+        final = run_eval(args.final_eval_episodes)
+        logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
+        return {k.replace("eval/", "final_"): v for k, v in final.items()}
+
+    summary = {"global_step": global_step, "updates": update}
     if args.plr_strategy != "random":
         summary |= {k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()}
-    if eval_envs is not None:
-        eval_envs.close()
-    logger.summary(summary)
-    logger.close()
-    if exit_code:
-        raise SystemExit(exit_code)
+    try:
+        finish_run(logger, error, summary, save_model if args.save_model else None,
+                   final_eval if args.final_eval_episodes else None)
+    finally:
+        if eval_envs is not None:
+            eval_envs.close()
