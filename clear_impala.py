@@ -162,35 +162,28 @@ ARG_RULES = {
 
 def validate_args(args: Args) -> None:
     """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
-    def fail(msg):
-        raise SystemExit(f"error: {msg}")
-
-    if not args.env_ids:
-        fail("--env-ids needs at least one task")
     if args.capture_video:
         try:
             check_video_support()
         except ValueError as e:
-            fail(str(e))
-    k, E = len(args.env_ids), args.envs_per_actor
-    if args.mode == "separate":
-        if (args.num_actors // k) * E < args.batch_size:
-            fail(f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size "
-                 f"({args.batch_size}): each network's batch comes from its own task's envs, one pair per env")
-    elif args.num_actors * E < args.batch_size:
-        fail(f"--num-actors x --envs-per-actor ({args.num_actors * E}) must be >= --batch-size ({args.batch_size}): "
-             f"each env contributes at most one pair to a batch (CLEAR App. A.1)")
-    if args.mode == "simultaneous" and (args.num_actors * E) % k:
-        fail(f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({k}): "
-             f"env i plays task i mod {k}, so any other count gives some tasks more data")
-    if args.mode == "separate" and args.num_actors % k:
-        fail(f"--mode separate needs --num-actors a multiple of the number of tasks ({k}): actor process i plays "
-             f"task i mod {k}, so any other count gives some tasks more data")
-    if args.buffer_frames == 0 and args.replay_ratio > 0:
-        fail("--buffer-frames 0 (no replay buffer) needs --replay-ratio 0")
-    if args.buffer_frames > 0 and args.buffer_frames < args.num_actors * args.unroll_length:
-        fail(f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
-             f"({args.num_actors} actors x {args.unroll_length} steps)")
+            raise SystemExit(f"error: {e}") from None
+    k, E, B, n = max(1, len(args.env_ids)), args.envs_per_actor, args.batch_size, args.num_actors
+    for bad, msg in (
+        (not args.env_ids, "--env-ids needs at least one task"),
+        (args.mode == "separate" and (n // k) * E < B, f"--mode separate needs (--num-actors // tasks) x "
+         f"--envs-per-actor >= --batch-size ({B}): each network's batch comes from its own task's envs, one pair each"),
+        (args.mode != "separate" and n * E < B, f"--num-actors x --envs-per-actor ({n * E}) must be >= --batch-size "
+         f"({B}): each env contributes at most one pair to a batch (CLEAR App. A.1)"),
+        (args.mode == "simultaneous" and (n * E) % k, f"--mode simultaneous needs --num-actors x --envs-per-actor a "
+         f"multiple of the number of tasks ({k}): env i plays task i mod {k}, so any other count unbalances the tasks"),
+        (args.mode == "separate" and n % k, f"--mode separate needs --num-actors a multiple of the number of tasks "
+         f"({k}): actor process i plays task i mod {k}, so any other count unbalances the tasks"),
+        (args.buffer_frames == 0 and args.replay_ratio > 0, "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0"),
+        (0 < args.buffer_frames < n * args.unroll_length, f"--buffer-frames {args.buffer_frames} is less than one "
+         f"unroll per actor ({n} actors x {args.unroll_length} steps)"),
+    ):  # fmt: skip
+        if bad:
+            raise SystemExit(f"error: {msg}")
 
 
 def total_steps(args: Args) -> int:
