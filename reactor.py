@@ -26,7 +26,8 @@ Defaults and their source
 Differences from the paper
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
 - The appendix's Contextual Priority Tree (AVL, subtree mean-priority estimates) is replaced by three sum trees (keys,
-  known priorities, cell masses): an unknown key takes its and the neighbour cells' mean, O(log n) (3.3).
+  known priorities, cell masses) and a linked list of the known keys with their cell sizes: an unknown key takes its
+  and the neighbour cells' mean, O(log n) (3.3).
 - LSTM states stored in float16; loss averaged over a sequence's valid steps, then IS-weighted; a lost life resets
   the LSTM in training and evaluation alike.
 - R(A) in beta-LOO is the scalar Retrace return; IS weights are normalized by their batch maximum.
@@ -52,8 +53,8 @@ from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
-from common.processes import (ActorDied, ProcessGroup, available_memory_bytes, set_learner_threads, stop_on_signals,
-                              stop_reason)
+from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
+                              stop_on_signals)
 from common.video import check_video_support
 
 
@@ -205,7 +206,7 @@ class CReLU(nn.Module):
     """Concatenated ReLU: [relu(x), relu(-x)] along the feature axis (doubles the width)."""
 
     def forward(self, x):
-        return torch.cat([F.relu(x), F.relu(-x)], dim=1)
+        return torch.cat([x, x.neg()], dim=1).relu_()  # = cat([relu(x), relu(-x)]), values and gradients, fewer passes
 
 
 class NetOut(NamedTuple):
@@ -247,8 +248,10 @@ class ReactorNetwork(nn.Module):
     def initial_state(self, batch: int, device=None):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
-    def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple) -> NetOut:
-        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame)."""
+    def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
+        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame).
+        policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and the
+        policy LSTM state come back as None."""
         B, L = obs.shape[:2]
         x = self.torso(obs.reshape(B * L, *self.obs_shape).float() / self.obs_scale).reshape(B, L, -1)
         hq, cq, hp, cp = (h.unsqueeze(0) for h in state)
@@ -258,22 +261,24 @@ class ReactorNetwork(nn.Module):
         cuts = [0, *(torch.nonzero(first[:, 1:].any(0)).flatten() + 1).tolist(), L]
         q_out, pi_out = [], []
         for a, b in zip(cuts[:-1], cuts[1:]):
-            hq, cq, hp, cp = hq * keep[a], cq * keep[a], hp * keep[a], cp * keep[a]
+            hq, cq = hq * keep[a], cq * keep[a]
             yq, (hq, cq) = self.q_lstm(x[:, a:b], (hq, cq))
-            # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
-            yp, (hp, cp) = self.pi_lstm(x[:, a:b].detach(), (hp, cp))
             q_out.append(yq)
-            pi_out.append(yp)
-        hq, cq, hp, cp = hq[0], cq[0], hp[0], cp[0]
+            if policy:  # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
+                hp, cp = hp * keep[a], cp * keep[a]
+                yp, (hp, cp) = self.pi_lstm(x[:, a:b].detach(), (hp, cp))
+                pi_out.append(yp)
         hq_all = self.q_hidden(torch.cat(q_out, 1).reshape(B * L, -1))
-        hp_all = self.pi_hidden(torch.cat(pi_out, 1).reshape(B * L, -1))
         k = self.num_atoms if self.distributional else 1
         # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
         q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, k)
         q = q.view(B, L, self.num_actions, k) if self.distributional else q.view(B, L, self.num_actions)
+        if not policy:
+            return NetOut(q, None, (hq[0], cq[0], None, None))
+        hp_all = self.pi_hidden(torch.cat(pi_out, 1).reshape(B * L, -1))
         # policy: softmax mixed with a fixed uniform distribution (3.4.1)
         pi = (1 - self.policy_uniform_eps) * F.softmax(self.pi_logits(hp_all), -1) + self.policy_uniform_eps / self.num_actions
-        return NetOut(q, pi.view(B, L, self.num_actions), (hq, cq, hp, cp))
+        return NetOut(q, pi.view(B, L, self.num_actions), (hq[0], cq[0], hp[0], cp[0]))
 
 
 def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
@@ -282,6 +287,22 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
     torso = ("minatar" if minatar else "paper") if args.torso == "auto" else args.torso
     return ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
                           args.policy_uniform_eps, obs_shape, torso, obs_scale=1.0 if minatar else 255.0)
+
+
+def make_optimizer(net: nn.Module, args: Args) -> torch.optim.Adam:
+    """Adam (3.4.1: beta1 = 0), fused: one kernel for all parameters (the same update as torch's per-tensor loop, up
+    to float rounding, several times faster for this many small tensors)."""
+    return torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                            eps=args.adam_eps, fused=True)
+
+
+def make_learner(args: Args, num_actions: int, obs_shape, device):
+    """The learner's network, its target network (a copy) and optimizer. Channels-last convolution weights: the same
+    results up to float rounding, and on a CPU a faster Atari torso over a batch of 4 x 33 frames."""
+    net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
+    target_net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
+    target_net.load_state_dict(net.state_dict())
+    return net, target_net, make_optimizer(net, args)
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
@@ -295,14 +316,15 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
     atoms, probs = torch.broadcast_tensors(atoms, probs)
     K = support.shape[0]
     v_min, v_max = float(support[0]), float(support[-1])
-    b = ((atoms.clamp(v_min, v_max) - v_min) / ((v_max - v_min) / (K - 1))).clamp(0, K - 1)
-    lower = b.floor()
-    frac = b - lower  # weight of the upper neighbour; 0 for an atom on a grid point
-    lower_idx = lower.long().clamp(0, K - 1)
-    upper_idx = (lower_idx + 1).clamp(max=K - 1)
+    b = ((atoms - v_min) / ((v_max - v_min) / (K - 1))).clamp_(0, K - 1)  # grid position, atoms clipped to the range
+    lower_idx = b.floor()
+    frac = b.sub_(lower_idx)  # weight of the upper neighbour; 0 for an atom on a grid point
+    lower_idx = lower_idx.long()
+    upper_idx = (lower_idx + 1).clamp_(max=K - 1)
+    upper_w = probs * frac
     out = probs.new_zeros(*probs.shape[:-1], K)
-    out.scatter_add_(-1, lower_idx, probs * (1 - frac))
-    out.scatter_add_(-1, upper_idx, probs * frac)
+    out.scatter_add_(-1, lower_idx, probs - upper_w)
+    out.scatter_add_(-1, upper_idx, upper_w)
     return out
 
 
@@ -330,15 +352,15 @@ def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
     which equals Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s. All inputs [B, T]: rewards r_t,
     discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one is treated as 0: the sequence end
     cuts the trace), v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
+    Computed unrolled, for all t at once: Q^ret_t = sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s with
+    x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q(x_{s+1}, a_{s+1})].
     """
     T = rewards.shape[1]
-    out = torch.empty_like(rewards)
-    acc = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(T)):
-        c = c_next[:, t] if t < T - 1 else torch.zeros_like(acc)
-        acc = rewards[:, t] + discounts[:, t] * (v_next[:, t] - c * q_next_a[:, t] + c * acc)
-        out[:, t] = acc
-    return out
+    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
+    x = rewards + discounts * (v_next - c * q_next_a)
+    later = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # s >= t
+    weights = torch.where(later, _window_products(discounts * c, inclusive=False), 0.0)  # [B, T(t), T(s)]
+    return (weights @ x.unsqueeze(-1)).squeeze(-1)
 
 
 def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a_next, support):
@@ -352,7 +374,7 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     q_next (target-network probabilities q(x_{t+1}, .)): [B, T, A, K]; a_next (a_{t+1}): [B, T]; support z: [K].
     The sequence end cuts the trace (c_{t+T} := 0), so sum_{n,a} alpha = 1 and the target has total mass 1
     (some entries may be negative for a given trajectory; they are non-negative in expectation).
-    Returns [B, T, K].
+    Returns [B, T, K]. Only the T (T + 1) / 2 pairs (t, n >= 1) are built and projected.
     """
     B, T, A, K = q_next.shape
     c = c_next.clone()
@@ -365,9 +387,11 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     disc_excl = _window_products(discounts, inclusive=False)  # prod_{u=t}^{j-1} gamma_u: discount of r_j
     valid = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # j >= t, i.e. n = j - t + 1 >= 1
     ret = torch.cumsum(torch.where(valid, disc_excl * rewards[:, None, :], 0.0), dim=-1)  # sum gamma^{s-t} r_s
-    weights = torch.where(valid[..., None], trace[..., None] * y[:, None, :, :], 0.0)  # alpha-weighted q_j
-    atoms = ret[..., None] + disc_incl[..., None] * support  # z^n_j                                       [B,T,T,K]
-    return categorical_projection(atoms.reshape(B, T, T * K), weights.reshape(B, T, T * K), support)
+    t_idx, j_idx = torch.triu_indices(T, T, device=rewards.device)  # the pairs (t, j >= t), t-major
+    weights = trace[:, t_idx, j_idx, None] * y[:, j_idx]  # alpha-weighted q_j                               [B, P, K]
+    atoms = ret[:, t_idx, j_idx, None] + disc_incl[:, t_idx, j_idx, None] * support  # z^n_j                [B, P, K]
+    projected = categorical_projection(atoms, weights, support)  # each pair's K atoms                   [B, P, K]
+    return projected.new_zeros(B, T, K).index_add_(1, t_idx, projected)  # summed over n, for each t
 
 
 def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
@@ -431,7 +455,7 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors)."""
     out = net(batch.obs, batch.first, batch.state)
     with torch.no_grad():
-        tout = target_net(batch.obs, batch.first, batch.state)
+        tout = target_net(batch.obs, batch.first, batch.state, policy=False)  # (its policy is never used)
     T = batch.obs.shape[1] - 1
     pi = out.pi  # [B, T+1, A]
     pi_d = pi.detach()
@@ -488,9 +512,16 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
 class SumTree:
     """Binary tree over `capacity` leaves (leaves at [size, 2 size) of one array); each node = sum of its two children.
 
-    Every operation is vectorized over a batch of indices and touches log2(size) levels. Integer trees are updated
-    with exact deltas; float trees recompute parents from their children, so float sums never drift.
+    `set`, `prefix` and `find` take numpy batches: large ones run vectorized over whole tree levels, small ones (the
+    common case: a few keys per replay operation) call the scalar methods, which walk the tree node by node in plain
+    Python through `nodes`, a memoryview of the same array (Python ints and floats cost far less per node than numpy
+    scalars or numpy calls). Both give identical results. Every walk touches at most 2 log2(size) nodes; the local
+    queries (`count`, `nth_after`, `last_nonzero_at_or_before`) climb only as high as the distance they span, so a
+    nearby answer costs a few nodes. Integer trees take exact deltas (or recomputed sums: exact too); float trees
+    recompute parents from their children, so float sums never drift and the same leaves always give the same tree.
     """
+
+    SMALL = 64  # batches up to this size walk node by node
 
     def __init__(self, capacity: int, dtype):
         self.depth = max(1, int(np.ceil(np.log2(capacity + 1))))
@@ -498,6 +529,7 @@ class SumTree:
         self.tree = np.zeros(2 * self.size, dtype)
         self.exact = np.issubdtype(self.tree.dtype, np.integer)
         self.shifts = np.arange(self.depth, dtype=np.int64)[:, None]
+        self.nodes = memoryview(self.tree)  # scalar access; write `tree` in place only (tree[:] = ...)
 
     @property
     def total(self):
@@ -506,22 +538,16 @@ class SumTree:
     def get(self, idx):
         return self.tree[np.asarray(idx, np.int64) + self.size]
 
-    # Small batches (the common case: a few keys per operation) walk the tree in plain Python, which is much faster
-    # than a numpy call per level; large batches use the vectorized code. Both give identical results.
-    SMALL = 64
-
+    # --- batch operations (numpy arrays in and out) ---
     def set(self, idx, values) -> None:
         """Set leaves `idx` (unique) to `values`."""
         node = np.asarray(idx, np.int64) + self.size
         if node.size == 0:
             return
         if node.size <= self.SMALL:
-            t = self.tree
-            for nd, v in zip(node.tolist(), np.broadcast_to(values, node.shape).tolist()):
-                t[nd] = v
-                for _ in range(self.depth):
-                    nd >>= 1
-                    t[nd] = t.item(2 * nd) + t.item(2 * nd + 1)
+            values = np.broadcast_to(np.asarray(values, self.tree.dtype), node.shape).ravel()
+            order = np.argsort(node.ravel())
+            self.set_leaves((node.ravel()[order] - self.size).tolist(), values[order].tolist())
             return
         if self.exact:  # integer counts: add the deltas to every ancestor at once
             delta = np.asarray(values, self.tree.dtype) - self.tree[node]
@@ -537,15 +563,7 @@ class SumTree:
         """Sum of leaves [0, idx) for each idx (0 <= idx <= capacity): the left siblings of idx's ancestors."""
         idx = np.asarray(idx, np.int64)
         if idx.size <= self.SMALL:
-            t, out = self.tree, []
-            for nd in (idx + self.size).ravel().tolist():
-                res = 0
-                while nd > 1:
-                    if nd & 1:
-                        res += t.item(nd - 1)
-                    nd >>= 1
-                out.append(res)
-            return np.array(out, self.tree.dtype).reshape(idx.shape)
+            return np.array([self.prefix_one(i) for i in idx.ravel().tolist()], self.tree.dtype).reshape(idx.shape)
         node = (idx + self.size)[None] >> self.shifts  # [depth, n]: leaf and its ancestors
         return np.where(node & 1, self.tree[node - 1], 0).sum(0)
 
@@ -553,17 +571,7 @@ class SumTree:
         """Leaf i with prefix(i) <= value < prefix(i + 1) (for counts: the (value+1)-th one)."""
         value = np.array(value, dtype=self.tree.dtype)
         if value.size <= self.SMALL:
-            t, out = self.tree, []
-            for v in value.ravel().tolist():
-                nd = 1
-                for _ in range(self.depth):
-                    nd *= 2
-                    left = t.item(nd)
-                    if v >= left:
-                        v -= left
-                        nd += 1
-                out.append(nd - self.size)
-            return np.array(out, np.int64).reshape(value.shape)
+            return np.array([self.find_one(v) for v in value.ravel().tolist()], np.int64).reshape(value.shape)
         node = np.ones(value.shape, np.int64)
         for _ in range(self.depth):
             node = node * 2
@@ -573,9 +581,101 @@ class SumTree:
             node = node + right
         return node - self.size
 
+    # --- scalar operations (Python numbers in and out) ---
+    def add_one(self, i: int, delta) -> None:
+        """Add `delta` to leaf i and its ancestors (integer trees: exact)."""
+        t, nd = self.nodes, i + self.size
+        while nd:
+            t[nd] += delta
+            nd >>= 1
+
+    def set_leaves(self, idx: list, values: list) -> None:
+        """Set leaves idx (sorted, unique) to values and recompute their ancestors from their children. Each walk
+        stops below its lowest common ancestor with the next leaf, which that leaf's walk recomputes (after this one):
+        nearby leaves share most of their path to the root."""
+        t, size, last = self.nodes, self.size, len(idx) - 1
+        for j, (i, v) in enumerate(zip(idx, values)):
+            nd = i + size
+            t[nd] = v
+            # levels below the common ancestor with the next leaf (the root for the last leaf)
+            levels = ((nd ^ (idx[j + 1] + size)).bit_length() - 1) if j < last else self.depth
+            for _ in range(levels):
+                v += t[nd ^ 1]  # parent = this node + its sibling (the same float as left + right)
+                nd >>= 1
+                t[nd] = v
+
+    def prefix_one(self, i: int):
+        """Sum of leaves [0, i)."""
+        t, nd, res = self.nodes, i + self.size, 0
+        while nd > 1:
+            if nd & 1:
+                res += t[nd - 1]
+            nd >>= 1
+        return res
+
+    def find_one(self, v):
+        """Leaf i with prefix(i) <= v < prefix(i + 1)."""
+        t, nd = self.nodes, 1
+        for _ in range(self.depth):
+            nd <<= 1
+            left = t[nd]
+            if v >= left:
+                v -= left
+                nd += 1
+        return nd - self.size
+
+    def count(self, a: int, b: int):
+        """Sum of leaves [a, b) (a <= b), bottom-up: about 2 log2(b - a) nodes."""
+        t, lo, hi, res = self.nodes, a + self.size, b + self.size, 0
+        while lo < hi:
+            if lo & 1:
+                res += t[lo]
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                res += t[hi]
+            lo >>= 1
+            hi >>= 1
+        return res
+
+    def last_nonzero_at_or_before(self, i: int) -> int:
+        """Count trees: the largest leaf j <= i that is nonzero; circularly, the largest nonzero leaf when none is
+        (the tree must not be empty). Climbs until a left sibling holds a nonzero leaf, then descends into it."""
+        t, nd = self.nodes, i + self.size
+        if t[nd]:
+            return i
+        while nd > 1:
+            if nd & 1 and t[nd - 1]:
+                nd -= 1
+                break
+            nd >>= 1
+        while nd < self.size:  # the rightmost nonzero leaf under nd (the whole tree after a wrap)
+            nd = 2 * nd + 1 if t[2 * nd + 1] else 2 * nd
+        return nd - self.size
+
+    def nth_after(self, i: int, m: int) -> int:
+        """0/1 count trees: the m-th nonzero leaf after leaf i, circularly (1 <= m < total). Climbs until the
+        right siblings passed hold m, then descends; the same as find((prefix(i + 1) + m - 1) mod total)."""
+        t, nd = self.nodes, i + self.size
+        while nd > 1:
+            if not nd & 1:  # a left child: its right sibling comes next
+                right = t[nd + 1]
+                if m <= right:
+                    nd += 1
+                    break
+                m -= right
+            nd >>= 1
+        while nd < self.size:  # the m-th nonzero leaf under nd (from leaf 0 after a wrap)
+            nd <<= 1
+            left = t[nd]
+            if m > left:
+                m -= left
+                nd += 1
+        return nd - self.size
+
 
 class LazyPriorities:
-    """Sequence keys 0..capacity-1 with lazily initialized priorities (paper 3.3), all operations O(log n).
+    """Sequence keys 0..capacity-1 with lazily initialized priorities (paper 3.3), all operations O(log n) per key.
 
     A key is *valid* when its whole sequence is in memory. A valid key is either *known* (it was trained on and got a
     priority p) or unknown. The known keys s_1 < s_2 < ... partition the valid keys into cells
@@ -587,7 +687,16 @@ class LazyPriorities:
     a sum tree. Sampling: with probability eps uniformly over the valid keys, else proportionally to p_hat (pick a
     cell by mass, then its known key with probability p_i / m_i, else one of its unknown keys uniformly).
     When no priority is known the sampling is uniform.
+
+    Data: sum trees over the keys of valid flags, known flags and cell masses, the priorities, and for each known key
+    its neighbours in the circular list of known keys (`prev_known`, `next_known`) and its cell size (`cell_size`),
+    so a cell's estimate costs O(1). A change at a key alters the masses of at most 4 cells around it (`_touched`):
+    each operation updates the links and sizes, then recomputes those masses. Batches up to SMALL keys run the
+    scalar code (a few tree walks per key, most of them local); larger ones run the vectorized code (whole levels at
+    once, all cells within two of each key refreshed); both give identical results.
     """
+
+    SMALL = 64
 
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
         self.capacity, self.eps = capacity, uniform_eps
@@ -595,8 +704,13 @@ class LazyPriorities:
         self.known = SumTree(capacity, np.int64)
         self.mass = SumTree(capacity, np.float64)
         self.priority = np.zeros(capacity, np.float64)
+        # meaningful at known keys only: neighbours in the circular list of known keys, cell sizes |I|
+        self.prev_known = np.zeros(capacity, np.int64)
+        self.next_known = np.zeros(capacity, np.int64)
+        self.cell_size = np.zeros(capacity, np.int64)
+        # scalar access to these four arrays (so write them in place only)
+        self._views = tuple(memoryview(a) for a in (self.priority, self.prev_known, self.next_known, self.cell_size))
 
-    # --- order queries (all vectorized) ---
     @property
     def num_valid(self) -> int:
         return int(self.valid.total)
@@ -605,6 +719,114 @@ class LazyPriorities:
     def num_known(self) -> int:
         return int(self.known.total)
 
+    # --- scalar code: one key at a time, Python numbers ---
+    def _is_known(self, k: int) -> bool:
+        return self.known.nodes[k + self.known.size] != 0
+
+    def _owner(self, k: int, guess: int = -1) -> int:
+        """The known key whose cell holds key k: the last known key <= k, circularly (some key must be known).
+        `guess`, a known key, is checked first in O(1) (sorted keys of one operation mostly share their cell)."""
+        if guess >= 0:
+            nxt, n = self._views[2], self.capacity
+            if (k - guess) % n < ((nxt[guess] - guess) % n or n):  # k in [guess, next known key), circularly
+                return guess
+        return self.known.last_nonzero_at_or_before(k)
+
+    def _cell_estimate_one(self, c: int) -> float:
+        """p_hat of the unknown keys of known key c's cell: the cell-size weighted mean over J (distinct cells)."""
+        p, prev, nxt, size = self._views
+        a, b = prev[c], nxt[c]
+        w = size[c]
+        num, den = w * p[c], w
+        if a != c:
+            num += size[a] * p[a]
+            den += size[a]
+        if b != c and b != a:
+            num += size[b] * p[b]
+            den += size[b]
+        return num / den
+
+    def _touched(self, c: int) -> tuple:
+        """The cells whose mass depends on known key c's priority, cell size or links: c and its two neighbours."""
+        _, prev, nxt, _ = self._views
+        return prev[c], c, nxt[c]
+
+    def _set_masses(self, cells: set) -> None:
+        """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
+        cells = sorted(cells)
+        p, _, _, size = self._views
+        known, offset, estimate = self.known.nodes, self.known.size, self._cell_estimate_one
+        masses = [p[c] + (size[c] - 1) * estimate(c) if known[c + offset] else 0.0 for c in cells]
+        self.mass.set_leaves(cells, masses)
+
+    def _add_small(self, keys: list) -> None:
+        """`add` of sorted unique keys: each new (unknown) key joins the cell that holds it."""
+        valid, cells, o = self.valid, set(), -1
+        _, _, _, size = self._views
+        keys = [k for k in keys if not valid.nodes[k + valid.size]]
+        valid.set_leaves(keys, [1] * len(keys))
+        if self.known.nodes[1]:
+            for k in keys:  # an unknown key: the cell holding it grows by one
+                o = self._owner(k, o)
+                size[o] += 1
+                cells.update(self._touched(o))
+        self._set_masses(cells)
+
+    def _remove_small(self, keys: list) -> None:
+        """`remove` of sorted unique keys: an unknown key leaves its cell; a known key's cell joins the previous one."""
+        valid, known, cells, o = self.valid, self.known, set(), -1
+        _, prev, nxt, size = self._views
+        keys = [k for k in keys if valid.nodes[k + valid.size]]
+        valid.set_leaves(keys, [0] * len(keys))
+        for k in keys:
+            if self._is_known(k):  # its cell merges into the previous cell
+                known.add_one(k, -1)
+                cells.add(k)  # (mass 0)
+                a, b = prev[k], nxt[k]
+                o = -1  # (the next owner guess: k is no longer known)
+                if a != k:  # other keys remain known: unlink k, a's cell takes k's other keys
+                    nxt[a], prev[b] = b, a
+                    size[a] += size[k] - 1
+                    cells.update(self._touched(a))
+                    o = a
+            elif known.nodes[1]:  # an unknown key: the cell holding it shrinks by one
+                o = self._owner(k, o)
+                size[o] -= 1
+                cells.update(self._touched(o))
+        self._set_masses(cells)
+
+    def _set_priority_small(self, keys: list, priorities: list) -> None:
+        """`set_priority`: a known key's priority changes; a newly known key splits the cell that held it."""
+        valid, known, cells = self.valid, self.known, set()
+        p, prev, nxt, size = self._views
+        last = dict(zip(keys, priorities))  # the last priority of a repeated key
+        for k in sorted(last):
+            if not valid.nodes[k + valid.size]:
+                continue
+            p[k] = last[k]
+            if self._is_known(k):
+                cells.update(self._touched(k))
+                continue
+            if not known.nodes[1]:  # the first known key: one cell of all valid keys
+                known.add_one(k, 1)
+                prev[k] = nxt[k] = k
+                size[k] = valid.nodes[1]
+                cells.add(k)
+                continue
+            o = self._owner(k)  # k splits o's cell: k's cell is the valid keys [k, next known key)
+            b = nxt[o]
+            known.add_one(k, 1)
+            w = valid.count(k, b) if b > k else valid.nodes[1] - valid.count(b, k)
+            size[k], size[o] = w, size[o] - w
+            nxt[o], prev[k], nxt[k], prev[b] = k, o, b, k
+            cells.update(self._touched(o))
+            cells.add(b)
+        self._set_masses(cells)
+
+    def _estimate_one(self, k: int) -> float:
+        return self._views[0][k] if self._is_known(k) else self._cell_estimate_one(self._owner(k))
+
+    # --- vectorized code: large batches, numpy arrays ---
     def _owner_rank(self, keys):
         """Rank (among known keys) of the known key whose cell holds each key: the last known key <= key, circularly."""
         return np.mod(self.known.prefix(np.asarray(keys, np.int64) + 1) - 1, self.num_known)
@@ -616,7 +838,8 @@ class LazyPriorities:
         return np.where(ends > starts, b - a, self.num_valid - a + b)
 
     def _cell_estimate(self, ranks):
-        """For the known keys of these ranks: (keys, p_hat of their cell's unknown keys, cell sizes w).
+        """For the known keys of these ranks: (keys, p_hat of their cell's unknown keys, cell sizes w, previous and
+        next known keys), from the trees alone.
 
         p_hat = cell-size weighted mean of the known priorities of J (the cell and its two neighbours, distinct).
         """
@@ -630,27 +853,34 @@ class LazyPriorities:
         p = self.priority
         num = w_own * p[own] + use_prv * w_prv * p[prv] + use_nxt * w_nxt * p[nxt]
         den = w_own + use_prv * w_prv + use_nxt * w_nxt
-        return own, num / den, w_own
+        return own, num / den, w_own, prv, nxt
 
     def _refresh(self, keys) -> None:
-        """Recompute the masses of every cell whose mass may have changed after changes at `keys`: the cells within
-        two cells of the one now holding each key (its size, priority or neighbours changed)."""
+        """Recompute the masses, links and sizes of every cell that may have changed after changes at `keys`: the
+        cells within two cells of the one now holding each key (its size, priority or neighbours changed)."""
         if self.num_known == 0 or len(keys) == 0:
             return
         ranks = np.unique(np.mod(self._owner_rank(keys)[:, None] + np.arange(-2, 3), self.num_known))
-        cells, est, w = self._cell_estimate(ranks)
+        cells, est, w, prv, nxt = self._cell_estimate(ranks)
+        self.prev_known[cells], self.next_known[cells], self.cell_size[cells] = prv, nxt, w
         self.mass.set(cells, self.priority[cells] + (w - 1) * est)
 
     # --- the four replay operations ---
     def add(self, keys) -> None:
         """Keys become valid with an unknown priority (lazy initialization)."""
-        keys = np.unique(np.asarray(keys, np.int64))
+        keys = np.asarray(keys, np.int64).ravel()
+        if len(keys) <= self.SMALL:
+            return self._add_small(sorted(set(keys.tolist())))
+        keys = np.unique(keys)
         self.valid.set(keys, 1)
         self._refresh(keys)
 
     def remove(self, keys) -> None:
         """Evict keys (their sequence is being overwritten); a known key's cell merges into the previous cell."""
-        keys = np.unique(np.asarray(keys, np.int64))
+        keys = np.asarray(keys, np.int64).ravel()
+        if len(keys) <= self.SMALL:
+            return self._remove_small(sorted(set(keys.tolist())))
+        keys = np.unique(keys)
         keys = keys[self.valid.get(keys) == 1]
         was_known = keys[self.known.get(keys) == 1]
         self.valid.set(keys, 0)
@@ -660,8 +890,10 @@ class LazyPriorities:
 
     def set_priority(self, keys, priorities) -> None:
         """Assign priorities to keys just trained on (invalid keys, evicted meanwhile, are skipped)."""
-        keys = np.asarray(keys, np.int64)
-        priorities = np.asarray(priorities, np.float64)
+        keys = np.asarray(keys, np.int64).ravel()
+        priorities = np.asarray(priorities, np.float64).ravel()
+        if len(keys) <= self.SMALL:
+            return self._set_priority_small(keys.tolist(), priorities.tolist())
         keys, last = np.unique(keys[::-1], return_index=True)  # keep the last priority of a repeated key
         priorities = priorities[::-1][last]
         ok = self.valid.get(keys) == 1
@@ -675,7 +907,9 @@ class LazyPriorities:
         keys = np.asarray(keys, np.int64)
         if self.num_known == 0:
             return np.full(keys.shape, np.nan)
-        _, est, _ = self._cell_estimate(self._owner_rank(keys))
+        if keys.size <= self.SMALL:
+            return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
+        _, est, _, _, _ = self._cell_estimate(self._owner_rank(keys))
         return np.where(self.known.get(keys) == 1, self.priority[keys], est)
 
     def probability(self, keys):
@@ -686,23 +920,53 @@ class LazyPriorities:
         return self.eps / n + (1 - self.eps) * self.estimate(keys) / total
 
     def sample(self, batch: int, rng: np.random.Generator):
-        """Sample `batch` valid keys; returns (keys, their sampling probabilities)."""
-        n, total = self.num_valid, self.mass.total
+        """Sample `batch` valid keys; returns (keys, their sampling probabilities).
+
+        Each draw takes 5 uniforms u in [0, 1) (one `rng.random` call for the batch: far cheaper than
+        `rng.integers`): the uniform key of rank floor(u0 n) (uniform up to n 2^-53), the coin u1 < eps for the uniform
+        part, the mass point u2 M, the choice of the cell's known key u3 m_i < p_i, the unknown key floor(u4 (w - 1)).
+        """
+        n = self.num_valid
         if n == 0:
             raise ValueError("cannot sample from an empty replay")
-        keys = self.valid.find(rng.integers(0, n, size=batch))  # uniform part
+        u = rng.random((5, batch))
+        if batch <= self.SMALL:
+            return self._sample_small(u)
+        total = self.mass.total
+        keys = self.valid.find(np.minimum((u[0] * n).astype(np.int64), n - 1))  # uniform part
         if self.num_known > 0 and total > 0:
-            prio = rng.random(batch) >= self.eps
-            m = int(prio.sum())
-            if m:
-                cell = self.mass.find(rng.random(m) * total)
+            prio = u[1] >= self.eps
+            if prio.any():
+                cell = np.minimum(self.mass.find(u[2, prio] * total), self.capacity - 1)
                 # (a float round-off landing on an empty leaf is mapped to the cell that holds it)
-                cell, _, w = self._cell_estimate(self._owner_rank(cell))
-                take_known = (w <= 1) | (rng.random(m) * self.mass.get(cell) < self.priority[cell])
-                offset = rng.integers(1, np.maximum(w, 2))  # one of the w - 1 unknown keys of the cell
-                other = self.valid.find(np.mod(self.valid.prefix(cell) + offset, n))
+                cell, _, w, _, _ = self._cell_estimate(self._owner_rank(cell))
+                take_known = (w <= 1) | (u[3, prio] * self.mass.get(cell) < self.priority[cell])
+                offset = 1 + np.minimum((u[4, prio] * (w - 1)).astype(np.int64), np.maximum(w - 2, 0))  # 1..w-1
+                other = self.valid.find(np.mod(self.valid.prefix(cell) + offset, n))  # the offset-th after the cell
                 keys[prio] = np.where(take_known, cell, other)
         return keys, self.probability(keys)
+
+    def _sample_small(self, u):
+        """`sample` key by key (the same keys and probabilities as the vectorized code)."""
+        valid, mass, eps = self.valid, self.mass, self.eps
+        n, total = valid.nodes[1], mass.nodes[1]
+        p, _, _, size = self._views
+        prioritized = self.known.nodes[1] > 0 and total > 0
+        keys, probs = [], []
+        for u_rank, u_coin, u_mass, u_known, u_offset in zip(*u.tolist()):
+            if prioritized and u_coin >= eps:  # a cell by mass, then its known key or one of its w - 1 unknown keys
+                c = self._owner(mass.find_one(u_mass * total))  # (a round-off landing on an empty leaf: its cell)
+                w = size[c]
+                if w <= 1 or u_known * mass.nodes[c + mass.size] < p[c]:
+                    k, est = c, p[c]
+                else:
+                    k, est = valid.nth_after(c, 1 + min(int(u_offset * (w - 1)), w - 2)), self._cell_estimate_one(c)
+            else:  # uniform
+                k = valid.find_one(min(int(u_rank * n), n - 1))
+                est = self._estimate_one(k) if prioritized else None
+            keys.append(k)
+            probs.append(eps / n + (1 - eps) * est / total if prioritized else 1.0 / n)
+        return np.array(keys, np.int64), np.array(probs, np.float64)
 
     def state_dict(self):
         return {"valid": self.valid.tree.copy(), "known": self.known.tree.copy(), "mass": self.mass.tree.copy(),
@@ -711,6 +975,10 @@ class LazyPriorities:
     def load_state_dict(self, state):
         self.valid.tree[:], self.known.tree[:], self.mass.tree[:] = state["valid"], state["known"], state["mass"]
         self.priority[:] = state["priority"]
+        known = np.flatnonzero(self.known.get(np.arange(self.capacity)))  # the links and sizes, from the trees
+        if len(known):
+            self.prev_known[known], self.next_known[known] = np.roll(known, 1), np.roll(known, -1)
+            self.cell_size[known] = self._cell_sizes(known, np.roll(known, -1))
 
 
 class SequenceReplay:
@@ -801,13 +1069,8 @@ class SequenceReplay:
 
 def check_replay_memory(args: Args, num_actions: int, obs_shape=(1, 84, 84)) -> None:
     """Print the replay's RAM need at start-up and refuse (one line) a size that does not fit."""
-    need = SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape)
-    avail = available_memory_bytes()
-    print(f"replay memory: {args.replay_size:,} transitions need {need / 2**30:.2f} GiB "
-          f"({avail / 2**30:.1f} GiB available)", flush=True)
-    if need > args.memory_fraction * avail:
-        raise SystemExit(f"error: --replay-size {args.replay_size} needs {need / 2**30:.2f} GiB, more than "
-                         f"{args.memory_fraction:.0%} of the {avail / 2**30:.1f} GiB available: use a smaller --replay-size")
+    check_memory(SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),
+                 "--replay-size", args.memory_fraction)
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
@@ -960,11 +1223,7 @@ if __name__ == "__main__":
     rng = np.random.default_rng(args.seed)
 
     # SETUP: network, target network, optimizer, replay, shared weights, actors
-    net = make_network(args, num_actions, obs_shape).to(device)
-    target_net = make_network(args, num_actions, obs_shape).to(device)
-    target_net.load_state_dict(net.state_dict())
-    optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                 eps=args.adam_eps)
+    net, target_net, optimizer = make_learner(args, num_actions, obs_shape, device)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
                             args.replay_uniform_eps, args.prioritized, obs_shape)
@@ -1104,34 +1363,23 @@ if __name__ == "__main__":
         procs.stop()
     logger.log(global_step, {"charts/SPS": (global_step - start_step) / (time.time() - start_time),
                              "charts/learning_steps": learn_steps})  # the last record is at the last step
-    reason, exit_code = stop_reason(error)
-    if isinstance(error, ActorDied) and error.traceback:
-        print(error.traceback, flush=True)
-    if exit_code:
-        print(f"stopped: {reason}", flush=True)
-
+    # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
-    # SAVE + EVALUATE
-    summary = {"global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
-               "stop_reason": reason,
-               "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None}
-    if args.save_model and error is None:
-        model_path = logger.dir / f"{args.exp_name}.model"
-        torch.save({"model": net.state_dict(), "args": vars(args)}, model_path)
-        print(f"model saved to {model_path}", flush=True)
-        try:
-            returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
-        except KeyboardInterrupt as e:  # a signal during the evaluation: stop it, keep the summary
-            (reason, exit_code), returns = stop_reason(e), []
-            summary["stop_reason"] = f"{reason} during the final evaluation"
-        for i, r in enumerate(returns):
+
+    def save_model():
+        torch.save({"model": net.state_dict(), "args": vars(args)}, path := logger.dir / f"{args.exp_name}.model")
+        return path
+
+    def final_eval() -> dict:
+        returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
+        for r in returns:
             logger.log(global_step, {"eval/episodic_return": r})
-        if returns:
-            summary.update({"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
-                            "eval_return_median": float(np.median(returns)), "eval_returns": returns})
-            print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
-    logger.summary(summary)
-    logger.close()
-    if exit_code:
-        raise SystemExit(exit_code)
+        print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
+        return {"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
+                "eval_return_median": float(np.median(returns)), "eval_returns": returns}
+
+    finish_run(logger, error, {
+        "global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
+        "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None},
+        save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)

@@ -423,6 +423,178 @@ def test_lazy_priorities_empty_and_uniform_until_known():
     assert lp.num_known == 0 and lp.mass.total == 0.0
 
 
+def test_sum_tree_scalar_walks_equal_numpy():
+    """The node-by-node queries of the scalar paths against numpy on random trees, every argument."""
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 5, 37, 300):
+        leaves = (rng.random(n) < rng.choice([0.1, 0.5, 1.0])).astype(np.int64)
+        tree = SumTree(n, np.int64)
+        tree.set(np.arange(n), leaves)
+        for i in rng.permutation(n)[:8].tolist():  # exact deltas, one leaf at a time
+            tree.add_one(i, 1 - 2 * int(leaves[i]))
+            leaves[i] = 1 - leaves[i]
+        cum = np.r_[0, np.cumsum(leaves)]
+        assert [tree.prefix_one(i) for i in range(n + 1)] == cum.tolist()
+        assert all(tree.count(a, b) == cum[b] - cum[a] for a in range(n + 1) for b in range(a, n + 1))
+        ones = np.flatnonzero(leaves).tolist()
+        if not ones:
+            continue
+        assert [tree.find_one(v) for v in range(len(ones))] == ones
+        for i in range(n):  # the last set leaf <= i, circularly; the m-th set leaf after i, circularly
+            before = [j for j in ones if j <= i]
+            assert tree.last_nonzero_at_or_before(i) == (before[-1] if before else ones[-1])
+            after = [j for j in ones if j > i] + [j for j in ones if j <= i]
+            for m in range(1, len(ones)):
+                assert tree.nth_after(i, m) == after[m - 1], (n, i, m)
+    ftree = SumTree(100, np.float64)
+    vals = rng.random(100)
+    ftree.set(np.arange(100), vals)
+    for _ in range(20):  # several leaves at once, sharing parts of their paths: the same tree as setting each alone
+        idx = np.sort(rng.choice(100, size=int(rng.integers(1, 6)), replace=False))
+        v = rng.random(len(idx))
+        ftree.set_leaves(idx.tolist(), v.tolist())
+        vals[idx] = v
+        ref = SumTree(100, np.float64)
+        ref.set(np.arange(100), vals)
+        np.testing.assert_array_equal(ftree.tree, ref.tree)
+
+
+class SlowLazyPriorities:
+    """Paper 3.3 by brute force over a set of valid keys and a dict of known priorities, and the sampler of
+    `LazyPriorities.sample` written plainly (sorted lists, cumulative masses) drawing the same random numbers: the
+    keys it samples must be the same."""
+
+    def __init__(self, N, eps):
+        self.N, self.eps, self.valid, self.prio = N, eps, set(), {}
+
+    def add(self, keys):
+        self.valid |= set(int(k) for k in keys)
+
+    def remove(self, keys):
+        for k in keys:
+            self.valid.discard(int(k))
+            self.prio.pop(int(k), None)
+
+    def set_priority(self, keys, ps):
+        for k, p in zip(keys, ps):
+            if int(k) in self.valid:
+                self.prio[int(k)] = float(p)
+
+    def cells(self):
+        """Sorted valid keys, sorted known keys, owner of each valid key, cell size of each known key."""
+        keys, ks = sorted(self.valid), sorted(self.prio)
+        owner = {t: max([s for s in ks if s <= t], default=ks[-1] if ks else None) for t in keys}
+        return keys, ks, owner, {s: sum(owner[t] == s for t in keys) for s in ks}
+
+    def p_hat(self):
+        keys, ks, owner, size = self.cells()
+        out = {}
+        for t in keys if ks else []:
+            i = ks.index(owner[t])
+            J = {ks[(i - 1) % len(ks)], ks[i], ks[(i + 1) % len(ks)]}
+            known = t in self.prio
+            out[t] = self.prio[t] if known else sum(size[s] * self.prio[s] for s in J) / sum(size[s] for s in J)
+        return out
+
+    def masses(self):
+        _, ks, owner, size = self.cells()
+        p_hat = self.p_hat()
+        return {s: self.prio[s] + sum(p_hat[t] for t in owner if owner[t] == s and t != s) for s in ks}
+
+    def probability(self, keys):
+        n, p_hat = len(self.valid), self.p_hat()
+        total = sum(p_hat.values())
+        if not self.prio or total <= 0:
+            return [1.0 / n] * len(keys)
+        return [self.eps / n + (1 - self.eps) * p_hat[int(t)] / total for t in keys]
+
+    def sample(self, batch, rng):
+        """5 uniforms per draw (LazyPriorities.sample's docstring): rank, uniform coin, mass point, known or not,
+        offset; cells by a search in the cumulative masses, keys by position in the sorted list."""
+        keys, ks, _, size = self.cells()
+        n, masses = len(keys), self.masses()
+        total = sum(masses.values())
+        cum = np.cumsum([masses[s] for s in ks])
+        out = []
+        for u_rank, u_coin, u_mass, u_known, u_offset in rng.random((5, batch)).T:
+            if ks and total > 0 and u_coin >= self.eps:
+                c = ks[min(int(np.searchsorted(cum, u_mass * total, side="right")), len(ks) - 1)]
+                w = size[c]
+                known = w <= 1 or u_known * masses[c] < self.prio[c]
+                out.append(c if known else keys[(keys.index(c) + 1 + min(int(u_offset * (w - 1)), w - 2)) % n])
+            else:
+                out.append(keys[min(int(u_rank * n), n - 1)])
+        return out, self.probability(out)
+
+
+def check_equals_slow(lp, slow):
+    """Every observable of `lp` (and its stored links, sizes, masses and tree sums) against the slow reference."""
+    keys, ks, _, size = slow.cells()
+    assert lp.num_valid == len(keys) and lp.num_known == len(ks)
+    np.testing.assert_array_equal(lp.valid.get(np.arange(lp.capacity)), np.isin(np.arange(lp.capacity), keys))
+    np.testing.assert_array_equal(lp.known.get(np.arange(lp.capacity)), np.isin(np.arange(lp.capacity), ks))
+    for tree in (lp.valid, lp.known, lp.mass):  # every parent is exactly the sum of its children
+        t = tree.tree
+        np.testing.assert_array_equal(t[1: tree.size], t[2: 2 * tree.size: 2] + t[3: 2 * tree.size: 2])
+    if ks:
+        assert lp.prev_known[ks].tolist() == ks[-1:] + ks[:-1] and lp.next_known[ks].tolist() == ks[1:] + ks[:1]
+        assert lp.cell_size[ks].tolist() == [size[s] for s in ks]
+        masses = slow.masses()
+        np.testing.assert_allclose(lp.mass.get(ks), [masses[s] for s in ks], rtol=1e-10)
+        p_hat = slow.p_hat()
+        np.testing.assert_allclose(lp.estimate(keys), [p_hat[t] for t in keys], rtol=1e-10)
+    unknown_leaves = np.setdiff1d(np.arange(lp.capacity), ks)
+    assert (lp.mass.get(unknown_leaves) == 0).all()
+    if keys:
+        np.testing.assert_allclose(lp.probability(keys), slow.probability(keys), rtol=1e-10)
+
+
+@pytest.mark.parametrize("small", [64, 0, 2])  # scalar code only, vectorized only, both interleaved
+def test_lazy_priorities_random_operations_equal_slow_reference(small):
+    """Random sequences of add / remove / set_priority / sample / checkpoint round trips (repeated, invalid and
+    already-valid keys included) on small key spaces: after each operation every observable equals the slow
+    reference, and `sample` returns the same keys as the reference sampler from the same random numbers."""
+    rng = np.random.default_rng(12 + small)
+    for case in range(12):
+        N = int(rng.integers(3, 60))
+        eps = float(rng.choice([0.0, 0.1, 0.5]))
+        lp, slow = LazyPriorities(N, eps), SlowLazyPriorities(N, eps)
+        for obj in (lp, lp.valid, lp.known, lp.mass):
+            obj.SMALL = small
+        for step in range(60):
+            op = int(rng.integers(6))
+            valid = sorted(slow.valid)
+            if op <= 1:  # new keys (some of them already valid)
+                ks = rng.choice(N, size=int(rng.integers(1, 6)), replace=True)
+                lp.add(ks)
+                slow.add(ks)
+            elif op == 2 and valid:  # priorities of sampled keys, repeats and a stale key included
+                ks = np.append(rng.choice(valid, size=int(rng.integers(1, 5))), rng.integers(N))
+                ps = rng.uniform(0.01, 2.0, size=len(ks))
+                lp.set_priority(ks, ps)
+                slow.set_priority(ks, ps)
+            elif op == 3 and valid:  # evictions, known keys and invalid keys among them
+                ks = rng.choice(N, size=int(rng.integers(1, 4)), replace=True)
+                if slow.prio and rng.random() < 0.3:  # around the wrap: before the first known key, the last one, after it
+                    ks = np.array([rng.integers(min(slow.prio) + 1), max(slow.prio), rng.integers(max(slow.prio), N)])
+                lp.remove(ks)
+                slow.remove(ks)
+            elif op == 4 and valid:
+                seed = int(rng.integers(1 << 30))
+                batch = int(rng.integers(1, 9))
+                got, probs = lp.sample(batch, np.random.default_rng(seed))
+                want, want_probs = slow.sample(batch, np.random.default_rng(seed))
+                assert got.tolist() == want, (case, step)
+                np.testing.assert_allclose(probs, want_probs, rtol=1e-10)
+            elif op == 5:  # checkpoint round trip into a fresh index (links and sizes rebuilt from the trees)
+                fresh = LazyPriorities(N, eps)
+                fresh.load_state_dict(lp.state_dict())
+                for obj, src in ((fresh, lp), (fresh.valid, lp.valid), (fresh.known, lp.known), (fresh.mass, lp.mass)):
+                    obj.SMALL = src.SMALL
+                lp = fresh
+            check_equals_slow(lp, slow)
+
+
 def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
     """Slots whose frame encodes their absolute time (so gathers can be checked)."""
     t = np.arange(start, start + m)
@@ -558,6 +730,27 @@ def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
     assert nd(obs, first, nd.initial_state(2)).q.shape == (2, 5, A)
 
 
+def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
+    """CReLU equals [relu(x), relu(-x)] in values and gradients (zeros included); policy=False (the target network)
+    gives the full unroll's Q and Q-LSTM state, across episode starts."""
+    x = torch.randn(3, 4, 5, 5)
+    x[0, 0, :2] = 0.0
+    x.requires_grad_()
+    g = torch.randn(3, 8, 5, 5)
+    got, want = reactor.CReLU()(x), torch.cat([torch.relu(x), torch.relu(-x)], 1)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+    net = reactor.ReactorNetwork(4, 11, 16)
+    obs = torch.randint(0, 255, (2, 6, 84, 84), dtype=torch.uint8)
+    first = torch.zeros(2, 6, dtype=torch.bool)
+    first[0, 2] = first[1, 4] = True
+    state = tuple(torch.randn(2, 16) for _ in range(4))
+    with torch.no_grad():
+        full, q_only = net(obs, first, state), net(obs, first, state, policy=False)
+    assert torch.equal(q_only.q, full.q) and q_only.pi is None and q_only.state[2:] == (None, None)
+    assert torch.equal(q_only.state[0], full.state[0]) and torch.equal(q_only.state[1], full.state[1])
+
+
 def test_fused_lstm_equals_step_by_step_reset(float32):
     """The fused nn.LSTM over pieces cut at episode starts gives the outputs, final state and gradients of a
     step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference)."""
@@ -685,7 +878,7 @@ def test_bad_input_fails_with_one_line():
     """In-process (fast); the subprocess cases of the run-lifecycle issue are in tests/test_lifecycle.py."""
     with pytest.raises(SystemExit, match="error: reactor.py is for Atari"):
         reactor.validate_args(reactor.Args(env_id="CartPole-v1"))
-    with pytest.raises(SystemExit, match="error: --replay-size"):  # the start-up RAM check
+    with pytest.raises(SystemExit, match="error: the replay memory needs .* lower --replay-size"):  # start-up RAM check
         reactor.check_replay_memory(reactor.Args(replay_size=10**10), 6)
     with pytest.raises(SystemExit, match="error: --policy-gradient must be one of beta-loo, tislr"):
         check_args(reactor.Args(policy_gradient="ppo"), reactor.ARG_RULES)
@@ -749,7 +942,9 @@ def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
 
 
 def test_learner_fits_a_fixed_batch(float32):
-    """A few Adam steps on one batch lower the distributional cross-entropy (the gradients point the right way)."""
+    """A few Adam steps on one batch lower the distributional cross-entropy (the gradients point the right way). 12
+    steps: the loss bottoms out near step 10 (the target moves with pi); after that it drifts on a plateau where float
+    round-off alone decides whether the end lands 0.2 below the start."""
     torch.manual_seed(0)
     A, K, H, B, T = 3, 11, 16, 2, 5
     args = reactor.Args(num_atoms=K, lstm_size=H, v_min=-2.0, v_max=2.0)
@@ -760,7 +955,7 @@ def test_learner_fits_a_fixed_batch(float32):
     support = torch.linspace(-2.0, 2.0, K)
     opt = torch.optim.Adam(net.parameters(), lr=3e-3, betas=(0.0, 0.999))
     losses = []
-    for _ in range(40):
+    for _ in range(12):
         loss, _, stats = reactor.reactor_loss(net, target, batch, support, args)
         opt.zero_grad()
         loss.backward()
@@ -866,7 +1061,7 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
             super().__init__()
             self.q, self.pl = torch.nn.Parameter(torch.tensor(q)), torch.nn.Parameter(torch.tensor(pl))
 
-        def forward(self, obs, first, state):
+        def forward(self, obs, first, state, policy=True):
             return reactor.NetOut(self.q, torch.softmax(self.pl, -1), state)
 
     term = np.zeros((B, T + 1), bool)

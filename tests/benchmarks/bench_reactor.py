@@ -1,13 +1,25 @@
-"""Reactor benchmarks: lazy prioritized sequence replay operations at 1e4 vs 1e6 keys, acting SPS vs env-only SPS
-with the same number of processes, and learner steps per second.
+"""Reactor benchmarks, each comparison measured within one run, variants interleaved round by round (medians):
 
-    python tests/benchmarks/bench_reactor.py [--sizes 10000 1000000] [--num-actors 2] [--seconds 20] [--learn-steps 20]
+- replay index (`LazyPriorities`) at 1e4 vs 1e6 keys, CPU time per call: insert (with eviction), batch-4 sample,
+  4-key priority update, against the same operations of a C++ prioritized replay (cpprb's `PrioritizedReplayBuffer`:
+  a segment tree, every item with its own priority; ours also keeps the lazy estimates of paper 3.3 over the cells
+  of unknown keys, and runs in Python);
+- acting steps/s of the real `actor_loop` processes vs env-only processes (random actions), same process count, on
+  ALE/Pong-v5 and MinAtar/Breakout-v0;
+- learner steps/s (sample + loss + backward + clipping + Adam + priorities + weight publication, as the main loop)
+  for the Atari (1x84x84) and MinAtar Breakout (4x10x10) networks, 6 actions.
 
-Prints markdown tables. The replay rows time the key index (`LazyPriorities`: the sum trees that make every
-operation O(log n)); `SequenceReplay` adds a constant-cost frame copy per slot on top. Keys are all valid with 10%
-known priorities, as after a while of training.
+    pip install cpprb==11.0.0  # benchmark-only, not in requirements.txt; without it the cpprb columns are left out
+    python tests/benchmarks/bench_reactor.py [--baseline-script PATH] [--sizes 10000 1000000] [--rounds 5]
+        [--repeats 300] [--learn-seconds 5] [--learner-threads 1] [--num-actors 2] [--seconds 10] [--acting-rounds 2]
+        [--skip replay acting learner]
+
+--baseline-script: an earlier reactor.py (e.g. `git show HEAD:reactor.py > /tmp/reactor_before.py`), timed beside
+this one in the replay and learner tables. Replay keys are all valid with 10% known priorities, as after a while of
+training; `SequenceReplay` adds a constant-cost frame copy per slot on top.
 """
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -20,30 +32,51 @@ import torch  # noqa: E402
 
 import reactor  # noqa: E402
 
+try:
+    import cpprb
+except ImportError:  # benchmark-only dependency
+    cpprb = None
 
-def timeit(fn, repeats):
-    fn()  # warm-up
-    start = time.perf_counter()
+
+def cpprb_version():
+    if cpprb is None:
+        return "not installed (pip install cpprb==11.0.0)"
+    from importlib.metadata import version
+    return version("cpprb")
+
+
+def load_script(path):
+    spec = importlib.util.spec_from_file_location("reactor_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def per_call_us(fn, repeats):
+    """CPU time of this thread per call (less disturbed by other processes than wall time on a busy machine)."""
+    start = time.thread_time()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats * 1e6  # microseconds per call
+    return (time.thread_time() - start) / repeats * 1e6
 
 
-def bench_replay(n, repeats):
-    rng = np.random.default_rng(0)
-    lp = reactor.LazyPriorities(n, 0.1)
+# REPLAY INDEX
+def ours_replay_ops(module, n, seed=0):
+    """The four timed operations of a LazyPriorities (of this script's module) with n keys."""
+    rng = np.random.default_rng(seed)
+    lp = module.LazyPriorities(n, 0.1)
     for start in range(0, n - 1, 1 << 17):  # fill: every key valid except one (the ring's write head)
         lp.add(np.arange(start, min(start + (1 << 17), n - 1)))
     known = rng.choice(n - 1, size=n // 10, replace=False)
     for start in range(0, len(known), 1 << 16):
-        lp.set_priority(known[start: start + (1 << 16)], rng.uniform(0.01, 1.0, size=len(known[start: start + (1 << 16)])))
+        part = known[start: start + (1 << 16)]
+        lp.set_priority(part, rng.uniform(0.01, 1.0, size=len(part)))
     head = [n - 1]
 
     def insert(m):
         def f():  # steady state of a ring: evict the oldest m keys, add m new ones
             new = (head[0] + np.arange(m)) % n
-            old = (head[0] + 1 + np.arange(m)) % n
-            lp.remove(old)
+            lp.remove((new + 1) % n)
             lp.add(new)
             head[0] = (head[0] + m) % n
         return f
@@ -51,22 +84,79 @@ def bench_replay(n, repeats):
     def sample():
         lp.sample(4, rng)
 
-    batches = [lp.sample(4, rng)[0] for _ in range(repeats + 1)]
-    new_prios = rng.uniform(0.01, 1.0, size=(repeats + 1, 4))
-    i = [0]
+    batches = []
 
-    def update():  # priorities of a sampled batch, after training on it
-        lp.set_priority(batches[i[0]], new_prios[i[0]])
-        i[0] += 1
+    def sample_batches(repeats):  # (untimed) batches to update, sampled just before
+        batches[:] = [(lp.sample(4, rng)[0], rng.uniform(0.01, 1.0, size=4)) for _ in range(repeats)]
 
-    return {"insert (1 key, with 1 eviction)": timeit(insert(1), repeats),
-            "insert (16-key chunk with 16 evictions, per key)": timeit(insert(16), repeats) / 16,
-            "sample batch 4 (with probabilities)": timeit(sample, repeats), "priority update (4 keys)": timeit(update, repeats)}
+    def update():  # the priorities of a batch just sampled (as after training on it)
+        lp.set_priority(*batches.pop())
+
+    return {"insert": insert(1), "insert16": insert(16), "sample": sample, "update": (sample_batches, update)}
 
 
-def env_only(seconds, out, i):
+def cpprb_ops(n, seed=0):
+    """The same operations on cpprb's PrioritizedReplayBuffer (alpha 1, full: every add evicts the oldest item)."""
+    rng = np.random.default_rng(seed)
+    rb = cpprb.PrioritizedReplayBuffer(n, {"obs": {"shape": 1}}, alpha=1.0)
+    rb.add(obs=np.zeros((n, 1)), priorities=rng.uniform(0.01, 1.0, size=n))
+    one, sixteen, batches = np.zeros((1, 1)), np.zeros((16, 1)), []
+
+    def sample_batches(repeats):
+        batches[:] = [(rb.sample(4)["indexes"], rng.uniform(0.01, 1.0, size=4)) for _ in range(repeats)]
+
+    return {"insert": lambda: rb.add(obs=one, priorities=0.5),
+            "insert16": lambda: rb.add(obs=sixteen, priorities=np.full(16, 0.5)),
+            "sample": lambda: rb.sample(4), "update": (sample_batches, lambda: rb.update_priorities(*batches.pop()))}
+
+
+REPLAY_ROWS = (("insert", "insert 1 key (with 1 eviction)", 1),
+               ("insert16", "insert a 16-key chunk (16 evictions), per key", 16),
+               ("sample", "sample batch 4 (with probabilities)", 1), ("update", "priority update (4 keys)", 1))
+
+
+def bench_replay(sizes, rounds, repeats, baseline):
+    variants = {"ours": lambda n: ours_replay_ops(reactor, n)}
+    if baseline is not None:
+        variants["before"] = lambda n: ours_replay_ops(baseline, n)
+    if cpprb is not None:
+        variants["cpprb"] = cpprb_ops
+    table = {}
+    for n in sizes:
+        ops = {name: make(n) for name, make in variants.items()}
+        times = {(v, op): [] for v in ops for op in ops[v]}
+        for r in range(rounds + 1):  # round 0: warm-up
+            for v, fns in ops.items():
+                count = repeats if v != "before" else max(1, repeats // 5)
+                for op, fn in fns.items():
+                    if isinstance(fn, tuple):  # (untimed preparation, timed call)
+                        fn[0](count)
+                        fn = fn[1]
+                    t = per_call_us(fn, count)
+                    if r:
+                        times[v, op].append(t)
+        for v in ops:
+            for op, _, per in REPLAY_ROWS:
+                table[n, v, op] = float(np.median(times[v, op])) / per
+        del ops
+    cols = list(variants)
+    print("\n| operation | keys | " + " | ".join(f"{v} (us)" for v in cols)
+          + (" | before / ours" if "before" in cols else "") + (" | ours / cpprb" if "cpprb" in cols else "") + " |")
+    print("|---|---|" + "---|" * (len(cols) + ("before" in cols) + ("cpprb" in cols)))
+    for op, label, _ in REPLAY_ROWS:
+        for n in sizes:
+            row = [f"{table[n, v, op]:.1f}" for v in cols]
+            if "before" in cols:
+                row.append(f"{table[n, 'before', op] / table[n, 'ours', op]:.1f}x")
+            if "cpprb" in cols:
+                row.append(f"{table[n, 'ours', op] / table[n, 'cpprb', op]:.1f}")
+            print(f"| {label} | {n:,} | " + " | ".join(row) + " |")
+
+
+# ACTING
+def env_only(env_id, seconds, out, i):
     torch.set_num_threads(1)
-    env = reactor.make_env("ALE/Pong-v5", i, reactor.Args())
+    env = reactor.make_env(env_id, i, reactor.Args(env_id=env_id))
     env.reset(seed=i)
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -77,22 +167,28 @@ def env_only(seconds, out, i):
     out.put(steps / (time.perf_counter() - start))
 
 
-def bench_acting(num_actors, seconds):
-    """Env-only processes vs the real `actor_loop` processes (env + network + stream to a draining learner)."""
-    ctx = torch.multiprocessing.get_context("spawn")
+def run_env_only(ctx, env_id, num_actors, seconds):
     q = ctx.Queue()
-    procs = [ctx.Process(target=env_only, args=(seconds, q, i)) for i in range(num_actors)]
+    procs = [ctx.Process(target=env_only, args=(env_id, seconds, q, i)) for i in range(num_actors)]
     [p.start() for p in procs]
-    env_sps = sum(q.get() for _ in procs)
+    sps = sum(q.get() for _ in procs)
     [p.join() for p in procs]
+    return sps
 
-    args = reactor.Args(num_actors=num_actors, learning_starts=10**12)  # no learner: never throttled
+
+def run_actors(ctx, env_id, num_actors, seconds):
+    """The real `actor_loop` processes (env + network on CPU, 1 thread each) streaming into a draining learner loop
+    that copies every chunk into a SequenceReplay, as the main loop (no learning, so never throttled)."""
+    args = reactor.Args(env_id=env_id, num_actors=num_actors, learning_starts=10**12)
     args.run_name = "bench"
-    net = reactor.ReactorNetwork(6)
+    probe = reactor.make_env(env_id, 0, args)
+    num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
+    probe.close()
+    net = reactor.make_network(args, num_actions, obs_shape)
     net.share_memory()
     version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
     data, stop = ctx.Queue(), ctx.Event()
-    buffers = reactor.make_chunk_buffers(num_actors, args.actor_chunk, 6, args.lstm_size)
+    buffers = reactor.make_chunk_buffers(num_actors, args.actor_chunk, num_actions, args.lstm_size, obs_shape)
     views = {k: v.numpy() for k, v in buffers.items()}
     free = [ctx.Queue() for _ in range(num_actors)]
     for q_ in free:
@@ -101,8 +197,8 @@ def bench_acting(num_actors, seconds):
     procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), buffers,
                                                           free[i], data, stop)) for i in range(num_actors)]
     [p.start() for p in procs]
-    replay = reactor.SequenceReplay(100_000, num_actors, 32, 6, 128)
-    while sum(steps[:]) == 0:  # start-up (imports, ROM load)
+    replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
+    while min(steps[:]) == 0:  # start-up (imports, ROM load)
         time.sleep(0.1)
     t0, s0 = time.perf_counter(), sum(steps[:])
     while time.perf_counter() - t0 < seconds:
@@ -121,71 +217,120 @@ def bench_acting(num_actors, seconds):
             data.get(timeout=0.1)
         except Exception:  # noqa: BLE001
             pass
-    return env_sps, act_sps
+    return act_sps
 
 
-def learner_step(device):
-    """One Reactor learning step (batch 4 x 33 frames, Atari sizes) on a filled replay, as a closure."""
-    args = reactor.Args()
-    net, target = reactor.ReactorNetwork(6).to(device), reactor.ReactorNetwork(6).to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(0.0, 0.999))
+def bench_acting(num_actors, seconds, rounds):
+    ctx = torch.multiprocessing.get_context("spawn")
+    reactor.make_env("ALE/Pong-v5", 0, reactor.Args()).close()  # (ALE's start-up banner, before the table)
+    print(f"\n| {num_actors} processes (1 thread each), median of {rounds} interleaved rounds | env only, random "
+          f"actions (steps/s) | Reactor actors (steps/s) | actors / env only |\n|---|---|---|---|")
+    for env_id in ("ALE/Pong-v5", "MinAtar/Breakout-v0"):
+        env_sps, act_sps = [], []
+        for _ in range(rounds):
+            env_sps.append(run_env_only(ctx, env_id, num_actors, seconds))
+            act_sps.append(run_actors(ctx, env_id, num_actors, seconds))
+        e, a = float(np.median(env_sps)), float(np.median(act_sps))
+        print(f"| {env_id} | {e:,.0f} | {a:,.0f} | {a / e:.3f} |", flush=True)
+
+
+# LEARNER
+LEARNER_CONFIGS = (("Atari", "ALE/Pong-v5", (1, 84, 84)), ("MinAtar", "MinAtar/Breakout-v0", (4, 10, 10)))
+
+
+def learner_step(module, env_id, obs_shape, device, seed=0):
+    """One learning step of `module`'s reactor.py as its main loop runs it, on a replay of random sequences."""
+    args = module.Args(env_id=env_id)
+    torch.manual_seed(seed)
+    if hasattr(module, "make_learner"):
+        net, target, opt = module.make_learner(args, 6, obs_shape, device)
+    else:  # (the earlier script's __main__)
+        net = module.make_network(args, 6, obs_shape).to(device)
+        target = module.make_network(args, 6, obs_shape).to(device)
+        target.load_state_dict(net.state_dict())
+        opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                               eps=args.adam_eps)
+    shared = module.make_network(args, 6, obs_shape)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
-    replay = reactor.SequenceReplay(20_000, 1, 32, 6, 128)
-    rng = np.random.default_rng(0)
-    m = 2000
-    for start in range(0, 20_000 - 2000, m):
-        replay.add(0, {"obs": rng.integers(0, 255, (m, 1, 84, 84), dtype=np.uint8), "action": rng.integers(0, 6, m),
-                       "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01, "pad": np.zeros(m, bool),
-                       "first": np.zeros(m, bool), "mu": np.full((m, 6), 1 / 6), "state": np.zeros((m, 4, 128))})
+    size, m = 20_000, 2000
+    replay = module.SequenceReplay(size, 1, args.sequence_length, 6, args.lstm_size, obs_shape=obs_shape)
+    rng = np.random.default_rng(seed)
+    high = 256 if obs_shape[0] == 1 else 2  # Atari frames 0..255, MinAtar 0/1
+    for _ in range(0, size - m, m):
+        replay.add(0, {"obs": rng.integers(0, high, (m, *obs_shape), dtype=np.uint8), "action": rng.integers(0, 6, m),
+                       "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01,
+                       "pad": np.zeros(m, bool), "first": rng.random(m) < 0.01, "mu": np.full((m, 6), 1 / 6),
+                       "state": np.zeros((m, 4, args.lstm_size))})
 
     def step():
-        keys, batch = replay.sample(4, rng, device)
-        loss, prio, _ = reactor.reactor_loss(net, target, batch, support, args)
+        keys, batch = replay.sample(args.batch_size, rng, device)
+        loss, priorities, _ = module.reactor_loss(net, target, batch, support, args)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 40.0)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
         opt.step()
-        replay.update_priorities(keys, prio.cpu().numpy())
+        replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent)
+        shared.load_state_dict(net.state_dict())
 
     return step
 
 
-def bench_learner(steps, device):
-    step = learner_step(device)
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return steps / (time.perf_counter() - start)
+def bench_learner(seconds, rounds, baseline, threads):
+    """Steps/s by wall clock and per CPU-second of the learner thread (with 1 thread all of torch's work runs on it:
+    the CPU rate is what an idle core would give, less disturbed by the machine's other processes)."""
+    torch.set_num_threads(threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    variants = {"ours": reactor} | ({"before": baseline} if baseline is not None else {})
+    cols = [f"{v} (steps/s)" for v in variants] + (["ours / before"] if baseline else [])
+    cols += [f"{v} (steps per CPU s)" for v in variants] + (["ours / before (CPU)"] if baseline else [])
+    print(f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
+          f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    for name, env_id, obs_shape in LEARNER_CONFIGS:
+        steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in variants.items()}
+        wall, cpu = {v: [] for v in variants}, {v: [] for v in variants}
+        for f in steps.values():
+            f()
+            f()  # warm-up
+        for _ in range(rounds):
+            for v, f in steps.items():
+                n, start, start_cpu = 0, time.perf_counter(), time.thread_time()
+                while time.perf_counter() - start < seconds:
+                    f()
+                    n += 1
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                wall[v].append(n / (time.perf_counter() - start))
+                cpu[v].append(n / (time.thread_time() - start_cpu))
+        row = []
+        for rates in (wall, cpu):
+            med = {v: float(np.median(r)) for v, r in rates.items()}
+            row += [f"{med[v]:.2f}" for v in variants] + ([f"{med['ours'] / med['before']:.2f}"] if baseline else [])
+        print(f"| {name} {'x'.join(map(str, obs_shape))} | " + " | ".join(row) + " |", flush=True)
+        del steps
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline-script", default=None, help="an earlier reactor.py to time beside this one")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
-    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (replay, learner)")
+    parser.add_argument("--repeats", type=int, default=300, help="calls per replay timing (the baseline: a fifth)")
     parser.add_argument("--num-actors", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--learn-steps", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per acting measurement")
+    parser.add_argument("--acting-rounds", type=int, default=2)
+    parser.add_argument("--learn-seconds", type=float, default=5.0, help="per learner measurement")
+    parser.add_argument("--learner-threads", type=int, default=1,
+                        help="torch threads of the learner (set_learner_threads gives 1 with 2 actors on 2 cores)")
     parser.add_argument("--skip", nargs="*", default=[], help="replay | acting | learner")
     a = parser.parse_args()
+    baseline = load_script(a.baseline_script) if a.baseline_script else None
+    t0 = time.time()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"cpprb {cpprb_version()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     if "replay" not in a.skip:
-        results = {n: bench_replay(n, a.repeats) for n in a.sizes}
-        print("\n| operation | " + " | ".join(f"{n:,} keys (us)" for n in a.sizes) + " |")
-        print("|---|" + "---|" * len(a.sizes))
-        for op in results[a.sizes[0]]:
-            print(f"| {op} | " + " | ".join(f"{results[n][op]:.0f}" for n in a.sizes) + " |")
-    if "acting" not in a.skip:
-        env_sps, act_sps = bench_acting(a.num_actors, a.seconds)
-        print(f"\n| {a.num_actors} processes, ALE/Pong-v5 | steps/s |\n|---|---|\n| env only (random actions) | {env_sps:.0f} |\n"
-              f"| Reactor actors (network on CPU, 1 thread each, streaming to the learner) | {act_sps:.0f} |")
+        bench_replay(a.sizes, a.rounds, a.repeats, baseline)
     if "learner" not in a.skip:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"\nlearner ({device}, batch 4 x 33 frames, default network, sample + loss + backward + Adam + priorities): "
-              f"{bench_learner(a.learn_steps, device):.2f} steps/s")
+        bench_learner(a.learn_seconds, a.rounds, baseline, a.learner_threads)
+    if "acting" not in a.skip:
+        bench_acting(a.num_actors, a.seconds, a.acting_rounds)
+    print(f"\n{time.time() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")
