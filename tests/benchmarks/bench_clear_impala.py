@@ -181,27 +181,13 @@ def bench_training(env_id, num_procs, envs_per_actor, batch_size, seconds, warmu
 
 def bench_actors(env_id, num_procs, seconds):
     env_sps = env_only_sps(env_id, num_procs, seconds)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, os.path.join(ROOT, "clear_impala.py"), "--env-ids", env_id, "--steps-per-task",
-               "100000000", "--num-cycles", "1", "--num-actors", str(num_procs), "--batch-size", str(num_procs),
-               "--num-test-actors", "0", "--no-progress", "--log-every-seconds", "2", "--no-cuda",
-               "--start-method", "forkserver", "--buffer-frames", "200000"]
-        log = open(os.path.join(tmp, "out.txt"), "w")
-        p = subprocess.Popen(cmd, cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        time.sleep(seconds + 15)  # start-up + measurement
-        os.killpg(p.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole process group
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            print(open(os.path.join(tmp, "out.txt")).read()[-3000:])
-            os.killpg(p.pid, signal.SIGKILL)
-            raise
-        (run,) = os.listdir(os.path.join(tmp, "runs"))
-        lines = [json.loads(x) for x in open(os.path.join(tmp, "runs", run, "metrics.jsonl"))]
-        rows = [x for x in lines if "charts/actor_SPS" in x][2:]  # skip the start-up records
-        actor_sps = float(np.mean([x["charts/actor_SPS"] for x in rows]))
-        learner_sps = float(np.mean([x["charts/learner_SPS"] for x in rows]))
+    lines = run_script_for(["--env-ids", env_id, "--steps-per-task", "100000000", "--num-cycles", "1", "--num-actors",
+                            str(num_procs), "--batch-size", str(num_procs), "--num-test-actors", "0", "--no-progress",
+                            "--log-every-seconds", "2", "--no-cuda", "--start-method", "forkserver", "--buffer-frames",
+                            "200000"], seconds + 15)  # start-up + measurement
+    rows = [x for x in lines if "charts/actor_SPS" in x][2:]  # skip the start-up records
+    actor_sps = float(np.mean([x["charts/actor_SPS"] for x in rows]))
+    learner_sps = float(np.mean([x["charts/learner_SPS"] for x in rows]))
     return {"env_id": env_id, "num_procs": num_procs, "seconds": seconds, "env_only_SPS": env_sps,
             "actor_SPS": actor_sps, "actor_over_env_only": actor_sps / env_sps, "learner_SPS_in_run": learner_sps,
             "records": len(rows)}
