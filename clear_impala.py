@@ -23,13 +23,11 @@ Defaults and their source
   sticky actions (Sec. 4.6, IMPALA Table G.1). A "frame" / "step" is one agent step of NEW experience.
 
 Differences from the paper
-- Feed-forward networks only: the paper used IMPALA's network with an LSTM (App. A.2); here the Nature DQN CNN,
-  IMPALA's deep ResNet or a small 3-conv CNN for MiniGrid (our choice).
-- A time-limit truncation bootstraps from the actor's V_mu of the final observation on Atari and is a termination on
-  MiniGrid, whose limit is part of the task (`--bootstrap-truncation`; IMPALA terminates every episode end); `done`
-  always cuts the V-trace recursion.
-- torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast, not TensorFlow's RMSProp.
-- Scaled down to CPU budgets; test actors sample from pi (the paper does not say).
+- Feed-forward networks (Nature DQN CNN, IMPALA's deep ResNet, MinAtar's network, a small MiniGrid CNN); the paper
+  used IMPALA's network with an LSTM (App. A.2). MinAtar sequences stand in for Atari on CPU (channels padded).
+- A time limit bootstraps from the actor's V_mu of the final observation (Atari, MinAtar) or terminates (MiniGrid,
+  whose limit is part of the task; `--bootstrap-truncation`); IMPALA terminates; `done` always cuts V-trace.
+- torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast; test actors sample from pi (the paper: silent).
 - `--resume` restores replay only with `--checkpoint-replay`, each actor's copy a few unrolls after the model's.
 Long form: README.md, section clear_impala.py.
 
@@ -65,20 +63,17 @@ ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 
 class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
     # --- algorithm specific arguments ---
     env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
-    """the task sequence (all Atari, all MinAtar or all MiniGrid); the paper's Atari run: the 6 games of ATARI_6_GAMES;
-    MinAtar: channels padded to 10 and the full 6-action set (-v0 ids), as the paper's 18 actions on Atari"""
+    """the task sequence: all Atari (the paper: ATARI_6_GAMES), all MinAtar (-v0: 6 actions) or all MiniGrid"""
     steps_per_task: int = 200_000
     """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
     num_cycles: int = 2
     """how many times the whole task sequence is repeated (total steps = steps_per_task * len(env_ids) * num_cycles)"""
     mode: str = "sequential"
-    """sequential (one task at a time, all actors switch together) | simultaneous (actor i on task i % K) | separate
-    (like simultaneous but one network per task) (CLEAR Sec. 4.1, Fig. 1)"""
+    """sequential (one task at a time) | simultaneous (all at once) | separate (one network per task) (Sec. 4.1)"""
     num_actors: int = 32
     """training actor processes (CPU, one thread each); num_actors x envs_per_actor must be >= batch_size"""
     envs_per_actor: int = 1
-    """envs each actor process steps in lock-step with one batched forward; each env is one actor of the paper: one
-    (new, replay) pair per env in a batch at most (CLEAR App. A.1); the reservoir is shared by the process's envs"""
+    """envs per actor process, one batched forward; each env is one actor of the paper (one pair per batch at most)"""
     num_test_actors: int = 1
     """test actors PER TASK: always on their own task, current weights, no buffer, never feed the learner (App. A.5)"""
     batch_size: int = 32
@@ -86,11 +81,9 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     unroll_length: int = 20
     """T: agent steps per unroll (IMPALA Table G.1)"""
     replay_ratio: float = 0.5
-    """fraction of each batch taken from the replay halves of the pairs: 0 = IMPALA, 0.25 = 75-25, 0.5 = 50-50 (CLEAR
-    default), 1 = 100% replay (CLEAR Sec. 4.3)"""
+    """fraction of each batch from the pairs' replay halves: 0 = IMPALA, 0.5 = 50-50 (CLEAR), 1 = all (Sec. 4.3)"""
     buffer_frames: int = -1
-    """total replay capacity in frames (agent steps), split equally over the actors (CLEAR App. A.3); -1 = half of all
-    training frames (the paper's default); 0 = no buffer (requires --replay-ratio 0)"""
+    """replay capacity in frames, split over the actor processes (App. A.3); -1 = half of all frames; 0 = none"""
     behavior_cloning: bool = True
     """add the policy- and value-cloning losses on replay unrolls (CLEAR Sec. 3); --no-behavior-cloning: ablation"""
     policy_cloning_cost: float = 0.01
@@ -120,25 +113,21 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     max_grad_norm: float = 40.0
     """global gradient-norm clip (IMPALA Table G.1)"""
     torso: str = "auto"
-    """network torso: nature (Nature DQN CNN, monobeast's AtariNet) | resnet (IMPALA deep ResNet) | minigrid (CNN for
-    the 7x7x3 view) | minatar (MinAtar's network: conv 3x3 16, 128 units) | auto (by the tasks' observations)"""
+    """nature (Nature DQN CNN) | resnet (IMPALA deep) | minatar (MinAtar's) | minigrid (small CNN) | auto (by env)"""
     sticky_action_prob: float | None = None
     """sticky-action probability; None = per family: 0 on Atari (IMPALA/CLEAR used none), 0.1 on MinAtar (its own)"""
     max_episode_frames: int = 108_000
     """Atari episode cap in emulator frames (truncation, bootstrapped)"""
     checkpoint_replay: bool = False
-    """with --checkpoint-every: each actor also saves its replay buffer (replay_actor{i}.npz next to checkpoint.pt,
-    written at the actor's next unroll boundary), and --resume restores the buffers found next to the checkpoint"""
+    """each actor also saves its buffer next to checkpoint.pt (replay_actor{i}.npz, at its next unroll); --resume
+    restores the buffers found there"""
     minigrid_max_steps: int | None = None
     """override MiniGrid's episode limit (a truncation: see --bootstrap-truncation)"""
     bootstrap_truncation: bool | None = None
-    """on a time-limit truncation, bootstrap from V_mu of the true last observation (True; Pardo et al. 2018: right
-    when the limit is not part of the task) or treat it as a termination (False, as IMPALA/monobeast do for every
-    episode end); None = per env family: True on Atari, False on MiniGrid (its reward 1 - 0.9 t/T counts steps: the
-    limit is part of the task)"""
+    """time limit: bootstrap from V_mu of the true last observation (True, Pardo et al. 2018) or terminate (False, as
+    IMPALA); None = per family: False on MiniGrid (its reward 1 - 0.9 t/T makes the limit part of the task), else True"""
     test_actor_max_sps: float = 0.0
-    """cap on each test actor's agent steps per second (0 = as fast as it can; a cap keeps CPU for training on small
-    machines; not in the paper, whose test actors have their own machines)"""
+    """cap on each test actor's steps/s (0 = none; keeps CPU for training on small machines; not in the paper)"""
     log_every_seconds: float = 5.0
     """how often the learner writes metrics and the progress line"""
 
@@ -843,7 +832,7 @@ if __name__ == "__main__":
     # SETUP: shared-memory slots, one (new, replay) pair per actor; only indices travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
     if args.start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.atari_env"])
+        ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.minatar_env", "common.atari_env"])
     specs = unroll_specs(obs_shape, num_actions, T)
     slots = {k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
              for k, (shape, dtype) in specs.items()}
