@@ -5,8 +5,7 @@ Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread, `--envs-per-actor` envs with one
   batched forward) act with a shared-memory policy copy; each env's slot holds a (new, replay) unroll pair, and the
   process waits until the learner has read its pairs; `learner_loss` builds the batch and the loss.
-- V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / policy-gradient / entropy losses (CLEAR Sec. 3)
-  `impala_losses`.
+- V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   `--replay-ratio`, Sec. 4.3) `select_pairs`.
 - Behavioural cloning on replay unrolls only (Sec. 3): `policy_cloning_loss` (KL(mu || pi)), `value_cloning_loss`,
@@ -29,7 +28,6 @@ Differences from the paper
   whose limit is part of the task; `--bootstrap-truncation`); IMPALA terminates; `done` always cuts V-trace.
 - torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast; test actors sample from pi (the paper: silent).
 - `--resume` restores replay only with `--checkpoint-replay`, each actor's copy a few unrolls after the model's.
-Long form: README.md, section clear_impala.py.
 
 Gymnasium autoreset mode: none (each actor resets its plain env itself, so the true final observation is available).
 Copying this file: it needs common/{atari_env,minatar_env,minigrid_env,logger,checkpoint,args,processes,video}.py.
@@ -119,8 +117,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     max_episode_frames: int = 108_000
     """Atari episode cap in emulator frames (truncation, bootstrapped)"""
     checkpoint_replay: bool = False
-    """each actor also saves its buffer next to checkpoint.pt (replay_actor{i}.npz, at its next unroll); --resume
-    restores the buffers found there"""
+    """each actor also saves its buffer next to checkpoint.pt (replay_actor{i}.npz); --resume restores those found"""
     minigrid_max_steps: int | None = None
     """override MiniGrid's episode limit (a truncation: see --bootstrap-truncation)"""
     bootstrap_truncation: bool | None = None
@@ -190,28 +187,28 @@ def buffer_capacity_per_actor(args: Args) -> int:
 # ENVIRONMENTS
 def env_kind(env_id: str) -> str:
     from common.atari_env import ATARI_ENV_IDS
-    if env_id in ATARI_ENV_IDS:
-        return "atari"
-    if env_id in MINATAR_ENV_IDS:
-        return "minatar"
+    if env_id in ATARI_ENV_IDS or env_id in MINATAR_ENV_IDS:
+        return "atari" if env_id in ATARI_ENV_IDS else "minatar"
     from common.minigrid_env import resolve_minigrid_id
     try:
         resolve_minigrid_id(env_id)
         return "minigrid"
     except ValueError:
-        pass
-    raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5), MinAtar ids (e.g. "
-                     f"MinAtar/Breakout-v0) or MiniGrid ids (e.g. MiniGrid-DoorKey-5x5-v0)")
+        raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5), MinAtar ids (e.g. "
+                         f"MinAtar/Breakout-v0) or MiniGrid ids (e.g. MiniGrid-DoorKey-5x5-v0)") from None
 
 
 def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, video_folder: str | None = None):
     """One gymnasium env; info["episode"]["r"] holds the real return on the step an episode (Atari: game) ends."""
     import gymnasium as gym
-    if env_kind(env_id) == "atari":
-        # full 18-action space so one policy head serves every game (IMPALA multi-task, CLEAR Sec. 4.6);
-        # a lost life ends the learning episode but not the game (IMPALA Table G.1, notes P8)
-        return make_atari_env_full(env_id, seed, args, capture_video, video_folder)
-    if env_kind(env_id) == "minatar":  # channels padded to 10: one network reads every game (CLEAR Sec. 4.6 analogue)
+    kind = env_kind(env_id)
+    if kind == "atari":  # full 18-action space so one policy head serves every game (IMPALA multi-task, CLEAR Sec.
+        # 4.6); a lost life ends the learning episode but not the game (IMPALA Table G.1, notes P8)
+        from common.atari_env import make_atari_env
+        return make_atari_env(env_id, seed, full_action_space=True, terminal_on_life_loss=True, clip_rewards=True,
+                              sticky_action_prob=args.sticky_action_prob or 0.0, capture_video=capture_video,
+                              max_episode_frames=args.max_episode_frames, video_folder=video_folder)
+    if kind == "minatar":  # channels padded to 10: one network reads every game (CLEAR Sec. 4.6 analogue)
         sticky = 0.1 if args.sticky_action_prob is None else args.sticky_action_prob
         return make_minatar_env(env_id, seed, pad_channels=MINATAR_MAX_CHANNELS, sticky_action_prob=sticky)
     from common.minigrid_env import make_minigrid_env
@@ -224,15 +221,9 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
     return env
 
 
-def make_atari_env_full(env_id, seed, args, capture_video, video_folder):
-    from common.atari_env import make_atari_env
-    return make_atari_env(env_id, seed, full_action_space=True, terminal_on_life_loss=True, clip_rewards=True,
-                          sticky_action_prob=args.sticky_action_prob or 0.0, max_episode_frames=args.max_episode_frames,
-                          capture_video=capture_video, video_folder=video_folder)
-
-
 def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
-    """Build every task once at start-up: same kind, same observation shape, same action count, or a one-line error."""
+    """Build every task once at start-up: same kind, same observation shape, same action count, a torso that reads
+    them, or a one-line error."""
     shapes, actions, kinds = set(), set(), set()
     for env_id in args.env_ids:
         try:
@@ -250,7 +241,13 @@ def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
     if len(shapes) > 1 or len(actions) > 1:
         raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions}; "
                          f"the shared policy/value heads need one of each")
-    return shapes.pop(), actions.pop(), kinds.pop()
+    (obs_shape,), (num_actions,), (kind,) = shapes, actions, kinds
+    torso = resolve_torso(args, obs_shape)
+    if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
+        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
+    if args.capture_video and kind == "minatar":
+        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
+    return obs_shape, num_actions, kind
 
 
 # NETWORK
@@ -263,8 +260,7 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
@@ -279,35 +275,24 @@ class ConvSequence(nn.Module):
         self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
 
     def forward(self, x):
-        x = F.max_pool2d(self.conv(x), 3, stride=2, padding=1)
-        return self.res1(self.res0(x))
+        return self.res1(self.res0(F.max_pool2d(self.conv(x), 3, stride=2, padding=1)))
 
 
 def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    c = torso_input_shape(torso, obs_shape)[0]
     if torso == "nature":  # the Nature DQN CNN (Mnih et al. 2015) as monobeast's AtariNet, without its LSTM
-        c = obs_shape[0]
-        net = nn.Sequential(
+        net, hidden = nn.Sequential(
             layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
-        hidden = 512
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten()), 512
     elif torso == "resnet":  # IMPALA "deep": channels 16/32/32, FC 256
-        c = obs_shape[0]
-        stages, ch = [], c
-        for out in (16, 32, 32):
-            stages.append(ConvSequence(ch, out))
-            ch = out
-        net = nn.Sequential(*stages, nn.Flatten(), nn.ReLU())
-        hidden = 256
+        net, hidden = nn.Sequential(ConvSequence(c, 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(),
+                                    nn.ReLU()), 256
     elif torso == "minatar":  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels, 128 units
-        c = obs_shape[0]
-        net = nn.Sequential(layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), nn.Flatten())
-        hidden = 128
+        net, hidden = nn.Sequential(layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), nn.Flatten()), 128
     else:  # minigrid: the 7x7x3 egocentric view (object, colour, state indices), our choice
-        c = obs_shape[-1]
-        net = nn.Sequential(
+        net, hidden = nn.Sequential(
             layer_init(nn.Conv2d(c, 16, 2)), nn.ReLU(), layer_init(nn.Conv2d(16, 32, 2)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 2)), nn.ReLU(), nn.Flatten())
-        hidden = 256
+            layer_init(nn.Conv2d(32, 64, 2)), nn.ReLU(), nn.Flatten()), 256
     with torch.no_grad():
         n_flat = net(torch.zeros(1, *torso_input_shape(torso, obs_shape))).shape[1]
     return nn.Sequential(net, layer_init(nn.Linear(n_flat, hidden)), nn.ReLU()), hidden
@@ -363,8 +348,7 @@ def vtrace_from_importance_weights(log_rhos, discounts, rewards, values, bootstr
     # delta_t V = rho_t (r_t + gamma V(x_{t+1}) - V(x_t))
     deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
     # Eq. (1) as the backward recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))  (IMPALA Remark 1)
-    acc = torch.zeros_like(bootstrap_value)
-    vs_minus_v = []
+    acc, vs_minus_v = torch.zeros_like(bootstrap_value), []
     for t in reversed(range(log_rhos.shape[0])):
         acc = deltas[t] + discounts[t] * cs[t] * acc
         vs_minus_v.append(acc)
@@ -396,15 +380,10 @@ class ReservoirBuffer:
     of all unrolls offered. An unroll is stored or discarded as a whole. Actions are stored as int16."""
 
     def __init__(self, capacity, obs_shape, num_actions, T, rng: np.random.Generator):
-        self.capacity, self.rng = capacity, rng
-        self.data = {}
-        for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items():
-            dtype = np.int16 if k == "action" else dtype
-            self.data[k] = np.zeros((capacity, *shape), dtype=dtype)  # lazily committed by the OS as it fills
-        self.task = np.zeros(capacity, dtype=np.int16)
-        self.keys = np.full(capacity, -1.0)  # -1: empty row
-        self.size = 0
-        self.num_seen = 0
+        self.capacity, self.rng, self.size, self.num_seen = capacity, rng, 0, 0
+        self.data = {k: np.zeros((capacity, *shape), dtype=np.int16 if k == "action" else dtype)  # lazily committed
+                     for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()}  # by the OS as it fills
+        self.task, self.keys = np.zeros(capacity, dtype=np.int16), np.full(capacity, -1.0)  # key -1: empty row
 
     @staticmethod
     def bytes_per_unroll(obs_shape, num_actions, T) -> int:
@@ -417,16 +396,14 @@ class ReservoirBuffer:
         self.num_seen += 1
         key = self.rng.random()
         if self.size < self.capacity:
-            row = self.size
-            self.size += 1
+            row, self.size = self.size, self.size + 1
         else:
             row = int(np.argmin(self.keys))  # the current threshold
             if key <= self.keys[row]:
                 return -1
         for k, v in unroll.items():
             self.data[k][row] = v
-        self.task[row] = task
-        self.keys[row] = key
+        self.task[row], self.keys[row] = task, key
         return row
 
     def sample(self) -> int:
@@ -435,8 +412,7 @@ class ReservoirBuffer:
 
     def save(self, path: str) -> None:
         """Atomic .npz of the stored rows, their keys and the count of unrolls seen."""
-        n = self.size
-        tmp = f"{path}.tmp.npz"
+        n, tmp = self.size, f"{path}.tmp.npz"
         np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen,
                  **{k: v[:n] for k, v in self.data.items()})
         os.replace(tmp, path)
@@ -446,12 +422,11 @@ class ReservoirBuffer:
         sample). Returns the number of rows restored."""
         with np.load(path) as f:
             keep = np.argsort(-f["keys"])[: self.capacity]
-            n = len(keep)
+            self.size, self.num_seen = len(keep), int(f["num_seen"])
             for k in self.data:
-                self.data[k][:n] = f[k][keep]
-            self.task[:n], self.keys[:n] = f["task"][keep], f["keys"][keep]
-            self.size, self.num_seen = n, int(f["num_seen"])
-        return n
+                self.data[k][:self.size] = f[k][keep]
+            self.task[:self.size], self.keys[:self.size] = f["task"][keep], f["keys"][keep]
+        return self.size
 
 
 def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
@@ -459,14 +434,11 @@ def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.G
 
     Exactly floor(ratio * B) or ceil(ratio * B) replay unrolls (stochastic rounding, so the expected fraction is the
     ratio), at random positions among the pairs that hold a valid replay unroll."""
-    B = len(replay_valid)
-    which = np.zeros(B, dtype=np.int64)
+    which = np.zeros(len(replay_valid), dtype=np.int64)
     if replay_ratio <= 0:
         return which
-    target = replay_ratio * B
-    n = int(np.floor(target)) + int(rng.random() < target - np.floor(target))
-    candidates = np.flatnonzero(replay_valid)
-    n = min(n, len(candidates))
+    target, candidates = replay_ratio * len(replay_valid), np.flatnonzero(replay_valid)
+    n = min(int(np.floor(target)) + int(rng.random() < target - np.floor(target)), len(candidates))
     which[rng.choice(candidates, size=n, replace=False)] = 1
     return which
 
@@ -510,8 +482,7 @@ def truncated_importance_weights(u: AlignedUnroll) -> tuple[torch.Tensor, torch.
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
     """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed
     over time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
-    log_mu = F.log_softmax(behaviour_logits, dim=-1)
-    log_pi = F.log_softmax(target_logits, dim=-1)
+    log_mu, log_pi = F.log_softmax(behaviour_logits, dim=-1), F.log_softmax(target_logits, dim=-1)
     kl = (log_mu.exp() * (log_mu - log_pi)).sum(-1)  # [T, B]
     return (kl * replay_mask).sum()
 
@@ -524,15 +495,12 @@ def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
 def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_threshold, bootstrap_truncation=True):
     """V-trace losses (CLEAR Sec. 3) on an aligned batch; returns (pg_loss, value_loss, entropy_loss, vtrace returns).
     Sums over [T, B] as in scalable_agent/torchbeast. bootstrap_truncation=False treats a time limit as a termination."""
-    log_pi = F.log_softmax(u.target_logits, dim=-1)
-    log_mu = F.log_softmax(u.behaviour_logits, dim=-1)
-    a = u.actions.unsqueeze(-1)
+    log_pi, a = F.log_softmax(u.target_logits, dim=-1), u.actions.unsqueeze(-1)
     target_logp = log_pi.gather(-1, a).squeeze(-1)
-    behaviour_logp = log_mu.gather(-1, a).squeeze(-1)
+    behaviour_logp = F.log_softmax(u.behaviour_logits, dim=-1).gather(-1, a).squeeze(-1)
     discounts = gamma * (~u.done).float()  # an episode end (either kind) cuts the trace
-    rewards = u.rewards
-    if bootstrap_truncation:
-        rewards = rewards + gamma * u.truncated.float() * u.final_value  # truncation: bootstrap from the true last obs
+    # a truncation bootstraps from V_mu of the true last obs (unless bootstrap_truncation=False)
+    rewards = u.rewards + gamma * u.truncated.float() * u.final_value if bootstrap_truncation else u.rewards
     vt = vtrace_from_importance_weights(
         (target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(), u.bootstrap_value.detach(),
         clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold)
@@ -600,8 +568,7 @@ def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple
             i = min(int(np.searchsorted(edges, step, side="right")) - 1, num_bins - 1)
             sums[max(i, 0)] += ret
             counts[max(i, 0)] += 1
-    vals = np.full(num_bins, np.nan)
-    last = np.nan
+    vals, last = np.full(num_bins, np.nan), np.nan
     for i in range(num_bins):
         last = sums[i] / counts[i] if counts[i] else last
         vals[i] = last
@@ -613,11 +580,8 @@ def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, to
                        num_bins: int = 100) -> dict[int, float]:
     """Final cumulative reward per task (CLEAR App. C, Figs. 8 and 13): (1/t) sum_{s<t} r_s at the end of training, i.e.
     the time average of the task's test return over the run (on the `binned_returns` grid)."""
-    out = {}
-    for task in range(num_tasks):
-        _, vals = binned_returns(records, task, total, num_bins)
-        out[task] = float(vals.mean()) if len(vals) else float("nan")
-    return out
+    vals = [binned_returns(records, task, total, num_bins)[1] for task in range(num_tasks)]
+    return {task: float(v.mean()) if len(v) else float("nan") for task, v in enumerate(vals)}
 
 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
@@ -627,20 +591,17 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
     forward of the latest weights. Each env is an actor of the paper (CLEAR App. A.1): per unroll it stores its new
     unroll in the process's reservoir, gets a replay unroll sampled from it, publishes the (new, replay) pair in its
     own slot (actor_id * E + e) and waits until the learner has read the pair."""
-    E, T = args.envs_per_actor, args.unroll_length
-    seed = args.seed + 1000 * actor_id
-    rng = np.random.default_rng(seed)
-    torch.manual_seed(seed)
+    E, T, seed = args.envs_per_actor, args.unroll_length, args.seed + 1000 * actor_id
     capacity = buffer_capacity_per_actor(args)
-    buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, rng) if capacity > 0 else None
+    torch.manual_seed(seed)
+    buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(seed)) if capacity > 0 else None
     replay_file = f"replay_actor{actor_id}.npz"
     if buffer is not None and args.resume and args.checkpoint_replay:
         path = os.path.join(os.path.dirname(args.resume), replay_file)
         if os.path.exists(path):
             print(f"actor-{actor_id} restored {buffer.load(path)} replay unrolls from {path}", flush=True)
-    saved_request = ckpt_request.value
-    model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
-    ids = list(range(actor_id * E, (actor_id + 1) * E))  # our slots
+    saved_request, model = ckpt_request.value, Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
+    ids, run_name = list(range(actor_id * E, (actor_id + 1) * E)), os.path.basename(run_dir)  # our slots, the run
     new = {k: slots[k][ids[0]:ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
     rep = {k: slots[k][ids[0]:ids[-1] + 1, 1].numpy() for k in UNROLL_FIELDS}
     tasks, envs, episode, acquired = [-1] * E, [None] * E, 0, 0
@@ -659,9 +620,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             if task != tasks[e]:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
                 if envs[e] is not None:
                     envs[e].close()
-                tasks[e], envs[e] = task, make_env(args.env_ids[task], seed + e, args, video_folder=f"videos/"
-                                                   f"{os.path.basename(run_dir)}", capture_video=args.capture_video
-                                                   and actor_id == 0 and e == 0 and task == 0)
+                video = args.capture_video and actor_id == 0 and e == 0 and task == 0
+                tasks[e], envs[e] = task, make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
                 for k in UNROLL_FIELDS:
                     new[k][e, 0] = 0
                 new["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episode)[0]
@@ -676,11 +636,10 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
                 logits, value = model(torch.from_numpy(new["obs"][:, t]))
                 actions = torch.multinomial(F.softmax(logits, -1), 1).squeeze(1)
             new["action"][:, r], new["logits"][:, r], new["baseline"][:, r] = actions, logits, value
-            new["final_value"][:, r] = 0.0
-            truncated_obs = {}
+            new["final_value"][:, r], truncated_obs = 0.0, {}  # truncated_obs: env -> final obs of a time limit
             for e, env in enumerate(envs):
                 obs, reward, terminated, truncated, info = env.step(int(actions[e]))
-                if args.bootstrap_truncation and truncated and not terminated:  # time limit: keep V_mu(final obs)
+                if args.bootstrap_truncation and truncated and not terminated:  # keep it for V_mu(final obs)
                     truncated_obs[e] = obs
                 if "episode" in info:
                     stats_queue.put((tasks[e], float(np.asarray(info["episode"]["r"])),
@@ -709,9 +668,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             full_queues[net_for_task(tasks[e], args)].put(i)
     if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
         buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
-    for env in envs:
-        if env is not None:
-            env.close()
+    for env in [x for x in envs if x is not None]:
+        env.close()
 
 
 def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, stop, eval_queue):
@@ -719,10 +677,8 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
     learner; reports each finished episode's return."""
     seed = args.seed + 1000 * (args.num_actors + test_id) + 17
     torch.manual_seed(seed)
-    env = make_env(args.env_ids[task], seed, args)
-    model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
-    obs, _ = env.reset(seed=seed)
-    t, t0 = 0, time.time()
+    env, model = make_env(args.env_ids[task], seed, args), Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
+    (obs, _), t, t0 = env.reset(seed=seed), 0, time.time()
     while not stop.is_set():
         if args.test_actor_max_sps > 0 and t > args.test_actor_max_sps * (time.time() - t0):
             time.sleep(0.01)
@@ -765,34 +721,23 @@ if __name__ == "__main__":
     args, ckpt, overridden = parse_run_args(Args, "clear_impala.py", ENV_FLAGS, FIXED_ON_RESUME)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    obs_shape, num_actions, kind = probe_envs(args)
+    obs_shape, num_actions, kind = probe_envs(args)  # and the torso
     if args.bootstrap_truncation is None:  # per env family (see the flag)
         args.bootstrap_truncation = kind != "minigrid"
-    torso = resolve_torso(args, obs_shape)
-    if torso == "minigrid" and kind != "minigrid":
-        raise SystemExit("error: --torso minigrid needs MiniGrid tasks")
-    if args.capture_video and kind == "minatar":
-        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
-    if torso in ("nature", "resnet") and kind != "atari" or (torso == "minatar") != (kind == "minatar"):
-        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
-    K = len(args.env_ids)
-    T, B, E = args.unroll_length, args.batch_size, args.envs_per_actor
-    num_envs = args.num_actors * E  # the paper's actors: one (new, replay) pair each per batch
-    num_nets = K if args.mode == "separate" else 1
-    TOTAL = total_steps(args)
+    torso, K, T, B = resolve_torso(args, obs_shape), len(args.env_ids), args.unroll_length, args.batch_size
+    num_envs = args.num_actors * args.envs_per_actor  # the paper's actors: one (new, replay) pair each per batch
+    num_nets, TOTAL = K if args.mode == "separate" else 1, total_steps(args)
     if ckpt and ckpt["global_step"] >= TOTAL:
         raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
                          f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
 
     # MEMORY: bytes per stored frame, refuse what cannot fit
-    capacity = buffer_capacity_per_actor(args)
-    per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
+    capacity, per_unroll = buffer_capacity_per_actor(args), ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
     print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
           f"{per_unroll / T:.0f} B per stored frame (frame {int(np.prod(obs_shape))} B + the unroll's other fields)")
     check_memory((capacity * args.num_actors + 2 * num_envs) * per_unroll, "--buffer-frames")
 
     logger = start_run(args, ckpt, "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks")
-    run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -802,23 +747,16 @@ if __name__ == "__main__":
     # SETUP: networks (one per task in separate mode), shared CPU copies for the actors, optimizers, lr schedules
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
     shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
-    for m, s in zip(models, shared_models):
-        s.load_state_dict(m.state_dict())
-        s.share_memory()
     updates_per_net = max(1, TOTAL // (T * B * num_nets))
     optimizers = [torch.optim.RMSprop(m.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
                                       eps=args.rmsprop_eps, momentum=args.rmsprop_momentum) for m in models]
     # anneal linearly to 0 over the WHOLE run (all tasks, all cycles), not per task
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: max(0.0, 1.0 - n / updates_per_net))
-                  for o in optimizers]
-    global_step_value, learner_steps = 0, [0] * num_nets
-    eval_records: list[tuple[int, int, float]] = []  # (global_step, task, return)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: max(0.0, 1.0 - n / updates_per_net)) for o in optimizers]
+    global_step_value, learner_steps, eval_records = 0, [0] * num_nets, []  # eval_records: (global_step, task, return)
     if ckpt:  # restore, then one line
-        for i in range(num_nets):
-            models[i].load_state_dict(ckpt["models"][i])
-            shared_models[i].load_state_dict(ckpt["models"][i])
-            optimizers[i].load_state_dict(ckpt["optimizers"][i])
-            schedulers[i].load_state_dict(ckpt["schedulers"][i])
+        for objs, key in ((models, "models"), (optimizers, "optimizers"), (schedulers, "schedulers")):
+            for obj, state in zip(objs, ckpt[key], strict=True):
+                obj.load_state_dict(state)
         global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
         eval_records = [tuple(r) for r in ckpt["eval_records"]]
         set_rng_state(ckpt["rng"])
@@ -828,52 +766,47 @@ if __name__ == "__main__":
               f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
               f"{restored}/{args.num_actors} actors (the others start empty); flags from this command line: "
               f"{', '.join(overridden) or 'none'}; runs to step {TOTAL:,}", flush=True)
+    for m, s in zip(models, shared_models):  # the actors' copies: CPU, shared memory
+        s.load_state_dict(m.state_dict())
+        s.share_memory()
 
     # SETUP: shared-memory slots, one (new, replay) pair per actor; only indices travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
     if args.start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.minatar_env", "common.atari_env"])
-    specs = unroll_specs(obs_shape, num_actions, T)
     slots = {k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
-             for k, (shape, dtype) in specs.items()}
+             for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()}
     # per slot: task, start step, policy version, replay valid, replay task, buffer fill
     meta = torch.zeros(num_envs, 6, dtype=torch.int64).share_memory_()
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
-    # one semaphore per actor's slot (1 = free). Not an Event: Event.set() waits for every process sleeping in wait()
-    # to acknowledge, so a learner setting the event of an actor killed inside wait() would hang forever
+    # one semaphore per slot (1 = free), not an Event: Event.set() hangs on an actor killed inside Event.wait()
     slot_free = [ctx.Semaphore(1) for _ in range(num_envs)]
     global_step = ctx.Value("q", global_step_value, lock=False)  # single writer: the learner
     policy_version = ctx.Value("q", sum(learner_steps), lock=False)
     frames_done = ctx.Array("q", args.num_actors, lock=False)  # one counter per actor, each its only writer
     ckpt_request = ctx.Value("q", 0, lock=False)  # bumped at each checkpoint: actors then save their buffers
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
-    procs = ProcessGroup(ctx)
-    stop = procs.stop_event  # actors return when it is set
-    rng = np.random.default_rng(args.seed)
-    task_mismatch, stale_after_switch = 0, collections.Counter()
-    error = None
+    procs, rng = ProcessGroup(ctx), np.random.default_rng(args.seed)
+    task_mismatch, stale_after_switch, error = 0, collections.Counter(), None
+    names = [e.replace("/", "_") for e in args.env_ids]  # in metric names
     try:
         for i in range(args.num_actors):
-            procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues,
-                                     slot_free, global_step, policy_version, frames_done, stop, stats_queue,
-                                     ckpt_request, str(logger.dir)),
-                        name=f"actor-{i}")
+            procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
+                                     global_step, policy_version, frames_done, procs.stop_event, stats_queue,
+                                     ckpt_request, str(logger.dir)), name=f"actor-{i}")
         for task in range(K):
             for j in range(args.num_test_actors):
                 procs.start(test_actor_loop, (task * args.num_test_actors + j, task, args, obs_shape, num_actions,
-                                              shared_models, stop, eval_queue), name=f"test-{task}-{j}")
+                                              shared_models, procs.stop_event, eval_queue), name=f"test-{task}-{j}")
         start_time, start_step = time.time(), global_step_value
         last_log, last_log_step, last_frames, last_ckpt = start_time, global_step_value, 0, global_step_value
         train_returns = collections.deque(maxlen=100)
         window = collections.defaultdict(lambda: collections.deque(maxlen=20))  # last test returns per task
-        metrics_acc = collections.defaultdict(float)
+        metrics_acc, n_acc, learn_time = collections.defaultdict(float), 0, 0.0
         rho_sum, rho_count = torch.zeros(K, device=device), torch.zeros(K, device=device)  # per replayed task
-        n_acc = 0
-        learn_time = 0.0
         while global_step.value < TOTAL:
             # COLLECT: B pairs, one per actor, from the queue of the network to train next
-            net = (sum(learner_steps) % num_nets)
-            idx = []
+            net, idx = sum(learner_steps) % num_nets, []
             while len(idx) < B:
                 if full_queues[net].empty():
                     procs.check()  # a dead actor stops the run with its traceback
@@ -909,6 +842,9 @@ if __name__ == "__main__":
                 metrics_acc[k] += v
             metrics_acc["losses/grad_norm"] += grad_norm.detach()
             metrics_acc["charts/replay_fraction"] += float(which.float().mean())
+            metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
+            metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
+            n_acc += 1
             if args.replay_ratio > 0:  # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour
                 # policy was sure of (mu >= 0.5), summed per task the unroll came from (no sync here)
                 rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, dev_batch))
@@ -916,55 +852,44 @@ if __name__ == "__main__":
                 replay_source = m[:, 4].clamp(min=0).to(device)
                 rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
                 rho_count.index_add_(0, replay_source, confident.sum(0))
-            metrics_acc["charts/policy_lag"] += float((policy_version.value - 1 - m[:, 2]).float().mean())
-            metrics_acc["charts/buffer_fill"] += float(m[:, 5].float().mean() / max(1, capacity))
-            n_acc += 1
 
             # LOG
             gs = global_step.value
             for task, ret, length in drain(stats_queue):
                 train_returns.append(ret)
                 logger.log(gs, {"charts/episodic_return": ret, "charts/episodic_length": length,
-                                f"train/{args.env_ids[task].replace('/', '_')}/episodic_return": ret})
+                                f"train/{names[task]}/episodic_return": ret})
             for task, ret, length in drain(eval_queue):
                 eval_records.append((gs, task, ret))
                 window[task].append(ret)
-                name = args.env_ids[task].replace("/", "_")
-                logger.log(gs, {f"eval/{name}/episodic_return": ret, f"eval/{name}/episodic_length": length})
-            now = time.time()
-            if now - last_log >= args.log_every_seconds or gs >= TOTAL:
+                logger.log(gs, {f"eval/{names[task]}/episodic_return": ret,
+                                f"eval/{names[task]}/episodic_length": length})
+            if (now := time.time()) - last_log >= args.log_every_seconds or gs >= TOTAL:
                 frames = sum(frames_done)
-                out = {k: float(v) / n_acc for k, v in metrics_acc.items()}
-                out.update({
-                    "charts/SPS": int((gs - start_step) / (now - start_time)),
-                    "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
-                    "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
-                    "charts/learning_rate": schedulers[net].get_last_lr()[0],
-                    "charts/task": task_for_actor(0, gs, args),
-                    "charts/task_mismatch": task_mismatch,
-                })
-                for k, (rho, count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist())):
-                    if count > 0:
-                        out[f"replay/{args.env_ids[k].replace('/', '_')}/importance_weight"] = rho / count
+                out = {**{k: float(v) / n_acc for k, v in metrics_acc.items()},
+                       "charts/SPS": int((gs - start_step) / (now - start_time)),
+                       "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
+                       "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
+                       "charts/learning_rate": schedulers[net].get_last_lr()[0],
+                       "charts/task": task_for_actor(0, gs, args), "charts/task_mismatch": task_mismatch}
+                out.update({f"replay/{names[k]}/importance_weight": rho / count
+                            for k, (rho, count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist())) if count > 0})
                 rho_sum.zero_()
                 rho_count.zero_()
                 logger.log(gs, out)
                 evals = " ".join(f"{np.mean(window[k]):.2f}" if window[k] else "-" for k in range(K))
-                logger.progress(
-                    gs, out["charts/SPS"], episodic_return=np.mean(train_returns) if train_returns else None,
-                    loss_name="total_loss", loss=out["losses/total_loss"],
-                    extra=f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{evals}]")
+                logger.progress(gs, out["charts/SPS"], np.mean(train_returns) if train_returns else None, "total_loss",
+                                out["losses/total_loss"], f"task {out['charts/task']} replay "
+                                f"{out['charts/replay_fraction']:.2f} eval [{evals}]")
                 metrics_acc.clear()
-                n_acc, learn_time = 0, 0.0
-                last_log, last_log_step, last_frames = now, gs, frames
+                n_acc, learn_time, last_log, last_log_step, last_frames = 0, 0.0, now, gs, frames
 
             # CHECKPOINT
             if args.checkpoint_every and (gs - last_ckpt >= args.checkpoint_every or gs >= TOTAL):
                 last_ckpt = gs
                 save_checkpoint(logger.dir / "checkpoint.pt", {
-                    "script": "clear_impala.py", "run_name": run_name, "args": vars(args),
-                    "models": [x.state_dict() for x in models],
-                    "optimizers": [o.state_dict() for o in optimizers],
+                    "script": "clear_impala.py", "run_name": logger.run_name, "args": vars(args),
+                    "models": [x.state_dict() for x in models], "optimizers": [o.state_dict() for o in optimizers],
                     "schedulers": [s.state_dict() for s in schedulers], "global_step": gs,
                     "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
                 ckpt_request.value += 1
@@ -975,20 +900,16 @@ if __name__ == "__main__":
         procs.stop()
 
     # SAVE + SUMMARY: returns averaged over the steps reached (an interrupted run: its measured part)
-    for task, ret, length in drain(eval_queue):
-        eval_records.append((global_step.value, task, ret))
-    with open(logger.dir / "eval_records.json", "w") as f:  # tests/benchmarks/clear_forgetting_table.py plots them
-        json.dump(eval_records, f)
+    eval_records += [(global_step.value, task, ret) for task, ret, _ in drain(eval_queue)]
+    (logger.dir / "eval_records.json").write_text(json.dumps(eval_records))  # clear_forgetting_table.py plots them
     cum = cumulative_returns(eval_records, K, global_step.value)
-    returns = {k: [r for _, t, r in eval_records if t == k] for k in range(K)}
-    summary = {
-        "global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
-        "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
-        "final_cumulative_return": {args.env_ids[k]: cum[k] for k in range(K)},
-        "final_return_last20": {args.env_ids[k]: float(np.mean(returns[k][-20:])) if returns[k] else float("nan")
-                                for k in range(K)},
-        "num_eval_episodes": {args.env_ids[k]: len(returns[k]) for k in range(K)},
-        "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch)}
+    returns = {e: [r for _, t, r in eval_records if t == k] for k, e in enumerate(args.env_ids)}
+    summary = {"global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
+               "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
+               "final_cumulative_return": {e: cum[k] for k, e in enumerate(args.env_ids)},
+               "final_return_last20": {e: float(np.mean(r[-20:])) if r else float("nan") for e, r in returns.items()},
+               "num_eval_episodes": {e: len(r) for e, r in returns.items()},
+               "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch)}
     print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
 
     def save_model():
