@@ -26,8 +26,8 @@ Differences from the paper (long form: README.md, section vracer_refer.py)
 - Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
 
 Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
-exactly; actors restart their episodes, re-seeded. Copying this file: it needs common/mujoco_env.py, args.py,
-logger.py, checkpoint.py, processes.py, video.py.
+exactly; actors restart their episodes, re-seeded.
+Copying this file: it needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
 """
 import os
 
@@ -46,8 +46,7 @@ from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, see
                                set_rng_state, state_dicts)
 from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
-                              stop_on_signals)
+from common.processes import ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads, stop_on_signals
 from common.video import check_video_support
 
 
@@ -130,11 +129,10 @@ FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refe
 ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
     "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0",
-    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0",
-    "per_alpha": ">= 0", "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1",
-    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2",
-    "log_every": ">= 1", "checkpoint_every": ">= 0", "eval_episodes": ">= 0",
-}
+    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "per_alpha": ">= 0",
+    "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1",
+    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2", "log_every": ">= 1",
+    "checkpoint_every": ">= 0", "eval_episodes": ">= 0"}
 
 
 def validate_args(args: Args) -> None:
@@ -145,14 +143,13 @@ def validate_args(args: Args) -> None:
             check_video_support()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    for bad, msg in (
-        (args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
-        (args.learning_starts > args.buffer_size, "--learning-starts must be <= --buffer-size (the memory never holds "
-                                                  "more than N + one episode)"),
-        (args.learning_starts < args.batch_size, "--learning-starts must be >= --batch-size (the first batch needs "
-                                                 "that many samples)"),
-        (args.C <= 0 and args.refer != "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)"),
-    ):  # fmt: skip
+    for bad, msg in ((args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
+                     (args.learning_starts > args.buffer_size,
+                      "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)"),
+                     (args.learning_starts < args.batch_size,
+                      "--learning-starts must be >= --batch-size (the first batch needs that many samples)"),
+                     (args.C <= 0 and args.refer != "none",
+                      "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")):  # fmt: skip
         if bad:
             raise SystemExit(f"error: {msg}")
 
@@ -164,17 +161,14 @@ def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str 
 
 # NETWORK
 def std_from_param(x: torch.Tensor, std_map: str) -> torch.Tensor:
-    """Map the state-independent parameter to sigma > 0 (App. A: "mapped onto R+ by a Softplus rectifier")."""
-    if std_map == "softplus":
-        return nn.functional.softplus(x)
-    return 0.5 * (x + torch.sqrt(1.0 + x * x))  # the authors' "cheap softplus"
+    """Map the state-independent parameter to sigma > 0: softplus (App. A: "mapped onto R+ by a Softplus rectifier")
+    or the authors' "cheap softplus"."""
+    return nn.functional.softplus(x) if std_map == "softplus" else 0.5 * (x + torch.sqrt(1.0 + x * x))
 
 
 def std_param_init(std: float, std_map: str) -> float:
     """Inverse of `std_from_param`."""
-    if std_map == "softplus":
-        return float(np.log(np.expm1(std)))
-    return (std * std - 0.25) / std
+    return float(np.log(np.expm1(std))) if std_map == "softplus" else (std * std - 0.25) / std
 
 
 class Agent(nn.Module):
@@ -189,8 +183,8 @@ class Agent(nn.Module):
         self.std_map, self.residual = std_map, residual
         for layer in (self.l1, self.l2):  # App. A: Glorot uniform (weights and, as the authors' code, biases)
             bound = float(np.sqrt(6.0 / (layer.in_features + layer.out_features)))
-            nn.init.uniform_(layer.weight, -bound, bound)
-            nn.init.uniform_(layer.bias, -bound, bound)
+            for p in (layer.weight, layer.bias):
+                nn.init.uniform_(p, -bound, bound)
         bound = 0.1 / float(np.sqrt(hidden))  # App. A: U(+-0.1/sqrt(f_i)) -> near-zero outputs
         nn.init.uniform_(self.out.weight, -bound, bound)
         nn.init.zeros_(self.out.bias)
@@ -212,10 +206,8 @@ def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None
     call handles many segments. Hillis-Steele doubling: ceil(log2(max_len)) passes of whole-array numpy operations.
     """
     x, a = np.array(b, dtype=np.float64), np.array(a, dtype=np.float64)
-    n = len(x)
-    max_len = n if max_len is None else max_len
-    shift = 1
-    while shift < min(n, max_len):
+    shift, stop = 1, len(x) if max_len is None else min(len(x), max_len)
+    while shift < stop:
         x[:-shift] += a[:-shift] * x[shift:]  # numpy resolves the overlap as if from the old values
         a[:-shift] *= a[shift:]
         shift *= 2
@@ -233,10 +225,8 @@ def vtbc_targets(rewards: np.ndarray, values: np.ndarray, rhos: np.ndarray, gamm
     rewards, values, rhos = (np.asarray(v, dtype=np.float64) for v in (rewards, values, rhos))
     L = len(rewards)
     c = np.minimum(1.0, rhos)  # rho-bar = min(1, rho) (Eq. (6))
-    tail = 0.0 if terminated else values[L]
-    a = gamma * c
-    b = (1.0 - c) * values[:L] + c * rewards
-    b[-1] += a[-1] * tail
+    a, b = gamma * c, (1.0 - c) * values[:L] + c * rewards
+    b[-1] += a[-1] * (0.0 if terminated else values[L])  # the tail V^tbc_L
     a[-1] = 0.0
     return reverse_linear_scan(a, b)
 
@@ -257,15 +247,13 @@ def refer_beta_update(beta: float, far_fraction: float, D: float, eta: float) ->
 
 
 def is_far_policy(rho, cmax: float):
-    """Rule 1: a sample is near-policy iff 1/c_max < rho < c_max (Sec. 3), so a NaN rho is far; numpy arrays and
-    tensors."""
+    """Rule 1: near-policy iff 1/c_max < rho < c_max (Sec. 3), so a NaN rho is far; numpy arrays and tensors."""
     return ~((rho > 1.0 / cmax) & (rho < cmax))
 
 
 def gaussian_kl(mean_p, std_p, mean_q, std_q):
-    """D_KL(p || q) of diagonal Gaussians, summed over action dimensions (closed form).
-
-    log(s_q/s_p) + (s_p^2 + (m_p - m_q)^2) / (2 s_q^2) - 1/2 per dimension."""
+    """D_KL(p || q) of diagonal Gaussians, summed over dimensions: log(s_q/s_p) + (s_p^2 + (m_p - m_q)^2) / (2 s_q^2)
+    - 1/2 per dimension (closed form)."""
     return (torch.log(std_q / std_p) + (std_p**2 + (mean_p - mean_q) ** 2) / (2.0 * std_q**2) - 0.5).sum(-1)
 
 
@@ -296,10 +284,9 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
     # cannot reach the batch's gradient as 0 * inf = NaN
     keep = near[:, None]
     logp = gaussian_logprob(torch.where(keep, act, mean.detach()), mean, torch.where(keep, std, torch.ones_like(std)))
-    v_det = value.detach()
-    adv = qret - v_det  # Q^ret - V^w(s) (Eq. (5))
+    adv = qret - value.detach()  # Q^ret - V^w(s) (Eq. (5))
     cbar = torch.clamp(rho, max=1.0)  # rho-bar = min(1, rho)
-    vtbc = v_det + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
+    vtbc = value.detach() + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
     rho_pg = torch.clamp(rho, max=RULE2_RHO_MAX) if refer == "rule2" else rho
     zero = torch.zeros_like(rho)  # masks select (torch.where), never multiply
     pg_loss = torch.where(near, -(rho_pg * adv) * logp, zero)  # Eq. (5): rho (Q^ret - V) grad log pi, both detached
@@ -310,23 +297,19 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
     w = 1.0 if weights is None else weights  # PER importance weights
     per_sample = w * beta_eff * (pg_loss + v_loss)  # Eq. (10); the KL term only where its weight 1 - beta is not 0
     per_sample = per_sample + (1.0 - beta_eff) * kl if beta_eff < 1.0 else per_sample
-    loss = per_sample.sum() / B
-    info = {"rho": rho, "far": far, "kl_mu_pi": kl_mu_pi.detach(), "abs_err": (cbar * adv).abs(),
-            "policy_loss": pg_loss.detach().sum() / B, "value_loss": v_loss.detach().sum() / B,
-            "kl_loss": kl.detach().mean()}
-    return loss, info
+    return per_sample.sum() / B, {"rho": rho, "far": far, "kl_mu_pi": kl_mu_pi.detach(), "abs_err": (cbar * adv).abs(),
+                                  "policy_loss": pg_loss.detach().sum() / B, "value_loss": v_loss.detach().sum() / B,
+                                  "kl_loss": kl.detach().mean()}
 
 
 def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
     """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal."""
     z = rng.standard_normal(shape)
-    if mode == "truncnorm":  # rejection: exact truncated normal
+    bad = np.abs(z) > 3.0
+    while mode == "truncnorm" and bad.any():  # rejection: exact truncated normal
+        z[bad] = rng.standard_normal(int(bad.sum()))
         bad = np.abs(z) > 3.0
-        while bad.any():
-            z[bad] = rng.standard_normal(int(bad.sum()))
-            bad = np.abs(z) > 3.0
-    elif mode == "smarties":
-        bad = np.abs(z) > 3.0
+    if mode == "smarties":
         z[bad] = rng.uniform(-3.0, 3.0, int(bad.sum()))
     return z
 
@@ -364,9 +347,8 @@ class EpisodeReplay:
             width = {"obs": obs_dim, "act": act_dim}.get(width, width)
             setattr(self, name, np.full((self.cap, width) if width != 1 else self.cap, value, dtype))
         self.episodes: deque = deque()  # (start, length) oldest first
-        self.size = self.head = self.hi = self.forced_removals = 0
-        self.max_len, self.reward_scale, self.max_prio = 1, 1.0, 1.0  # reward_scale = sigma_r + eps
-        self.n_far, self.cmax = 0, np.inf
+        self.size = self.head = self.hi = self.forced_removals = self.n_far = 0
+        self.max_len, self.reward_scale, self.max_prio, self.cmax = 1, 1.0, 1.0, np.inf  # reward_scale = sigma_r + eps
         self.per_order, self.per_alpha, self.per_p, self.per_cdf = None, 0.5, None, None  # rank-based PER
 
     @staticmethod
@@ -380,8 +362,7 @@ class EpisodeReplay:
         start, length = self.episodes.popleft()
         sl = slice(start, start + length)
         self.n_far -= int(is_far_policy(self.rho[sl], self.cmax).sum())
-        self.valid[sl] = False
-        self.truncated_last[sl] = False
+        self.valid[sl] = self.truncated_last[sl] = False
         self.size -= length
 
     def add_episode(self, obs, act, mu_mean, mu_std, rew, val, terminated: bool, final_val: float = 0.0,
@@ -392,22 +373,17 @@ class EpisodeReplay:
             return
         if L > self.cap - self.N:
             raise ValueError(f"episode of {L} steps is longer than the memory's slack {self.cap - self.N}")
-        if self.head + L > self.cap:
-            self.head = 0
-        lo, hi = self.head, self.head + L
+        lo = 0 if self.head + L > self.cap else self.head  # the write head jumps to 0 if the episode does not fit
+        hi = lo + L
         while self.episodes and self.episodes[0][0] < hi and self.episodes[0][0] + self.episodes[0][1] > lo:
             self._remove_oldest()  # the region ahead of the head holds the oldest episodes
             self.forced_removals += 1
         sl = slice(lo, hi)
         self.obs[sl], self.act[sl], self.mu_mean[sl], self.mu_std[sl] = obs, act, mu_mean, mu_std
-        self.rew[sl] = rew
-        self.rs[sl] = np.asarray(rew) / self.reward_scale
-        self.val[sl] = val
-        self.rho[sl] = 1.0
-        self.la[sl] = np.log(self.gamma)
+        self.rew[sl], self.rs[sl], self.val[sl] = rew, np.asarray(rew) / self.reward_scale, val
+        self.rho[sl], self.la[sl] = 1.0, np.log(self.gamma)
         self.prio[sl] = self.max_prio  # PER: new samples get the maximal priority
-        self.ep_start[sl], self.ep_last[sl] = lo, hi - 1
-        self.valid[sl] = True
+        self.ep_start[sl], self.ep_last[sl], self.valid[sl] = lo, hi - 1, True
         self.vboot[hi - 1] = 0.0 if terminated else final_val  # App. C Alg. 2 remark 2
         self.truncated_last[hi - 1] = not terminated
         if not terminated and final_obs is not None:
@@ -416,9 +392,7 @@ class EpisodeReplay:
         vt = vtbc_targets(self.rs[sl], vals, np.ones(L), self.gamma, terminated)
         self.qret[sl] = self.rs[sl] + self.gamma * np.append(vt[1:], self.vboot[hi - 1])  # Q^ret_t = r + gamma V^tbc_{t+1}
         self.episodes.append((lo, L))
-        self.size += L
-        self.head, self.hi = hi, max(self.hi, hi)
-        self.max_len = max(self.max_len, L)
+        self.size, self.head, self.hi, self.max_len = self.size + L, hi, max(self.hi, hi), max(self.max_len, L)
         while self.episodes and self.size - self.episodes[0][1] >= self.N:  # FIFO: keep >= N samples
             self._remove_oldest()
 
@@ -453,8 +427,7 @@ class EpisodeReplay:
         if stale.any():
             idx[stale] = self.sample(int(stale.sum()), rng)
             ranks[stale] = n // 2
-        prob = p[ranks] / cdf[-1]
-        w = (n * prob) ** -beta_is
+        w = (n * (p[ranks] / cdf[-1])) ** -beta_is  # (n P(rank))^-beta
         return idx, w / w.max()
 
     # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
@@ -466,9 +439,8 @@ class EpisodeReplay:
             _, last = np.unique(idx[::-1], return_index=True)
             keep = len(idx) - 1 - last
             idx, rho, val, prio = idx[keep], rho[keep], val[keep], None if prio is None else prio[keep]
-        old_far = is_far_policy(self.rho[idx], self.cmax)
-        new_far = is_far_policy(rho, self.cmax)
-        self.n_far += int(new_far.sum()) - int(old_far.sum())  # counts from each sample's most recent rho
+        # n_far counts from each sample's most recent rho
+        self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
         c_old = np.minimum(1.0, self.rho[idx])
         vtbc_old = (1.0 - c_old) * self.val[idx] + c_old * self.qret[idx]  # Eq. (7) with the stored V, rho
         self.rho[idx], self.val[idx] = rho, val
@@ -497,16 +469,13 @@ class EpisodeReplay:
         starts = self.ep_start[idx]
         order = np.lexsort((-idx, starts))  # by episode, latest sampled first
         t, st, vo = idx[order], starts[order], vtbc_old[order]
-        n = len(t)
-        first = np.ones(n, bool)
-        first[1:] = st[1:] != st[:-1]
+        n, first = len(t), np.append(True, st[1:] != st[:-1])  # first: the latest sample of its episode
         ep_first = np.flatnonzero(first)
         rank = np.arange(n) - np.repeat(ep_first, np.diff(np.append(ep_first, n)))
         m, s = t[first], st[first]
         lens = m - s + 1
-        total = int(lens.sum())
         offs = np.cumsum(lens) - lens
-        j = np.repeat(s - offs, lens) + np.arange(total)  # concatenated slot indices of all prefixes [s, m]
+        j = np.repeat(s - offs, lens) + np.arange(int(lens.sum()))  # concatenated slot indices of all prefixes [s, m]
         p_samp = np.repeat(offs - s, np.diff(np.append(ep_first, n))) + t  # positions of the samples in it
         R = np.cumsum(self.la[j][::-1])[::-1]  # R_p = sum_{q >= p} log a_q (differences give in-episode products)
         c = np.minimum(1.0, self.rho[t])
@@ -524,21 +493,18 @@ class EpisodeReplay:
         # change of V^tbc_j (Eq. (8), linear between samples), times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
         dq = np.exp(R - np.repeat(R[p_samp[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
         dq[offs] = 0.0  # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
-        j -= 1
-        self.qret[j] += dq
+        self.qret[j - 1] += dq
 
     def recompute_all(self) -> None:
         """Q^ret of every stored step from the stored V, rho and the current reward scale (one scan over the RM)."""
-        n = self.hi
-        if n == 0:
+        if (n := self.hi) == 0:
             return
         valid = self.valid[:n]
         c = np.where(valid, np.minimum(1.0, self.rho[:n]), 0.0)
         last = valid & (np.arange(n) == self.ep_last[:n])
         a = np.where(last, 0.0, self.gamma * c)
         b = np.where(valid, (1.0 - c) * self.val[:n] + c * self.rs[:n], 0.0)
-        b[last] += self.gamma * c[last] * self.vboot[:n][last]
-        a[~valid] = 0.0
+        b[last] += self.gamma * c[last] * self.vboot[:n][last]  # (a = 0 on empty slots: c = 0 there)
         x = reverse_linear_scan(a, b, self.max_len)
         nxt = np.append(x[1:], 0.0)
         nxt[last] = self.vboot[:n][last]
@@ -569,11 +535,10 @@ class EpisodeReplay:
         return self.reward_scale
 
     def state_dict(self) -> dict:
-        d = {k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"}  # la: derived from rho
-        d.update(episodes=list(self.episodes), size=self.size, head=self.head, hi=self.hi, max_len=self.max_len,
-                 reward_scale=self.reward_scale, n_far=self.n_far, cmax=self.cmax, max_prio=self.max_prio,
-                 N=self.N, cap=self.cap)
-        return d
+        return dict({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"},  # la: derived from rho
+                    episodes=list(self.episodes), size=self.size, head=self.head, hi=self.hi, max_len=self.max_len,
+                    reward_scale=self.reward_scale, n_far=self.n_far, cmax=self.cmax, max_prio=self.max_prio,
+                    N=self.N, cap=self.cap)
 
     def load_state_dict(self, d: dict) -> None:
         if d["N"] != self.N or d["cap"] != self.cap:
@@ -597,8 +562,7 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     bookkeeping=False skips the write-back, the Q^ret refresh and n_far (only for the benchmark's bare learner).
     """
     k = state["k"]
-    cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); with --refer none only used to count far-policy samples
-    rm.cmax = cmax
+    rm.cmax = cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); --refer none: only to count far-policy samples
     for g in optimizer.param_groups:
         g["lr"] = annealed_lr(k, args.learning_rate, args.A)  # Eq. (13)
     if args.per == "rank":
@@ -610,9 +574,7 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     boot_idx = idx[rm.truncated_last[idx]]  # truncated last steps: also refresh V(s_L)
     obs = np.concatenate([rm.obs[idx], rm.boot_obs[boot_idx]]) if len(boot_idx) else rm.obs[idx]
     obs_t = (torch.as_tensor(obs, device=device) - obs_mean) / obs_std
-    act = torch.as_tensor(rm.act[idx], device=device)
-    mu_mean = torch.as_tensor(rm.mu_mean[idx], device=device)
-    mu_std = torch.as_tensor(rm.mu_std[idx], device=device)
+    act, mu_mean, mu_std = (torch.as_tensor(x[idx], device=device) for x in (rm.act, rm.mu_mean, rm.mu_std))
     qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32, device=device)
     mean, std, value = agent(obs_t)
     B = args.batch_size
@@ -626,10 +588,9 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
                          info["far"].float().mean(), info["rho"].mean()])
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
     nb = len(boot_idx)
-    rho_new, v_new, err = host[:B], host[B:2 * B], host[2 * B + nb:3 * B + nb]
-    if bookkeeping:
-        rm.update_samples(idx, rho_new, v_new, boot_idx, host[2 * B:2 * B + nb],
-                          prio=err if args.per == "rank" else None)
+    if bookkeeping:  # host = [rho (B) | V(s) (B) | V(s_L) (nb) | |err| (B) | stats (6)]
+        rm.update_samples(idx, host[:B], host[B:2 * B], boot_idx, host[2 * B:2 * B + nb],
+                          prio=host[2 * B + nb:3 * B + nb] if args.per == "rank" else None)
     if args.refer != "none":  # Eq. (12), far fraction from each stored step's most recent rho
         state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
     state["k"] = k + 1
@@ -646,9 +607,8 @@ def ring_width(obs_dim: int, act_dim: int) -> int:
 def numpy_params(agent: Agent, std_map: str, norm: np.ndarray) -> dict:
     """float64 numpy copies of the weights, sigma and the state statistics for `numpy_forward`."""
     net = {name: p.detach().cpu().numpy().astype(np.float64) for name, p in agent.named_parameters()}
-    net["std"] = std_from_param(agent.std_param.detach().cpu(), std_map).numpy().astype(np.float64)
-    net["norm"] = np.array(norm, dtype=np.float64)
-    return net
+    std = std_from_param(agent.std_param.detach().cpu(), std_map).numpy().astype(np.float64)
+    return net | {"std": std, "norm": np.array(norm, dtype=np.float64)}
 
 
 def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
@@ -674,13 +634,10 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
     rng = np.random.default_rng(seed)
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
-    version = -1
+    version, net, ep_ret, ep_len = -1, {}, 0.0, 0
     ring, R = rings[actor_id].numpy(), rings.shape[1]
-    obs, _ = env.reset(seed=seed)
-    ep_ret, ep_len = 0.0, 0
-    net = {}
     written_np, read_np, control_np = written.numpy(), read.numpy(), control.numpy()
-
+    obs, _ = env.reset(seed=seed)
     while not stop_event.is_set():
         n = int(written_np[actor_id])
         if n - int(read_np[actor_id]) >= R or int(written_np.sum()) >= int(control_np[0]):  # ring full or F gate
@@ -695,17 +652,14 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
         mean, std, v = numpy_forward(net, obs, args.residual)
         u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # a ~ mu_t (App. C Alg. 2)
         next_obs, r, term, trunc, _ = env.step(to_env_action(u, low, high, args.clip_actions))
-        ep_ret += float(r)
-        ep_len += 1
+        ep_ret, ep_len = ep_ret + float(r), ep_len + 1
         truncated = trunc and not term  # time limit: s_T and V(s_T) for the bootstrap
         end = (next_obs, numpy_forward(net, next_obs, args.residual)[2]) if truncated else (np.zeros(obs_dim), 0.0)
         ring[n % R] = np.concatenate([obs, u, mean, std, (v, r, term, truncated), end[0], (end[1], ep_ret, ep_len)])
         written_np[actor_id] = n + 1  # publish after the row is complete
+        obs = next_obs
         if term or trunc:
-            obs, _ = env.reset()
-            ep_ret, ep_len = 0.0, 0
-        else:
-            obs = next_obs
+            (obs, _), ep_ret, ep_len = env.reset(), 0.0, 0
     env.close()
 
 
@@ -727,21 +681,19 @@ def store_episodes(rows: np.ndarray, partial: list, rm: EpisodeReplay, obs_dim: 
     return finished
 
 
+@torch.no_grad()
 def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
     """Deterministic policy (mean action) returns."""
     env = make_env(env_id, seed)
     low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
     returns = []
     for ep in range(episodes):
-        obs, _ = env.reset(seed=seed + ep)
-        done, ret = False, 0.0
+        (obs, _), done, ret = env.reset(seed=seed + ep), False, 0.0
         while not done:
-            with torch.no_grad():
-                x = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
-                m = agent(x)[0][0].cpu().numpy().astype(np.float64)
+            x = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
+            m = agent(x)[0][0].cpu().numpy().astype(np.float64)
             obs, r, term, trunc, _ = env.step(to_env_action(m, low, high, clip))
-            ret += float(r)
-            done = term or trunc
+            ret, done = ret + float(r), term or trunc
         returns.append(ret)
     env.close()
     return returns
@@ -780,8 +732,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     rm = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
     rng = np.random.default_rng(args.seed)
-    obs_mean = torch.zeros(obs_dim, device=device)
-    obs_std = torch.ones(obs_dim, device=device)
+    obs_mean, obs_std = torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device)
     state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
     global_step, t0, started, stats_ready = 0, 0, False, False
     if ckpt:  # restore, then one line; with the replay memory, learning continues at once
@@ -796,36 +747,32 @@ if __name__ == "__main__":
               f"{replay}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
               f"{args.total_timesteps:,}", flush=True)
 
-    ctx = torch.multiprocessing.get_context(args.start_method)
-    procs = ProcessGroup(ctx)
-    n_params = sum(p.numel() for p in agent.parameters())
-    shared_weights = torch.zeros(n_params).share_memory_()
-    shared_norm = torch.zeros(2 * obs_dim).share_memory_()
-    control = torch.zeros(2, dtype=torch.int64).share_memory_()  # [allowed env steps, weights version]
-    rings = torch.zeros(args.num_actors, args.ring_size, ring_width(obs_dim, act_dim), dtype=torch.float64).share_memory_()
-    written = torch.zeros(args.num_actors, dtype=torch.int64).share_memory_()
-    read = torch.zeros(args.num_actors, dtype=torch.int64).share_memory_()
+    procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
+    def shared(*shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype).share_memory_()
+
+    shared_weights, shared_norm = shared(sum(p.numel() for p in agent.parameters())), shared(2 * obs_dim)
+    control = shared(2, dtype=torch.int64)  # [allowed env steps, weights version]
+    rings = shared(args.num_actors, args.ring_size, ring_width(obs_dim, act_dim), dtype=torch.float64)
+    written, read = shared(args.num_actors, dtype=torch.int64), shared(args.num_actors, dtype=torch.int64)
 
     def publish() -> None:
         shared_weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
         shared_norm.copy_(torch.cat([obs_mean, obs_std]).cpu())
         control[1] += 1
 
-    def allowed_steps() -> int:  # App. C Alg. 1: "while t < F k: advance the environment"
-        slack = 32 * args.num_actors  # env steps the actors may run ahead of k F
-        limit = t0 + int(state["k"] * args.F) + slack if started else args.total_timesteps
-        return min(args.total_timesteps, limit)
+    def allow_steps() -> None:  # App. C Alg. 1: "while t < F k: advance the environment", 32 steps/actor of slack
+        limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
+        control[0] = min(args.total_timesteps, limit) - base_step
 
     base_step = global_step  # actors count env steps from 0 in this process: control[0] is relative to it
     publish()
-    control[0] = allowed_steps() - base_step
+    allow_steps()
 
     partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
     recent_returns: deque = deque(maxlen=20)
-    acc = torch.zeros(6, dtype=torch.float64)
-    acc_n, last_log_k, last_ckpt = 0, state["k"], global_step
+    acc, acc_n, last_log_k, last_ckpt, error = torch.zeros(6, dtype=torch.float64), 0, state["k"], global_step, None
     start_time, last_time, last_step = time.time(), time.time(), global_step
-    error = None
     try:
         for i in range(args.num_actors):
             actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
@@ -834,11 +781,8 @@ if __name__ == "__main__":
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
-                n_w, n_r = int(written[i]), int(read[i])
-                if n_w == n_r:
-                    continue
-                pos = np.arange(n_r, n_w) % args.ring_size
-                rows = rings[i].numpy()[pos].copy()
+                n_w = int(written[i])
+                rows = rings[i].numpy()[np.arange(int(read[i]), n_w) % args.ring_size]  # a copy (fancy indexing)
                 read[i] = n_w
                 global_step += len(rows)
                 for ep_return, ep_length in store_episodes(rows, partial[i], rm, obs_dim, act_dim):
@@ -868,48 +812,46 @@ if __name__ == "__main__":
                         current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
                 stats = train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
                 if not torch.isfinite(stats).all():  # NaN guard: stop with the step and the reason
-                    raise FloatingPointError(
-                        f"non-finite loss at gradient step {k} (env step {global_step}): loss={stats[0]:.4g} "
-                        f"policy={stats[1]:.4g} value={stats[2]:.4g} kl={stats[3]:.4g}")
+                    raise FloatingPointError(f"non-finite loss at gradient step {k} (env step {global_step}): "
+                                             f"loss={stats[0]:.4g} policy={stats[1]:.4g} value={stats[2]:.4g} "
+                                             f"kl={stats[3]:.4g}")
                 acc += stats
-                acc_n += 1
-                did += 1
+                acc_n, did = acc_n + 1, did + 1
             if did:
                 publish()
-            control[0] = allowed_steps() - base_step
+            allow_steps()
 
-            # LOG
-            if started and state["k"] - last_log_k >= args.log_every and acc_n:
+            # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected
+            k = state["k"]
+            if (k - last_log_k >= args.log_every and acc_n) if started else global_step - last_step >= 10_000:
                 now = time.time()
                 sps = (global_step - last_step) / max(1e-9, now - last_time)
-                a = (acc / acc_n).tolist()
-                logger.log(global_step, {
-                    "charts/SPS": sps, "charts/learning_rate": annealed_lr(state["k"], args.learning_rate, args.A),
-                    "charts/grad_steps": state["k"], "losses/loss": a[0], "losses/policy_loss": a[1],
-                    "losses/value_loss": a[2], "refer/kl": a[3], "refer/far_policy_frac": rm.far_fraction(),
-                    "refer/far_batch_frac": a[4], "refer/avg_rho": a[5], "refer/beta": state["beta"],
-                    "refer/c_max": refer_cmax(state["k"], args.C, args.A),
-                    "stats/reward_scale": rm.reward_scale, "stats/sigma_mean": float(std_from_param(
-                        agent.std_param.detach(), args.std_map).mean()), "stats/replay_size": rm.size})
+                loss, extra = None, f"collecting {rm.size}"
+                if started:
+                    a = (acc / acc_n).tolist()
+                    sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
+                    logger.log(global_step, {
+                        "charts/SPS": sps, "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
+                        "charts/grad_steps": k, "losses/loss": a[0], "losses/policy_loss": a[1],
+                        "losses/value_loss": a[2], "refer/kl": a[3], "refer/far_policy_frac": rm.far_fraction(),
+                        "refer/far_batch_frac": a[4], "refer/avg_rho": a[5], "refer/beta": state["beta"],
+                        "refer/c_max": refer_cmax(k, args.C, args.A), "stats/reward_scale": rm.reward_scale,
+                        "stats/sigma_mean": sigma, "stats/replay_size": rm.size})
+                    loss, extra = a[2], f"beta {state['beta']:.3f} far {rm.far_fraction():.3f} kl {a[3]:.3g}"
+                    acc.zero_()
+                    acc_n, last_log_k = 0, k
                 logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
-                                a[2], f"beta {state['beta']:.3f} far {rm.far_fraction():.3f} kl {a[3]:.3g}")
-                acc.zero_()
-                acc_n, last_log_k, last_time, last_step = 0, state["k"], now, global_step
-            elif not started and global_step - last_step >= 10_000:
-                now = time.time()
-                logger.progress(global_step, (global_step - last_step) / max(1e-9, now - last_time),
-                                np.mean(recent_returns) if recent_returns else None, extra=f"collecting {rm.size}")
+                                loss, extra)
                 last_time, last_step = now, global_step
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
                 save_checkpoint(logger.dir / "checkpoint.pt", {
                     "script": "vracer_refer.py", "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim),
-                    **state_dicts(model=agent, optimizer=optimizer,
-                                  replay=rm if args.checkpoint_replay and started else None),
                     "state": dict(state), "global_step": global_step, "t0": t0, "stats_ready": stats_ready,
                     "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(), "reward_scale": rm.reward_scale, "np_rng": rng,
-                    "rng": rng_state()})
+                    "rng": rng_state(), **state_dicts(model=agent, optimizer=optimizer,
+                                                      replay=rm if args.checkpoint_replay and started else None)})
                 last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
@@ -936,8 +878,7 @@ if __name__ == "__main__":
             logger.log(global_step, {"eval/episodic_return": r})
         return {"eval_return_mean": float(np.mean(returns))}
 
-    finish_run(logger, error, {
-        "global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
-        "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
-        "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)},
-        save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)
+    finish_run(logger, error, {"global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
+                               "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+                               "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)},
+               save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)
