@@ -2,17 +2,17 @@
 """CLEAR (Rolnick et al. 2019, https://arxiv.org/abs/1811.11682) on IMPALA (https://arxiv.org/abs/1802.01561).
 
 Paper parts implemented here
-- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread, `--envs-per-actor` envs with one
-  batched forward) act with a shared-memory policy copy; each env's slot holds a (new, replay) unroll pair, and the
-  process waits until the learner has read its pairs; `learner_loss` builds the batch and the loss.
+- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread, `--envs-per-actor` envs, one
+  batched forward) act with a shared-memory policy copy; each env's slot holds a (new, replay) unroll pair until the
+  learner has read it; `learner_loss` builds the batch and the loss.
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   `--replay-ratio`, Sec. 4.3) `select_pairs`.
 - Behavioural cloning on replay unrolls only (Sec. 3): `policy_cloning_loss` (KL(mu || pi)), `value_cloning_loss`,
   time-aligned by `align_unroll`.
-- Task sequences (App. A.6; sequential / simultaneous / separate for Fig. 1) `task_for_actor`; test-actor pools per
-  task (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`
-  (figures: tests/benchmarks/clear_forgetting_table.py).
+- Task sequences (App. A.6; sequential / simultaneous / separate, Fig. 1) `task_for_actor`; test actors per task
+  (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns` (figures:
+  tests/benchmarks/clear_forgetting_table.py).
 
 Defaults and their source
 - T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the whole run, alpha 0.99, eps 0.01
@@ -26,10 +26,8 @@ Differences from the paper
   used IMPALA's network with an LSTM (App. A.2). MinAtar sequences stand in for Atari on CPU (channels padded).
 - A time limit bootstraps from the actor's V_mu of the final observation (Atari, MinAtar) or terminates (MiniGrid,
   whose limit is part of the task; `--bootstrap-truncation`); IMPALA terminates; `done` always cuts V-trace.
-- torch RMSprop (eps outside the sqrt, v starts at 0) as torchbeast; test actors sample from pi (the paper: silent).
-- `--resume` restores replay only with `--checkpoint-replay`, each actor's copy a few unrolls after the model's.
-
-Gymnasium autoreset mode: none (each actor resets its plain env itself, so the true final observation is available).
+- torch RMSprop (eps outside the sqrt) as torchbeast; test actors sample from pi (the paper: silent); `--resume`
+  restores replay only with `--checkpoint-replay`. Actors reset their own envs (no autoreset: true final obs).
 Copying this file: it needs common/{atari_env,minatar_env,minigrid_env,logger,checkpoint,args,processes,video}.py.
 """
 import collections
@@ -148,11 +146,6 @@ ARG_RULES = {
 
 def validate_args(args: Args) -> None:
     """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
-    if args.capture_video:
-        try:
-            check_video_support()
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
     k, E, B, n = max(1, len(args.env_ids)), args.envs_per_actor, args.batch_size, args.num_actors
     for bad, msg in (
         (not args.env_ids, "--env-ids needs at least one task"),
@@ -227,6 +220,8 @@ def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
     shapes, actions, kinds = set(), set(), set()
     for env_id in args.env_ids:
         try:
+            if args.capture_video:
+                check_video_support()
             kinds.add(env_kind(env_id))
             env = make_env(env_id, args.seed, args)
         except ValueError as e:
@@ -266,16 +261,10 @@ class ResidualBlock(nn.Module):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
 
 
-class ConvSequence(nn.Module):
+def conv_sequence(in_channels, out_channels) -> nn.Sequential:
     """IMPALA ResNet stage: conv 3x3, max-pool 3x3/2, two residual blocks (IMPALA Fig. 3 right)."""
-
-    def __init__(self, in_channels, out_channels):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
-
-    def forward(self, x):
-        return self.res1(self.res0(F.max_pool2d(self.conv(x), 3, stride=2, padding=1)))
+    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1),
+                         ResidualBlock(out_channels), ResidualBlock(out_channels))
 
 
 def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
@@ -285,7 +274,7 @@ def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
             layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
             layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten()), 512
     elif torso == "resnet":  # IMPALA "deep": channels 16/32/32, FC 256
-        net, hidden = nn.Sequential(ConvSequence(c, 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(),
+        net, hidden = nn.Sequential(conv_sequence(c, 16), conv_sequence(16, 32), conv_sequence(32, 32), nn.Flatten(),
                                     nn.ReLU()), 256
     elif torso == "minatar":  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels, 128 units
         net, hidden = nn.Sequential(layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), nn.Flatten()), 128
@@ -561,19 +550,13 @@ def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple
     bins of training steps over [0, total], forward-filled over bins without episodes (leading empty bins dropped).
     Returns (bin end steps, per-bin returns). Averaging per bin, not per episode, keeps short (often successful or
     often failed) episodes from dominating (notes P11)."""
+    steps_returns = np.array([(step, ret) for step, tk, ret in records if tk == task], dtype=float).reshape(-1, 2)
     edges = np.linspace(0, max(total, 1), num_bins + 1)
-    sums, counts = np.zeros(num_bins), np.zeros(num_bins)
-    for step, tk, ret in records:
-        if tk == task:
-            i = min(int(np.searchsorted(edges, step, side="right")) - 1, num_bins - 1)
-            sums[max(i, 0)] += ret
-            counts[max(i, 0)] += 1
-    vals, last = np.full(num_bins, np.nan), np.nan
-    for i in range(num_bins):
-        last = sums[i] / counts[i] if counts[i] else last
-        vals[i] = last
-    keep = ~np.isnan(vals)
-    return edges[1:][keep], vals[keep]
+    bins = np.clip(np.searchsorted(edges, steps_returns[:, 0], side="right") - 1, 0, num_bins - 1)
+    counts = np.bincount(bins, minlength=num_bins)
+    means = np.bincount(bins, steps_returns[:, 1], minlength=num_bins) / np.maximum(counts, 1)
+    last_filled = np.maximum.accumulate(np.where(counts > 0, np.arange(num_bins), -1))  # forward fill
+    return edges[1:][last_filled >= 0], means[last_filled[last_filled >= 0]]
 
 
 def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, total: int,
@@ -760,11 +743,11 @@ if __name__ == "__main__":
         global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
         eval_records = [tuple(r) for r in ckpt["eval_records"]]
         set_rng_state(ckpt["rng"])
-        saved = [os.path.join(os.path.dirname(args.resume), f"replay_actor{i}.npz") for i in range(args.num_actors)]
-        restored = sum(map(os.path.exists, saved)) if args.checkpoint_replay and capacity else 0  # the actors load them
+        restored = sum(os.path.exists(os.path.join(os.path.dirname(args.resume), f"replay_actor{i}.npz"))
+                       for i in range(args.num_actors)) if args.checkpoint_replay and capacity else 0  # actors load them
         print(f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), lr schedule, RNG, task "
               f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
-              f"{restored}/{args.num_actors} actors (the others start empty); flags from this command line: "
+              f"{restored}/{args.num_actors} actors (others start empty); flags from this command line: "
               f"{', '.join(overridden) or 'none'}; runs to step {TOTAL:,}", flush=True)
     for m, s in zip(models, shared_models):  # the actors' copies: CPU, shared memory
         s.load_state_dict(m.state_dict())
@@ -787,7 +770,7 @@ if __name__ == "__main__":
     ckpt_request = ctx.Value("q", 0, lock=False)  # bumped at each checkpoint: actors then save their buffers
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
     procs, rng = ProcessGroup(ctx), np.random.default_rng(args.seed)
-    task_mismatch, stale_after_switch, error = 0, collections.Counter(), None
+    task_mismatch, error = 0, None
     names = [e.replace("/", "_") for e in args.env_ids]  # in metric names
     try:
         for i in range(args.num_actors):
@@ -816,11 +799,8 @@ if __name__ == "__main__":
             t_learn = time.time()
             m = meta[torch.tensor(idx)].clone()
             which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
-            # task-switch bookkeeping: every unroll must be on the task its start step designates
-            for a_id, row in zip(idx, m.tolist()):
-                task_mismatch += int(row[0] != task_for_actor(a_id, row[1], args))
-                if args.mode == "sequential" and row[0] != task_for_actor(a_id, global_step.value, args):
-                    stale_after_switch[global_step.value // args.steps_per_task] += 1
+            # every unroll must be on the task its start step designates (App. A.6)
+            task_mismatch += sum(row[0] != task_for_actor(a_id, row[1], args) for a_id, row in zip(idx, m.tolist()))
             global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
             for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step
                 slot_free[a_id].release()
@@ -896,8 +876,8 @@ if __name__ == "__main__":
             procs.check()
     except (KeyboardInterrupt, ActorDied) as e:
         error = e
-    finally:
-        procs.stop()
+    finally:  # actors with a buffer to save for the last checkpoint get time for it (a large .npz takes seconds)
+        procs.stop(timeout=120.0 if args.checkpoint_replay and ckpt_request.value else 5.0)
 
     # SAVE + SUMMARY: returns averaged over the steps reached (an interrupted run: its measured part)
     eval_records += [(global_step.value, task, ret) for task, ret, _ in drain(eval_queue)]
@@ -909,7 +889,7 @@ if __name__ == "__main__":
                "final_cumulative_return": {e: cum[k] for k, e in enumerate(args.env_ids)},
                "final_return_last20": {e: float(np.mean(r[-20:])) if r else float("nan") for e, r in returns.items()},
                "num_eval_episodes": {e: len(r) for e, r in returns.items()},
-               "task_mismatch": task_mismatch, "stale_unrolls_after_switch": dict(stale_after_switch)}
+               "task_mismatch": task_mismatch}
     print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
 
     def save_model():
