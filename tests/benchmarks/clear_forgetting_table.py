@@ -48,9 +48,9 @@ def config_name(args: dict) -> str:
     if args.get("entropy_cost", 0.005) != 0.005:
         flags += f", --entropy-cost {args['entropy_cost']:g}"
     mode = args.get("mode", "sequential")
-    mode = "" if mode == "sequential" else f"{mode}, "  # the paper's Fig. 1 baselines run another --mode
-    if args["replay_ratio"] == 0:
-        return f"{mode}no replay (--replay-ratio 0{flags})"
+    if args["replay_ratio"] == 0:  # the paper's Fig. 1 baselines: sequential / simultaneous / separate
+        return f"{mode}, no replay (--replay-ratio 0{flags})"
+    mode = "" if mode == "sequential" else f"{mode}, "
     bc = "+ BC" if args["behavior_cloning"] else "no BC (--no-behavior-cloning)"
     return f"{mode}CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{flags}"
 
@@ -91,21 +91,24 @@ def short(env_id: str) -> str:
 
 
 def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None:
-    """Rows: tasks, columns: configurations; test return vs steps, mean and min-max over seeds, the task's visits
-    shaded (sequential modes)."""
+    """Rows: tasks, columns: configurations; test return vs steps (2% bins), mean and min-max over seeds, the task's
+    visits shaded (sequential modes). Each row's y range: 1.5 x its highest mean, so a spike of one seed's bin does
+    not flatten the curves."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     K, total = len(env_ids), V * L
     fig, axes = plt.subplots(K, len(groups), figsize=(2.3 * len(groups), 1.5 * K + 0.5), sharex=True, sharey="row",
                              squeeze=False)
+    row_max = np.zeros(K)
     for col, (name, rs) in enumerate(groups.items()):
         for k in range(K):
             ax = axes[k][col]
-            curves = [binned_returns([tuple(x) for x in r["records"]], k, total) for r in rs]
+            curves = [binned_returns([tuple(x) for x in r["records"]], k, total, num_bins=50) for r in rs]
             n = min(len(c[0]) for c in curves)
             steps, ys = curves[0][0][-n:] / 1e6, np.array([c[1][-n:] for c in curves])
             ax.plot(steps, ys.mean(0), lw=1, color=f"C{k}")
+            row_max[k] = max(row_max[k], ys.mean(0).max())
             ax.fill_between(steps, ys.min(0), ys.max(0), color=f"C{k}", alpha=0.25, lw=0)
             if rs[0]["args"].get("mode", "sequential") == "sequential":
                 for v in range(k, V, K):
@@ -115,6 +118,8 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None
                 ax.set_ylabel(short(env_ids[k]), fontsize=7)
         axes[0][col].set_title(f"{name.split(' (')[0]} ({len(rs)} seeds)", fontsize=7)
         axes[-1][col].set_xlabel("training steps (M)", fontsize=7)
+    for k in range(K):
+        axes[k][0].set_ylim(min(0.0, axes[k][0].get_ylim()[0]), 1.5 * row_max[k])
     fig.suptitle("test return per task (mean, min-max over seeds; grey: the task's visit)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
