@@ -9,8 +9,7 @@ Paper parts (gymnasium MuJoCo tasks)
   lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
   (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
-- Master algorithm (App. C Alg. 1): `actor_loop` processes stream transitions through shared-memory rings
-  (`store_episodes`); the learner (`train_step`) keeps F = env steps / gradient steps.
+- Master algorithm (App. C Alg. 1): `actor_loop` streams to shared-memory rings (`store_episodes`); `train_step` keeps F = t/k.
 
 Defaults: gamma 0.995, C 4, A 5e-7, D 0.1, N = N_start = 2**18, B 256, lr 1e-4, F 1, Sigma = 0.2 I, softplus std,
 D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent):
@@ -18,16 +17,14 @@ beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0
 
 Differences from the paper (long form: README.md, section vracer_refer.py)
 - The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
-- Prior steps are refreshed once per gradient step; Q^ret is recomputed with the new scale at every reward-scale
-  update (stored V keep their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
+- Prior steps are refreshed once per gradient step; Q^ret is recomputed at every reward-scale update (stored V keep
+  their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
 - Eq. (13)'s t counts gradient steps; PER weights / batch max; a PER draw of a removed slot: uniform, weight of rank n//2.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
 - Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
 - Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
-
 Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
-exactly; actors restart their episodes, re-seeded.
-Copying this file: it needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
+exactly; actors restart their episodes, re-seeded. Needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
 """
 import os
 
@@ -128,11 +125,10 @@ GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every thi
 FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per", "buffer_size")
 ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
-    "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0",
-    "A": ">= 0", "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "per_alpha": ">= 0",
-    "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1",
-    "state_stats_rate": "[0, 1]", "num_actors": ">= 1", "ring_size": ">= 2", "log_every": ">= 1",
-    "checkpoint_every": ">= 0", "eval_episodes": ">= 0"}
+    "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0", "A": ">= 0",
+    "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "per_alpha": ">= 0",
+    "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1", "state_stats_rate": "[0, 1]",
+    "num_actors": ">= 1", "ring_size": ">= 2", "log_every": ">= 1", "checkpoint_every": ">= 0", "eval_episodes": ">= 0"}
 
 
 def validate_args(args: Args) -> None:
@@ -161,8 +157,7 @@ def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str 
 
 # NETWORK
 def std_from_param(x: torch.Tensor, std_map: str) -> torch.Tensor:
-    """Map the state-independent parameter to sigma > 0: softplus (App. A: "mapped onto R+ by a Softplus rectifier")
-    or the authors' "cheap softplus"."""
+    """Map the state-independent parameter to sigma > 0: softplus (App. A) or the authors' "cheap softplus"."""
     return nn.functional.softplus(x) if std_map == "softplus" else 0.5 * (x + torch.sqrt(1.0 + x * x))
 
 
@@ -200,11 +195,8 @@ class Agent(nn.Module):
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
 def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None) -> np.ndarray:
-    """Solve x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0), vectorized.
-
-    Segments (episodes, or the refreshed prefix of an episode) are separated by a_t = 0 on their last element, so one
-    call handles many segments. Hillis-Steele doubling: ceil(log2(max_len)) passes of whole-array numpy operations.
-    """
+    """Solve x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0). Segments (episodes, refreshed
+    prefixes) end with a_t = 0, so one call handles many; Hillis-Steele doubling: ceil(log2(max_len)) numpy passes."""
     x, a = np.array(b, dtype=np.float64), np.array(a, dtype=np.float64)
     shift, stop = 1, len(x) if max_len is None else min(len(x), max_len)
     while shift < stop:
@@ -215,13 +207,10 @@ def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None
 
 
 def vtbc_targets(rewards: np.ndarray, values: np.ndarray, rhos: np.ndarray, gamma: float, terminated: bool) -> np.ndarray:
-    """V^tbc_t for t = 0..L-1 of one episode (Eq. (8)).
-
-    rewards[t] = r_{t+1}, the reward after action t; values[t] = V(s_t) with len(values) = L + 1, values[L] = V(s_L)
-    (used on time-limit truncation; the tail is 0 when `terminated`); rhos[t] = pi(a_t|s_t)/mu(a_t|s_t).
-    Eq. (8): V^tbc_t = V_t + min(1, rho_t) (r_{t+1} + gamma V^tbc_{t+1} - V_t),  V^tbc_L = V(s_L) or 0.
-    Written as x_t = b_t + a_t x_{t+1} with a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}.
-    """
+    """V^tbc_t for t = 0..L-1 of one episode (Eq. (8)): rewards[t] = r_{t+1}; values[t] = V(s_t), values[L] = V(s_L)
+    (used on truncation; 0 when `terminated`); rhos[t] = pi(a_t|s_t)/mu(a_t|s_t).
+    Eq. (8): V^tbc_t = V_t + min(1, rho_t) (r_{t+1} + gamma V^tbc_{t+1} - V_t),  V^tbc_L = V(s_L) or 0,
+    i.e. x_t = b_t + a_t x_{t+1} with a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}."""
     rewards, values, rhos = (np.asarray(v, dtype=np.float64) for v in (rewards, values, rhos))
     L = len(rewards)
     c = np.minimum(1.0, rhos)  # rho-bar = min(1, rho) (Eq. (6))
@@ -252,8 +241,7 @@ def is_far_policy(rho, cmax: float):
 
 
 def gaussian_kl(mean_p, std_p, mean_q, std_q):
-    """D_KL(p || q) of diagonal Gaussians, summed over dimensions: log(s_q/s_p) + (s_p^2 + (m_p - m_q)^2) / (2 s_q^2)
-    - 1/2 per dimension (closed form)."""
+    """D_KL(p || q) of diagonal Gaussians, summed over dimensions (closed form)."""
     return (torch.log(std_q / std_p) + (std_p**2 + (mean_p - mean_q) ** 2) / (2.0 * std_q**2) - 0.5).sum(-1)
 
 
@@ -265,14 +253,11 @@ def gaussian_logprob(act, mean, std):
 
 def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: float, refer: str = "full",
                kl_direction: str = "mu_pi", logrho_clip: float = 7.0, weights=None):
-    """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10)).
+    """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10), App. C Alg. 3).
 
-    Per sample i: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL;
-    far-policy: (1 - beta) D_KL only (Rule 1). Batch gradient = sum / B (App. C Alg. 3).
-    refer = rule1: beta_eff = 1 (no penalty); rule2: every sample near (rho clipped at RULE2_RHO_MAX in the PG);
-    none: conventional ER (every sample near, beta_eff = 1).
-    Returns (loss, info) with per-sample detached tensors rho, far, kl_mu_pi, abs_err and scalar losses.
-    """
+    Per sample: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL
+    (Rule 1). rule1: beta_eff = 1; rule2: all near (PG rho clipped at RULE2_RHO_MAX); none: all near, beta_eff = 1.
+    Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses."""
     B = mean.shape[0]
     logmu = gaussian_logprob(act, mu_mean, mu_std)
     with torch.no_grad():  # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN: far, finite downstream
@@ -280,8 +265,7 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
         rho = torch.nan_to_num(rho, nan=0.0)
     far = is_far_policy(rho, cmax)  # Rule 1
     near = ~far if refer in ("full", "rule1") else torch.ones_like(far)
-    # a masked-out sample's log pi is taken at a = mean, std 1 (the double-where trick): its own -inf or 1/std^2
-    # cannot reach the batch's gradient as 0 * inf = NaN
+    # masked-out samples: log pi at a = mean, std 1 (double-where trick), so no 0 * inf = NaN reaches the gradient
     keep = near[:, None]
     logp = gaussian_logprob(torch.where(keep, act, mean.detach()), mean, torch.where(keep, std, torch.ones_like(std)))
     adv = qret - value.detach()  # Q^ret - V^w(s) (Eq. (5))
@@ -324,11 +308,8 @@ def to_env_action(u: np.ndarray, low: np.ndarray, high: np.ndarray, clip: bool =
 class EpisodeReplay:
     """Replay memory of whole episodes with per-step Q^ret, last V and last rho (Sec. 2-3, App. B-C).
 
-    Episodes are stored contiguously in flat arrays (the write head jumps to 0 when an episode does not fit before the
-    end); the oldest whole episodes are removed while the memory would still hold >= N samples without them (FIFO).
-    Per step t: s_t, u_t (action in normalised space), mu_t = (mean, std), raw r_{t+1}, V(s_t) and rho_t (most recent,
-    1 at insertion), Q^ret_t. Per episode end: V(s_L) (0 if terminated) and s_L (for truncated episodes).
-    """
+    Episodes lie contiguously in flat arrays (the write head jumps to 0 when one does not fit before the end); the
+    oldest whole episodes are removed while the memory would still hold >= N samples without them (FIFO)."""
 
     # per-slot arrays: name -> (width: "obs" | "act" | 1, dtype, initial value)
     ARRAYS = {"obs": ("obs", np.float32, 0), "act": ("act", np.float32, 0),  # s_t, u_t (normalised action space)
@@ -337,9 +318,9 @@ class EpisodeReplay:
               "val": (1, np.float64, 0), "rho": (1, np.float64, 1),  # most recent V(s_t) and rho_t
               "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
               "qret": (1, np.float64, 0), "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
-              "ep_start": (1, np.int64, 0), "ep_last": (1, np.int64, 0), "valid": (1, bool, 0),
-              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
-              "truncated_last": (1, bool, 0)}
+              "ep_start": (1, np.int64, 0), "ep_last": (1, np.int64, 0), "valid": (1, bool, 0), "truncated_last": (1, bool, 0),
+              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0)}  # last step: V(s_L) (0 if terminal), s_L
+    SCALARS = ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio", "N", "cap")  # state_dict
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
         self.N, self.gamma, self.cap = N, gamma, N + 4 * max_episode_len
@@ -436,10 +417,8 @@ class EpisodeReplay:
         """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8))."""
         idx, rho, val = np.asarray(idx), np.asarray(rho, np.float64), np.asarray(val, np.float64)
         if len(np.unique(idx)) < len(idx):  # (PER draws with replacement) keep the last value of each slot
-            _, last = np.unique(idx[::-1], return_index=True)
-            keep = len(idx) - 1 - last
+            keep = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
             idx, rho, val, prio = idx[keep], rho[keep], val[keep], None if prio is None else prio[keep]
-        # n_far counts from each sample's most recent rho
         self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
         c_old = np.minimum(1.0, self.rho[idx])
         vtbc_old = (1.0 - c_old) * self.val[idx] + c_old * self.qret[idx]  # Eq. (7) with the stored V, rho
@@ -459,13 +438,10 @@ class EpisodeReplay:
     def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
         """Eq. (8) for every step before each sampled step of its episode (App. C Alg. 3), as a change of Q^ret.
 
-        Between two sampled steps of an episode nothing changed, so Eq. (8) is linear there: a change delta_u of
-        V^tbc at sampled step u changes V^tbc_j (j < u, down to the next sampled step) by
-        prod_{i=j}^{u-1} gamma min(1, rho_i) * delta_u, and Q^ret_{j-1} = r_j + gamma V^tbc_j by gamma times that.
-        The products come from one cumulative sum of log(gamma min(1, rho)) over the concatenated prefixes (an
-        underflow to 0 is the correct limit); the deltas of the sampled steps of one episode are chained top-down
-        (one short loop over the rank of a sample within its episode).
-        """
+        Eq. (8) is linear between two sampled steps: a change delta_u of V^tbc_u changes V^tbc_j (j < u, down to the
+        previous sample) by prod_{i=j}^{u-1} gamma min(1, rho_i) delta_u (one cumulative sum of log(gamma min(1, rho))
+        over the concatenated prefixes; underflow to 0 is the right limit), and Q^ret_{j-1} by gamma times that. The
+        deltas of one episode's samples are chained top-down (a short loop over a sample's rank in its episode)."""
         starts = self.ep_start[idx]
         order = np.lexsort((-idx, starts))  # by episode, latest sampled first
         t, st, vo = idx[order], starts[order], vtbc_old[order]
@@ -510,11 +486,10 @@ class EpisodeReplay:
         nxt[last] = self.vboot[:n][last]
         self.qret[:n] = np.where(valid, self.rs[:n] + self.gamma * nxt, 0.0)
 
-    def recount_far(self, cmax: float) -> float:
-        """Exact n_far with the current c_max; returns n_far / size."""
+    def recount_far(self, cmax: float) -> None:
+        """Exact n_far with the current c_max."""
         self.cmax = cmax
         self.n_far = int((is_far_policy(self.rho[: self.hi], cmax) & self.valid[: self.hi]).sum())
-        return self.far_fraction()
 
     def far_fraction(self) -> float:
         return self.n_far / max(1, self.size)
@@ -534,33 +509,27 @@ class EpisodeReplay:
         self.recompute_all()
         return self.reward_scale
 
-    def state_dict(self) -> dict:
-        return dict({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"},  # la: derived from rho
-                    episodes=list(self.episodes), size=self.size, head=self.head, hi=self.hi, max_len=self.max_len,
-                    reward_scale=self.reward_scale, n_far=self.n_far, cmax=self.cmax, max_prio=self.max_prio,
-                    N=self.N, cap=self.cap)
+    def state_dict(self) -> dict:  # la: derived from rho
+        return ({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"}
+                | {k: getattr(self, k) for k in self.SCALARS} | {"episodes": list(self.episodes)})
 
     def load_state_dict(self, d: dict) -> None:
         if d["N"] != self.N or d["cap"] != self.cap:
             raise SystemExit(f"error: checkpoint replay has N={d['N']}, this run N={self.N}")
-        for k, v in d.items():
-            if isinstance(v, np.ndarray):
-                getattr(self, k)[: len(v)] = v
-        self.episodes = deque(tuple(e) for e in d["episodes"])
-        self._set_la(np.arange(len(d["rho"])))
-        for k in ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio"):
+        for k in self.ARRAYS.keys() - {"la"}:
+            getattr(self, k)[: len(d[k])] = d[k]
+        for k in self.SCALARS:
             setattr(self, k, d[k])
+        self.episodes = deque(tuple(e) for e in d["episodes"])
+        self._set_la(np.arange(self.hi))
 
 
 # LEARNER STEP (App. C Alg. 3)
 def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
                obs_mean: torch.Tensor, obs_std: torch.Tensor, bookkeeping: bool = True) -> torch.Tensor:
-    """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta.
-
-    `state` holds k (gradient steps) and beta. Returns a CPU tensor of scalar stats
-    [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho].
-    bookkeeping=False skips the write-back, the Q^ret refresh and n_far (only for the benchmark's bare learner).
-    """
+    """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
+    k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho].
+    bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
     k = state["k"]
     rm.cmax = cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); --refer none: only to count far-policy samples
     for g in optimizer.param_groups:
@@ -627,9 +596,7 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
                shared_norm: torch.Tensor, control: torch.Tensor, rings: torch.Tensor, written: torch.Tensor,
                read: torch.Tensor, seed: int, run_name: str, stop_event, parent_pid: int | None = None) -> None:
     """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
-
-    control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i.
-    """
+    control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i."""
     env = make_env(args.env_id, seed, args.capture_video and actor_id == 0, run_name)
     low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
     rng = np.random.default_rng(seed)
@@ -866,9 +833,8 @@ if __name__ == "__main__":
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     def save_model():
-        path = logger.dir / f"{args.exp_name}.model"
         torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
-                    "obs_std": obs_std.cpu()}, path)
+                    "obs_std": obs_std.cpu()}, path := logger.dir / f"{args.exp_name}.model")
         return path
 
     def final_eval() -> dict:
