@@ -6,19 +6,17 @@ Paper parts implemented here (Procgen and MiniGrid)
   value_l1 (Eq. (2), default), gae, one_step_td, policy_entropy, least_confidence, min_margin; `random` = uniform.
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
-- Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed.
+- Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed;
+  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
 - Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
   committed after every update as the authors' code (`--plr-commit update`, `after_update`).
-- Unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
 - PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `common.normalize.ReturnNormalizer`;
   networks: IMPALA ResNet (Procgen) `ImpalaAgent`, the authors' MinigridPolicy `MiniGridAgent`.
 
-Defaults and their source
-- Procgen (Table 3, Sec. 4): 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5, γ 0.999,
-  λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid: lr 7e-4, 4 epochs (Table 3),
-  4000 / 3000 / 6000 levels (App. A.2).
-- PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid) (Table 3), P_D proportionate (Sec. 3). Authors' code:
-  grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
+Defaults (Table 3, Sec. 4, App. A.2): Procgen 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5,
+γ 0.999, λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid lr 7e-4, 4 epochs, 4000 / 3000 /
+6000 levels. PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid), P_D proportionate (Sec. 3). Authors' code:
+grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
 
 Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
@@ -165,13 +163,12 @@ ARG_RULES = {
     "plr_strategy": ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random"),
     "plr_transform": ("rank", "power", "greedy"), "plr_replay_schedule": ("proportionate", "fixed"),
     "plr_commit": ("episode", "update"), "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
-    "num_train_levels": ">= 0", "start_level": ">= 0", "num_envs": ">= 1", "num_steps": ">= 1",
-    "num_minibatches": ">= 1", "update_epochs": ">= 1", "learning_rate": "> 0", "adam_eps": "> 0", "gamma": "(0, 1]",
-    "gae_lambda": "[0, 1]", "clip_coef": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "max_grad_norm": "> 0",
-    "num_workers": ">= 0", "eval_every": ">= 0", "eval_episodes": ">= 0", "final_eval_episodes": ">= 0",
-    "num_eval_envs": ">= 1", "checkpoint_every": ">= 0", "plr_temperature": "> 0", "plr_staleness_coef": "[0, 1]",
-    "plr_replay_prob": "[0, 1]", "plr_min_fill": "[0, 1]", "plr_score_alpha": "(0, 1]", "plr_buffer_size": ">= 1",
-}  # fmt: skip
+    "num_train_levels": ">= 0", "start_level": ">= 0", "num_envs": ">= 1", "num_steps": ">= 1", "num_minibatches": ">= 1",
+    "update_epochs": ">= 1", "learning_rate": "> 0", "adam_eps": "> 0", "gamma": "(0, 1]", "gae_lambda": "[0, 1]",
+    "clip_coef": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "max_grad_norm": "> 0", "num_workers": ">= 0",
+    "eval_every": ">= 0", "eval_episodes": ">= 0", "final_eval_episodes": ">= 0", "num_eval_envs": ">= 1",
+    "checkpoint_every": ">= 0", "plr_temperature": "> 0", "plr_staleness_coef": "[0, 1]", "plr_replay_prob": "[0, 1]",
+    "plr_min_fill": "[0, 1]", "plr_score_alpha": "(0, 1]", "plr_buffer_size": ">= 1"}  # fmt: skip
 
 
 def validate_args(args: Args) -> None:
@@ -192,8 +189,7 @@ def validate_args(args: Args) -> None:
          "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)"),
         ((args.num_envs * args.num_steps) % args.num_minibatches,
          f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches"),
-        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)"),
-    ):  # fmt: skip
+        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")):
         if bad:
             raise SystemExit(f"error: {msg}")
 
@@ -253,10 +249,8 @@ class MiniGridAgent(nn.Module):
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
         h, w, c = obs_shape
-        self.trunk = nn.Sequential(
-            nn.Conv2d(c, 16, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 2), nn.ReLU(),
-            nn.Conv2d(32, final_channels, 2), nn.ReLU(), nn.Flatten(),
-        )  # fmt: skip
+        self.trunk = nn.Sequential(nn.Conv2d(c, 16, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 2), nn.ReLU(),
+                                   nn.Conv2d(32, final_channels, 2), nn.ReLU(), nn.Flatten())
         for conv in (m for m in self.trunk if isinstance(m, nn.Conv2d)):
             nn.init.xavier_uniform_(conv.weight), nn.init.zeros_(conv.bias)
         n = final_channels * ((h - 1) // 2 - 2) * ((w - 1) // 2 - 2)
@@ -277,21 +271,18 @@ def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
 
 # ALGORITHM PIECES: PPO
 def compute_gae(rewards, values, next_value, terminated, dones, final_values, gamma, gae_lambda):
-    """GAE over a T-step rollout, (T, N) tensors.
-
-    dones[t]: the episode ended at step t (terminated or truncated); terminated[t]: true termination (no bootstrap);
-    final_values[t]: V(s_final) of an episode truncated at t (bootstrap value; ignored elsewhere);
-    next_value: V(s_T) of the observation after the rollout.
-    Returns (advantages, deltas) with δ_t = r_t + γ V(s_{t+1}) (1 - terminal_t) - V(s_t)  (PLR Sec. 3.1)
-    and A_t = Σ_k (γλ)^{k-t} δ_k within the episode (Eq. (2) without the absolute value)."""
-    T = rewards.shape[0]
+    """GAE over a T-step rollout of (T, N) tensors. dones[t]: the episode ended at t (terminated or truncated);
+    terminated[t]: true termination (no bootstrap); final_values[t]: V(s_final) of an episode truncated at t (ignored
+    elsewhere); next_value: V(s_T) after the rollout. Returns (advantages, deltas) with
+    δ_t = r_t + γ V(s_{t+1}) (1 - terminal_t) - V(s_t) (PLR Sec. 3.1) and A_t = Σ_k (γλ)^{k-t} δ_k within the episode
+    (Eq. (2) without the absolute value)."""
     next_values = torch.cat([values[1:], next_value[None]], 0)
     # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
     boot = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
     deltas = rewards + gamma * boot - values
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[0])
-    for t in reversed(range(T)):
+    for t in reversed(range(rewards.shape[0])):
         last = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].to(rewards.dtype)) * last  # Eq. (2) recursion
         advantages[t] = last
     return advantages, deltas
@@ -340,10 +331,9 @@ def step_scores(strategy, advantages, deltas, logits=None):
 
 
 def score_distribution(scores, seen, transform="rank", temperature=0.1):
-    """Eq. (3): P_S(l_i) = h(S_i)^(1/β) / Σ_j h(S_j)^(1/β) over seen levels, 0 for unseen.
-    rank: h = 1/rank(S_i), rank among seen levels in descending order (1 = highest; ties by index);
-    power: h = max(S_i, 0) (proportional); greedy: all mass on the highest score. Computed in log space so that
-    β -> 0 stays finite; falls back to uniform over seen levels when every weight is 0."""
+    """Eq. (3): P_S(l_i) = h(S_i)^(1/β) / Σ_j h(S_j)^(1/β) over seen levels, 0 for unseen. rank: h = 1/rank(S_i), rank
+    among seen levels in descending order (1 = highest; ties by index); power: h = max(S_i, 0) (proportional); greedy:
+    all mass on the highest score. In log space so that β -> 0 stays finite; uniform over seen levels if all weights are 0."""
     seen = np.asarray(seen, dtype=bool)
     p = np.zeros(len(seen))
     idx = np.flatnonzero(seen)
@@ -382,10 +372,11 @@ def staleness_distribution(staleness, seen):
     return seen / n if n else np.zeros(len(seen))
 
 
-def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
+def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1, p_s=None):
     """Eq. (1): P_replay = (1 - ρ) P_S + ρ P_C over all levels (0 for unseen; all 0 if nothing is seen).
-    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ."""
-    p_s = score_distribution(scores, seen, transform, temperature)
+    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ;
+    p_s: P_S if already computed (then scores, transform and temperature are unused)."""
+    p_s = score_distribution(scores, seen, transform, temperature) if p_s is None else p_s
     if staleness_coef == 0.0:
         return p_s
     return (1.0 - staleness_coef) * p_s + staleness_coef * staleness_distribution(staleness, seen)
@@ -396,8 +387,7 @@ class LevelSampler:
 
     Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
     top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1) staged until their first episode ends.
-    Call order per update: `sample` (inside env.step, at each episode end) ... `update_with_rollouts` ->
-    PPO update -> `after_update`."""
+    Per update: `sample` (inside env.step, at each episode end) ... `update_with_rollouts` -> PPO update -> `after_update`."""
 
     def __init__(self, levels, num_actors, *, strategy="value_l1", transform="rank", temperature=0.1,
                  staleness_coef=0.1, replay_schedule="proportionate", replay_prob=0.95, min_fill=0.0,
@@ -409,16 +399,13 @@ class LevelSampler:
         size = buffer_size if self.unbounded else len(levels)
         self.seeds = np.full(size, -1, np.int64) if self.unbounded else np.asarray(levels, np.int64).copy()
         self.slot_of = {} if self.unbounded else {int(s): i for i, s in enumerate(self.seeds)}
-        self.scores = np.zeros(size)  # S
-        self.staleness = np.zeros(size)  # c - C
+        self.scores, self.staleness = np.zeros(size), np.zeros(size)  # S, c - C
         self.seen = np.zeros(size, bool)  # Λ_seen: levels with a committed score (unbounded: filled buffer slots)
-        self.num_seen = 0
         self.partial_score = np.zeros(num_actors)  # S~: time-averaged score of the unfinished episode
         self.partial_steps = np.zeros(num_actors, np.int64)  # |τ| of that partial episode
         self.partial_level = np.full(num_actors, -1, np.int64)
         self.staged = {}  # unbounded: seed -> c when sampled, for levels not yet in the buffer
-        self.num_samples = 0  # c
-        self.num_replays = 0
+        self.num_samples = self.num_replays = self.num_seen = 0  # num_samples: c
         self.rng = np.random.default_rng(seed)
         self._p_s = None  # cached P_S (scores change only in update_with_rollouts / after_update)
 
@@ -427,16 +414,14 @@ class LevelSampler:
         """P_replay over slots (Eq. (1)): `replay_distribution` with P_S cached until the scores change."""
         if self._p_s is None:
             self._p_s = score_distribution(self.scores, self.seen, self.transform, self.temperature)
-        rho = self.staleness_coef
-        return self._p_s if rho == 0.0 else (1 - rho) * self._p_s + rho * staleness_distribution(self.staleness, self.seen)
+        return replay_distribution(None, self.staleness, self.seen, staleness_coef=self.staleness_coef, p_s=self._p_s)
 
     def replay_decision_prob(self) -> float:
         """P_D(d = 1), the probability that the next level is a replay."""
-        size = len(self.seeds)
-        frac = self.num_seen / size
+        frac = self.num_seen / len(self.seeds)
         if self.num_seen == 0 or frac < self.min_fill:
             return 0.0
-        if not self.unbounded and self.num_seen == size:
+        if not self.unbounded and frac == 1.0:
             return 1.0  # Algorithm 2: no unseen level left
         return frac if self.replay_schedule == "proportionate" else self.replay_prob
 
@@ -546,10 +531,9 @@ class LevelSampler:
     _ARRAYS = ("seeds", "scores", "staleness", "seen", "partial_score", "partial_steps", "partial_level")
 
     def state_dict(self) -> dict:
-        d = {k: getattr(self, k).copy() for k in self._ARRAYS}
-        d.update(staged=dict(self.staged), num_samples=self.num_samples, num_replays=self.num_replays,
-                 num_seen=self.num_seen, rng=self.rng.bit_generator.state)  # fmt: skip
-        return d
+        return {k: getattr(self, k).copy() for k in self._ARRAYS} | dict(
+            staged=dict(self.staged), num_samples=self.num_samples, num_replays=self.num_replays, num_seen=self.num_seen,
+            rng=self.rng.bit_generator.state)
 
     def load_state_dict(self, d: dict) -> None:
         for k in self._ARRAYS:
@@ -572,12 +556,11 @@ class LevelSampler:
 
 
 def make_sampler(args: Args, seed: int) -> LevelSampler:
+    """The LevelSampler of the --plr-* flags (--plr-X is its keyword X)."""
     levels = None if args.num_train_levels == 0 else np.arange(args.start_level, args.start_level + args.num_train_levels)
-    return LevelSampler(levels, args.num_envs, strategy=args.plr_strategy, transform=args.plr_transform,
-                        temperature=args.plr_temperature, staleness_coef=args.plr_staleness_coef,
-                        replay_schedule=args.plr_replay_schedule, replay_prob=args.plr_replay_prob,
-                        min_fill=args.plr_min_fill, score_alpha=args.plr_score_alpha, commit=args.plr_commit,
-                        buffer_size=args.plr_buffer_size, seed=seed)  # fmt: skip
+    names = ("strategy", "transform", "temperature", "staleness_coef", "replay_schedule", "replay_prob", "min_fill",
+             "score_alpha", "commit", "buffer_size")
+    return LevelSampler(levels, args.num_envs, seed=seed, **{k: getattr(args, f"plr_{k}") for k in names})
 
 
 # EVALUATION
@@ -625,7 +608,6 @@ if __name__ == "__main__":
         print(f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
               f"steps): the run ends at step {end_step:,}", flush=True)
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
-    run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -684,11 +666,10 @@ if __name__ == "__main__":
 
     def save(path):
         save_checkpoint(path, {
-            "script": "plr_ppo.py", "args": vars(args), "run_name": run_name, "global_step": global_step,
+            "script": "plr_ppo.py", "args": vars(args), "run_name": logger.run_name, "global_step": global_step,
             "update": update, "eval_rng": eval_rng.bit_generator.state, "rng": rng_state(),
             "env_levels": np.array(envs.levels, np.int64),
-            **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
-        })  # fmt: skip
+            **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)})
 
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
     error = None
@@ -748,8 +729,7 @@ if __name__ == "__main__":
                 for start in range(0, batch_size, minibatch_size):
                     mb = perm[start : start + minibatch_size]
                     loss, pg_loss, v_loss, entropy, approx_kl, clipfrac = ppo_loss(
-                        agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args
-                    )
+                        agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args)
                     optimizer.zero_grad()
                     loss.backward()
                     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -771,8 +751,7 @@ if __name__ == "__main__":
                 "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
                 "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
                 "losses/clipfrac": torch.stack(clipfracs).mean().item(),
-                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
-            }  # fmt: skip
+                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)}
             if recent_returns:
                 metrics["charts/episodic_return"], metrics["charts/episodic_length"] = np.mean(recent_returns, 0).tolist()
             if args.plr_strategy != "random":
