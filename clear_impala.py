@@ -2,24 +2,21 @@
 """CLEAR (Rolnick et al. 2019, https://arxiv.org/abs/1811.11682) on IMPALA (https://arxiv.org/abs/1802.01561).
 
 Paper parts implemented here
-- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, one thread, `--envs-per-actor` envs, one
-  batched forward) act with a shared-memory policy copy; each env's slot holds a (new, replay) unroll pair until the
-  learner has read it; `learner_loss` builds the batch and the loss.
+- IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
+  act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair until the learner reads it.
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
-  `--replay-ratio`, Sec. 4.3) `select_pairs`.
-- Behavioural cloning on replay unrolls only (Sec. 3): `policy_cloning_loss` (KL(mu || pi)), `value_cloning_loss`,
-  time-aligned by `align_unroll`.
+  Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
 - Task sequences (App. A.6; sequential / simultaneous / separate, Fig. 1) `task_for_actor`; test actors per task
-  (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns` (figures:
-  tests/benchmarks/clear_forgetting_table.py).
+  (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`.
 
 Defaults and their source
 - T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the whole run, alpha 0.99, eps 0.01
   (IMPALA Table G.1); rho_bar = c_bar = 1 (IMPALA Sec. 4.2); pg / value / entropy 1 / 0.5 / 0.005, cloning
   0.01 / 0.005 (CLEAR App. A.4); replay_ratio 0.5 (Sec. 3); buffer = half the training frames (App. A.3).
-- Loss sums over time and batch (scalable_agent); Atari: the 6-game sequence, 18 actions, IMPALA preprocessing, no
-  sticky actions (Sec. 4.6, IMPALA Table G.1). A "frame" / "step" is one agent step of NEW experience.
+- Loss sums over time and batch (scalable_agent). A "frame" / "step" is one agent step of NEW experience.
+- Atari (Sec. 4.6, IMPALA Table G.1): SpaceInvaders, Krull, BeamRider, Hero, StarGunner, MsPacman (ALE/*-v5), all
+  18 actions, IMPALA preprocessing, no sticky actions.
 
 Differences from the paper
 - Feed-forward networks (Nature DQN CNN, IMPALA's deep ResNet, MinAtar's network, a small MiniGrid CNN); the paper
@@ -51,15 +48,11 @@ from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run,
                               stop_on_signals)
 from common.video import check_video_support
 
-ATARI_6_GAMES = (  # CLEAR Sec. 4.6 / Progress & Compress: the sequence of Fig. 6 / Fig. 13
-    "ALE/SpaceInvaders-v5", "ALE/Krull-v5", "ALE/BeamRider-v5", "ALE/Hero-v5", "ALE/StarGunner-v5", "ALE/MsPacman-v5")
-
-
 @dataclass
 class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
     # --- algorithm specific arguments ---
     env_ids: list[str] = field(default_factory=lambda: ["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
-    """the task sequence: all Atari (the paper: ATARI_6_GAMES), all MinAtar (-v0: 6 actions) or all MiniGrid"""
+    """the task sequence: all Atari (the paper's 6 games: README), all MinAtar (-v0: 6 actions) or all MiniGrid"""
     steps_per_task: int = 200_000
     """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
     num_cycles: int = 2
@@ -104,8 +97,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """RMSProp decay (torchbeast)"""
     rmsprop_eps: float = 0.01
     """RMSProp epsilon, added OUTSIDE the sqrt in PyTorch (TF/IMPALA: inside); torchbeast uses 0.01 as is"""
-    rmsprop_momentum: float = 0.0
-    """RMSProp momentum (IMPALA Table G.1)"""
     max_grad_norm: float = 40.0
     """global gradient-norm clip (IMPALA Table G.1)"""
     torso: str = "auto"
@@ -119,17 +110,15 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     minigrid_max_steps: int | None = None
     """override MiniGrid's episode limit (a truncation: see --bootstrap-truncation)"""
     bootstrap_truncation: bool | None = None
-    """time limit: bootstrap from V_mu of the true last observation (True, Pardo et al. 2018) or terminate (False, as
-    IMPALA); None = per family: False on MiniGrid (its reward 1 - 0.9 t/T makes the limit part of the task), else True"""
+    """time limit: bootstrap from V_mu(true last obs) (Pardo et al. 2018) or terminate (IMPALA); None: MiniGrid terminates"""
     test_actor_max_sps: float = 0.0
     """cap on each test actor's steps/s (0 = none; keeps CPU for training on small machines; not in the paper)"""
     log_every_seconds: float = 5.0
     """how often the learner writes metrics and the progress line"""
 
 
-ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames",
-             "minigrid_max_steps")  # --help's environment group
-# the flags a resumed run may not change (tasks, seed, network, method; replay and tasks are per actor), range rules
+# --help's environment group; the flags a resumed run may not change (replay and tasks are per actor); range rules
+ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames", "minigrid_max_steps")
 FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "envs_per_actor", "unroll_length", "replay_ratio",
                    "behavior_cloning")
 ARG_RULES = {
@@ -139,7 +128,7 @@ ARG_RULES = {
     "replay_ratio": "[0, 1]", "buffer_frames": ">= -1", "policy_cloning_cost": ">= 0", "value_cloning_cost": ">= 0",
     "gamma": "[0, 1]", "pg_cost": ">= 0", "baseline_cost": ">= 0", "entropy_cost": ">= 0", "clip_rho_threshold": "> 0",
     "clip_pg_rho_threshold": "> 0", "learning_rate": "> 0", "rmsprop_alpha": "[0, 1]", "rmsprop_eps": ">= 0",
-    "rmsprop_momentum": ">= 0", "max_grad_norm": "> 0", "sticky_action_prob": "[0, 1]", "max_episode_frames": ">= 1",
+    "max_grad_norm": "> 0", "sticky_action_prob": "[0, 1]", "max_episode_frames": ">= 1",
     "minigrid_max_steps": ">= 1", "test_actor_max_sps": ">= 0", "log_every_seconds": ">= 0", "checkpoint_every": ">= 0",
 }
 
@@ -155,8 +144,7 @@ def validate_args(args: Args) -> None:
          f"({B}): each env contributes at most one pair to a batch (CLEAR App. A.1)"),
         (args.mode == "simultaneous" and (n * E) % k, f"--mode simultaneous needs --num-actors x --envs-per-actor a "
          f"multiple of the number of tasks ({k}): env i plays task i mod {k}, so any other count unbalances the tasks"),
-        (args.mode == "separate" and n % k, f"--mode separate needs --num-actors a multiple of the number of tasks "
-         f"({k}): actor process i plays task i mod {k}, so any other count unbalances the tasks"),
+        (args.mode == "separate" and n % k, f"--mode separate needs --num-actors a multiple of the task count ({k})"),
         (args.buffer_frames == 0 and args.replay_ratio > 0, "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0"),
         (0 < args.buffer_frames < n * args.unroll_length, f"--buffer-frames {args.buffer_frames} is less than one "
          f"unroll per actor ({n} actors x {args.unroll_length} steps)"),
@@ -165,15 +153,12 @@ def validate_args(args: Args) -> None:
             raise SystemExit(f"error: {msg}")
 
 
-def total_steps(args: Args) -> int:
-    return args.steps_per_task * len(args.env_ids) * args.num_cycles
-
-
 def buffer_capacity_per_actor(args: Args) -> int:
     """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
     if args.replay_ratio == 0 and args.buffer_frames <= 0:
         return 0  # plain IMPALA: no buffer at all
-    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
+    total_steps = args.steps_per_task * len(args.env_ids) * args.num_cycles
+    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps // 2
     return max(1, frames // (args.num_actors * args.unroll_length))
 
 
@@ -215,8 +200,7 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
 
 
 def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
-    """Build every task once at start-up: same kind, same observation shape, same action count, a torso that reads
-    them, or a one-line error."""
+    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit."""
     shapes, actions, kinds = set(), set(), set()
     for env_id in args.env_ids:
         try:
@@ -226,16 +210,13 @@ def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
             env = make_env(env_id, args.seed, args)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        if not hasattr(env.action_space, "n") or env.observation_space.dtype != np.uint8:
-            raise SystemExit(f"error: {env_id} is not a discrete-action uint8-image env")
         shapes.add(tuple(env.observation_space.shape))
         actions.add(int(env.action_space.n))
         env.close()
     if len(kinds) > 1:
         raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
     if len(shapes) > 1 or len(actions) > 1:
-        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions}; "
-                         f"the shared policy/value heads need one of each")
+        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions} (one network)")
     (obs_shape,), (num_actions,), (kind,) = shapes, actions, kinds
     torso = resolve_torso(args, obs_shape)
     if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
@@ -268,7 +249,8 @@ def conv_sequence(in_channels, out_channels) -> nn.Sequential:
 
 
 def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    c = torso_input_shape(torso, obs_shape)[0]
+    in_shape = (obs_shape[-1], *obs_shape[:-1]) if torso == "minigrid" else obs_shape  # MiniGrid: HWC -> CHW
+    c = in_shape[0]
     if torso == "nature":  # the Nature DQN CNN (Mnih et al. 2015) as monobeast's AtariNet, without its LSTM
         net, hidden = nn.Sequential(
             layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -283,12 +265,8 @@ def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
             layer_init(nn.Conv2d(c, 16, 2)), nn.ReLU(), layer_init(nn.Conv2d(16, 32, 2)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 2)), nn.ReLU(), nn.Flatten()), 256
     with torch.no_grad():
-        n_flat = net(torch.zeros(1, *torso_input_shape(torso, obs_shape))).shape[1]
+        n_flat = net(torch.zeros(1, *in_shape)).shape[1]
     return nn.Sequential(net, layer_init(nn.Linear(n_flat, hidden)), nn.ReLU()), hidden
-
-
-def torso_input_shape(torso, obs_shape):
-    return (obs_shape[-1], *obs_shape[:-1]) if torso == "minigrid" else obs_shape
 
 
 class Agent(nn.Module):
@@ -313,20 +291,15 @@ class Agent(nn.Module):
 
 
 # ALGORITHM PIECES
-class VTraceReturns(NamedTuple):
-    vs: torch.Tensor
-    pg_advantages: torch.Tensor
+VTraceReturns = collections.namedtuple("VTraceReturns", ["vs", "pg_advantages"])  # [T, B] each
 
 
 @torch.no_grad()
 def vtrace_from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
                                    clip_pg_rho_threshold=1.0) -> VTraceReturns:
     """V-trace targets v_s and policy-gradient advantages, time-major [T, B] (IMPALA Eq. (1), CLEAR Sec. 3).
-
     log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t); discounts[t] = gamma * (1 - done_t) (0 cuts the trace at an
-    episode end, so no value of the next episode leaks in); values[t] = V(x_t); bootstrap_value = V(x_T).
-    A None clip threshold means no clipping.
-    """
+    episode end); values[t] = V(x_t); bootstrap_value = V(x_T); a None clip threshold means no clipping."""
     if bootstrap_value.shape != values.shape[1:]:
         raise ValueError(f"bootstrap_value shape {tuple(bootstrap_value.shape)} must be values.shape[1:] "
                          f"{tuple(values.shape[1:])}")
@@ -363,10 +336,8 @@ def unroll_specs(obs_shape, num_actions, T) -> dict[str, tuple[tuple[int, ...], 
 
 class ReservoirBuffer:
     """One actor's replay memory of whole unrolls, filled by reservoir sampling (CLEAR App. A.3, Isele & Cosgun 2018).
-
     Each unroll gets a random key u ~ U(0, 1); the buffer keeps the `capacity` largest keys seen so far, i.e. the
-    threshold (smallest kept key) rises over time, and at any time the buffer is a uniform sample without replacement
-    of all unrolls offered. An unroll is stored or discarded as a whole. Actions are stored as int16."""
+    buffer is at any time a uniform sample without replacement of all unrolls offered. Actions are stored as int16."""
 
     def __init__(self, capacity, obs_shape, num_actions, T, rng: np.random.Generator):
         self.capacity, self.rng, self.size, self.num_seen = capacity, rng, 0, 0
@@ -400,15 +371,13 @@ class ReservoirBuffer:
         return int(self.rng.integers(self.size))
 
     def save(self, path: str) -> None:
-        """Atomic .npz of the stored rows, their keys and the count of unrolls seen."""
         n, tmp = self.size, f"{path}.tmp.npz"
         np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen,
                  **{k: v[:n] for k, v in self.data.items()})
         os.replace(tmp, path)
 
     def load(self, path: str) -> int:
-        """Restore a saved buffer; with a smaller capacity, keep the rows with the largest keys (still a uniform
-        sample). Returns the number of rows restored."""
+        """Restore a saved buffer (if smaller now: the rows with the largest keys, still uniform); returns its size."""
         with np.load(path) as f:
             keep = np.argsort(-f["keys"])[: self.capacity]
             self.size, self.num_seen = len(keep), int(f["num_seen"])
@@ -419,10 +388,9 @@ class ReservoirBuffer:
 
 
 def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
-    """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1).
-
-    Exactly floor(ratio * B) or ceil(ratio * B) replay unrolls (stochastic rounding, so the expected fraction is the
-    ratio), at random positions among the pairs that hold a valid replay unroll."""
+    """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1). Exactly
+    floor or ceil of ratio * B replay unrolls (stochastic rounding: the expected fraction is the ratio), at random
+    positions among the pairs that hold a valid replay unroll."""
     which = np.zeros(len(replay_valid), dtype=np.int64)
     if replay_ratio <= 0:
         return which
@@ -459,9 +427,8 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
 
 @torch.no_grad()
 def truncated_importance_weights(u: AlignedUnroll) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rho_t, mu_t), both [T, B]: V-trace's weight rho_t = min(1, pi(a_t|x_t) / mu(a_t|x_t)) and the behaviour
-    probability mu(a_t|x_t) of the stored action. A diagnostic, logged per replayed task: rho_t is the weight V-trace
-    gives a replayed step, so near 0 on steps the stored policy was sure of means replay no longer teaches them."""
+    """(rho_t, mu_t) [T, B]: V-trace's weight min(1, pi(a_t|x_t) / mu(a_t|x_t)) and mu(a_t|x_t) of the stored action.
+    A diagnostic per replayed task: rho_t near 0 on steps mu was sure of means replay no longer teaches them."""
     a = u.actions.unsqueeze(-1)
     log_pi = F.log_softmax(u.target_logits, -1).gather(-1, a).squeeze(-1)
     log_mu = F.log_softmax(u.behaviour_logits, -1).gather(-1, a).squeeze(-1)
@@ -490,9 +457,8 @@ def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_thres
     discounts = gamma * (~u.done).float()  # an episode end (either kind) cuts the trace
     # a truncation bootstraps from V_mu of the true last obs (unless bootstrap_truncation=False)
     rewards = u.rewards + gamma * u.truncated.float() * u.final_value if bootstrap_truncation else u.rewards
-    vt = vtrace_from_importance_weights(
-        (target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(), u.bootstrap_value.detach(),
-        clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold)
+    vt = vtrace_from_importance_weights((target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(),
+                                        u.bootstrap_value.detach(), clip_rho_threshold, clip_pg_rho_threshold)
     pg_loss = -(target_logp * vt.pg_advantages).sum()  # L_policy-gradient = -rho_s log pi(a_s|h_s)(r_s + g v_{s+1} - V)
     value_loss = 0.5 * ((vt.vs - u.values) ** 2).sum()  # L_value = (V_theta(h_s) - v_s)^2 (x 1/2 as scalable_agent)
     entropy_loss = (log_pi.exp() * log_pi).sum()  # L_entropy = sum_a pi log pi (minimising it raises the entropy)
@@ -500,8 +466,7 @@ def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_thres
 
 
 def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
-    """Total CLEAR loss on one batch (V-trace losses on all unrolls, cloning on replay unrolls only). Returns
-    (loss, dict of detached components)."""
+    """(loss, detached parts) of one batch: V-trace losses on all unrolls, cloning on the replay unrolls only."""
     u = align_unroll(logits_all, values_all, batch)
     pg_loss, value_loss, entropy_loss, _ = impala_losses(u, args.gamma, args.clip_rho_threshold,
                                                          args.clip_pg_rho_threshold, args.bootstrap_truncation)
@@ -517,9 +482,8 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
 
 
 def learner_loss(model, slots: dict, idx: list[int], which: torch.Tensor, args: Args, device):
-    """The learner's batch and loss (CLEAR App. A.1): half `which[j]` (1 = replay) of the pair in actor idx[j]'s slot,
-    time-major [T+1, B, ...]; the network over all T+1 rows; `clear_loss` with cloning on the replay columns.
-    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    """The learner's batch (CLEAR App. A.1: half `which[j]`, 1 = replay, of the pair in slot idx[j]) and its loss.
+    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the time-major batch on the device without frames)."""
     idx_t = torch.tensor(idx)
     batch = {k: v[idx_t, which].transpose(0, 1).contiguous() for k, v in slots.items()}  # [T+1, B, ...]
     R, B = batch["action"].shape
@@ -531,10 +495,9 @@ def learner_loss(model, slots: dict, idx: list[int], which: torch.Tensor, args: 
 
 
 def task_for_actor(slot: int, step: int, args: Args) -> int:
-    """The task of actor `slot` (env e of process p: slot p * E + e) for an unroll that starts at learner-counted step
-    `step` (CLEAR App. A.6: all actors switch at the same designated step). sequential: task (step // steps_per_task)
-    mod K (the last task after the end); simultaneous: slot mod K (tasks mix in every process and batch); separate:
-    p mod K (one network per task: a process's envs share its task)."""
+    """The task of actor `slot` (env e of process p) for an unroll that starts at learner-counted step `step` (CLEAR
+    App. A.6: all actors switch at the same step). sequential: (step // steps_per_task) mod K, the last task after the
+    end; simultaneous: slot mod K (tasks mix in every process and batch); separate: p mod K (one network per task)."""
     k = len(args.env_ids)
     if args.mode == "sequential":
         return min(step // args.steps_per_task, k * args.num_cycles - 1) % k
@@ -546,10 +509,9 @@ def net_for_task(task: int, args: Args) -> int:
 
 
 def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Test returns of one task on a time grid: the mean return of the episodes that ended in each of `num_bins` equal
-    bins of training steps over [0, total], forward-filled over bins without episodes (leading empty bins dropped).
-    Returns (bin end steps, per-bin returns). Averaging per bin, not per episode, keeps short (often successful or
-    often failed) episodes from dominating (notes P11)."""
+    """(bin end steps, mean test return of one task's episodes that ended in each of `num_bins` equal bins of [0, total]),
+    forward-filled over empty bins (leading ones dropped). Averaging per bin, not per episode, keeps short (often
+    successful or often failed) episodes from dominating (notes P11)."""
     steps_returns = np.array([(step, ret) for step, tk, ret in records if tk == task], dtype=float).reshape(-1, 2)
     edges = np.linspace(0, max(total, 1), num_bins + 1)
     bins = np.clip(np.searchsorted(edges, steps_returns[:, 0], side="right") - 1, 0, num_bins - 1)
@@ -570,19 +532,17 @@ def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, to
 # ACTOR PROCESSES (module-level so spawn can pickle them)
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
                global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
-    """One training actor process: E = --envs-per-actor envs of its task stepped in lock-step with one batched
-    forward of the latest weights. Each env is an actor of the paper (CLEAR App. A.1): per unroll it stores its new
-    unroll in the process's reservoir, gets a replay unroll sampled from it, publishes the (new, replay) pair in its
-    own slot (actor_id * E + e) and waits until the learner has read the pair."""
+    """One actor process: E = --envs-per-actor envs stepped in lock-step, one batched forward of the latest weights.
+    Each env is an actor of the paper (CLEAR App. A.1): per unroll it adds its new unroll to the process's reservoir,
+    samples a replay unroll, publishes the pair in its slot (actor_id * E + e) and waits until the learner read it."""
     E, T, seed = args.envs_per_actor, args.unroll_length, args.seed + 1000 * actor_id
     capacity = buffer_capacity_per_actor(args)
     torch.manual_seed(seed)
     buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(seed)) if capacity > 0 else None
-    replay_file = f"replay_actor{actor_id}.npz"
-    if buffer is not None and args.resume and args.checkpoint_replay:
-        path = os.path.join(os.path.dirname(args.resume), replay_file)
-        if os.path.exists(path):
-            print(f"actor-{actor_id} restored {buffer.load(path)} replay unrolls from {path}", flush=True)
+    replay_file, keep_replay = f"replay_actor{actor_id}.npz", buffer is not None and args.checkpoint_replay
+    restore = os.path.join(os.path.dirname(args.resume or ""), replay_file)  # saved next to the resumed checkpoint
+    if keep_replay and args.resume and os.path.exists(restore):
+        print(f"actor-{actor_id} restored {buffer.load(restore)} replay unrolls from {restore}", flush=True)
     saved_request, model = ckpt_request.value, Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
     ids, run_name = list(range(actor_id * E, (actor_id + 1) * E)), os.path.basename(run_dir)  # our slots, the run
     new = {k: slots[k][ids[0]:ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
@@ -593,24 +553,21 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             acquired += slot_free[ids[acquired]].acquire(timeout=0.2)
             continue
         acquired = 0
-        if ckpt_request.value != saved_request:  # the learner wrote a checkpoint: save our buffer next to it
+        if keep_replay and ckpt_request.value != saved_request:  # the learner wrote a checkpoint: save the buffer too
             saved_request = ckpt_request.value
-            if buffer is not None and args.checkpoint_replay:
-                buffer.save(os.path.join(run_dir, replay_file))
+            buffer.save(os.path.join(run_dir, replay_file))
         start_step = global_step.value
         for e, i in enumerate(ids):
             task = task_for_actor(i, start_step, args)
-            if task != tasks[e]:  # CLEAR App. A.6: switch at the designated learner-counted step; the buffer persists
+            switch = task != tasks[e]  # CLEAR App. A.6: at the designated learner-counted step; the buffer persists
+            for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row (zeros in a new env)
+                new[k][e, 0] = 0 if switch else new[k][e, T]
+            if switch:
                 if envs[e] is not None:
                     envs[e].close()
                 video = args.capture_video and actor_id == 0 and e == 0 and task == 0
                 tasks[e], envs[e] = task, make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
-                for k in UNROLL_FIELDS:
-                    new[k][e, 0] = 0
                 new["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episode)[0]
-            else:
-                for k in UNROLL_FIELDS:  # row 0 repeats the previous unroll's last row
-                    new[k][e, 0] = new[k][e, T]
         version = policy_version.value
         model.load_state_dict(shared_models[net_for_task(tasks[0], args)].state_dict())  # separate: one task each
         for t in range(T):
@@ -625,8 +582,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
                 if args.bootstrap_truncation and truncated and not terminated:  # keep it for V_mu(final obs)
                     truncated_obs[e] = obs
                 if "episode" in info:
-                    stats_queue.put((tasks[e], float(np.asarray(info["episode"]["r"])),
-                                     int(np.asarray(info["episode"]["l"]))))
+                    stats_queue.put((tasks[e], float(info["episode"]["r"]), int(info["episode"]["l"])))
                 if terminated or truncated:
                     episode += 1
                     obs, _ = env.reset()
@@ -649,7 +605,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         frames_done[actor_id] += T * E  # our own counter: no lock a killed actor could leave held
         for e, i in enumerate(ids):
             full_queues[net_for_task(tasks[e], args)].put(i)
-    if ckpt_request.value != saved_request and buffer is not None and args.checkpoint_replay:
+    if keep_replay and ckpt_request.value != saved_request:
         buffer.save(os.path.join(run_dir, replay_file))  # the final checkpoint came after our last unroll
     for env in [x for x in envs if x is not None]:
         env.close()
@@ -674,7 +630,7 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
         obs, _, terminated, truncated, info = env.step(action)
         t += 1
         if "episode" in info:
-            eval_queue.put((task, float(np.asarray(info["episode"]["r"])), int(np.asarray(info["episode"]["l"]))))
+            eval_queue.put((task, float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             obs, _ = env.reset()
     env.close()
@@ -689,13 +645,11 @@ def resolve_torso(args: Args, obs_shape) -> str:
 
 
 def drain(q, limit=10_000):
-    out = []
     for _ in range(limit):
         try:
-            out.append(q.get_nowait())
+            yield q.get_nowait()
         except queue.Empty:
-            break
-    return out
+            return
 
 
 if __name__ == "__main__":
@@ -709,7 +663,7 @@ if __name__ == "__main__":
         args.bootstrap_truncation = kind != "minigrid"
     torso, K, T, B = resolve_torso(args, obs_shape), len(args.env_ids), args.unroll_length, args.batch_size
     num_envs = args.num_actors * args.envs_per_actor  # the paper's actors: one (new, replay) pair each per batch
-    num_nets, TOTAL = K if args.mode == "separate" else 1, total_steps(args)
+    num_nets, TOTAL = K if args.mode == "separate" else 1, args.steps_per_task * K * args.num_cycles
     if ckpt and ckpt["global_step"] >= TOTAL:
         raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
                          f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
@@ -727,13 +681,12 @@ if __name__ == "__main__":
     device = select_device(args.cuda)
     set_learner_threads(args.num_actors + K * args.num_test_actors)  # the cores the actors leave free
 
-    # SETUP: networks (one per task in separate mode), shared CPU copies for the actors, optimizers, lr schedules
+    # SETUP: networks (one per task if separate), shared CPU copies, optimizers, lr annealed to 0 over the WHOLE run
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
     shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
     updates_per_net = max(1, TOTAL // (T * B * num_nets))
     optimizers = [torch.optim.RMSprop(m.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                      eps=args.rmsprop_eps, momentum=args.rmsprop_momentum) for m in models]
-    # anneal linearly to 0 over the WHOLE run (all tasks, all cycles), not per task
+                                      eps=args.rmsprop_eps) for m in models]  # momentum 0 (IMPALA Table G.1)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: max(0.0, 1.0 - n / updates_per_net)) for o in optimizers]
     global_step_value, learner_steps, eval_records = 0, [0] * num_nets, []  # eval_records: (global_step, task, return)
     if ckpt:  # restore, then one line
@@ -759,8 +712,7 @@ if __name__ == "__main__":
         ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.minatar_env", "common.atari_env"])
     slots = {k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
              for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()}
-    # per slot: task, start step, policy version, replay valid, replay task, buffer fill
-    meta = torch.zeros(num_envs, 6, dtype=torch.int64).share_memory_()
+    meta = torch.zeros(num_envs, 6, dtype=torch.int64).share_memory_()  # task, step, version, replay valid/task, fill
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
     # one semaphore per slot (1 = free), not an Event: Event.set() hangs on an actor killed inside Event.wait()
     slot_free = [ctx.Semaphore(1) for _ in range(num_envs)]
@@ -842,8 +794,7 @@ if __name__ == "__main__":
             for task, ret, length in drain(eval_queue):
                 eval_records.append((gs, task, ret))
                 window[task].append(ret)
-                logger.log(gs, {f"eval/{names[task]}/episodic_return": ret,
-                                f"eval/{names[task]}/episodic_length": length})
+                logger.log(gs, {f"eval/{names[task]}/episodic_return": ret, f"eval/{names[task]}/episodic_length": length})
             if (now := time.time()) - last_log >= args.log_every_seconds or gs >= TOTAL:
                 frames = sum(frames_done)
                 out = {**{k: float(v) / n_acc for k, v in metrics_acc.items()},
@@ -888,8 +839,7 @@ if __name__ == "__main__":
                "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
                "final_cumulative_return": {e: cum[k] for k, e in enumerate(args.env_ids)},
                "final_return_last20": {e: float(np.mean(r[-20:])) if r else float("nan") for e, r in returns.items()},
-               "num_eval_episodes": {e: len(r) for e, r in returns.items()},
-               "task_mismatch": task_mismatch}
+               "num_eval_episodes": {e: len(r) for e, r in returns.items()}, "task_mismatch": task_mismatch}
     print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
 
     def save_model():
