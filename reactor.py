@@ -35,7 +35,7 @@ Differences from the paper
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
   LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
 Long form: README.md, section reactor.py. Actors reset their envs (a truncation's last frame is stored, bootstrapped).
-Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video}.py.
+Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
 import queue
 import time
@@ -55,6 +55,7 @@ from common.checkpoint import rng_state, save_checkpoint, seed_everything, selec
 from common.logger import start_run
 from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
                               stop_on_signals)
+from common.sum_tree import SumTree
 from common.video import check_video_support
 
 
@@ -509,204 +510,28 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
 
 
 # PRIORITIZED SEQUENCE REPLAY WITH LAZY INITIALIZATION (paper 3.3)
-class SumTree:
-    """Binary tree over `capacity` leaves (leaves at [size, 2 size) of one array); each node = sum of its two children.
-
-    `set`, `prefix` and `find` take numpy batches: large ones run vectorized over whole tree levels, small ones (the
-    common case: a few keys per replay operation) call the scalar methods, which walk the tree node by node in plain
-    Python through `nodes`, a memoryview of the same array (Python ints and floats cost far less per node than numpy
-    scalars or numpy calls). Both give identical results. Every walk touches at most 2 log2(size) nodes; the local
-    queries (`count`, `nth_after`, `last_nonzero_at_or_before`) climb only as high as the distance they span, so a
-    nearby answer costs a few nodes. Integer trees take exact deltas (or recomputed sums: exact too); float trees
-    recompute parents from their children, so float sums never drift and the same leaves always give the same tree.
-    """
-
-    SMALL = 64  # batches up to this size walk node by node
-
-    def __init__(self, capacity: int, dtype):
-        self.depth = max(1, int(np.ceil(np.log2(capacity + 1))))
-        self.size = 1 << self.depth  # > capacity, so prefix(capacity) is a valid query
-        self.tree = np.zeros(2 * self.size, dtype)
-        self.exact = np.issubdtype(self.tree.dtype, np.integer)
-        self.shifts = np.arange(self.depth, dtype=np.int64)[:, None]
-        self.nodes = memoryview(self.tree)  # scalar access; write `tree` in place only (tree[:] = ...)
-
-    @property
-    def total(self):
-        return self.tree[1]
-
-    def get(self, idx):
-        return self.tree[np.asarray(idx, np.int64) + self.size]
-
-    # --- batch operations (numpy arrays in and out) ---
-    def set(self, idx, values) -> None:
-        """Set leaves `idx` (unique) to `values`."""
-        node = np.asarray(idx, np.int64) + self.size
-        if node.size == 0:
-            return
-        if node.size <= self.SMALL:
-            values = np.broadcast_to(np.asarray(values, self.tree.dtype), node.shape).ravel()
-            order = np.argsort(node.ravel())
-            self.set_leaves((node.ravel()[order] - self.size).tolist(), values[order].tolist())
-            return
-        if self.exact:  # integer counts: add the deltas to every ancestor at once
-            delta = np.asarray(values, self.tree.dtype) - self.tree[node]
-            np.add.at(self.tree, (node[None, :] >> (self.shifts + 1)).ravel(), np.tile(delta, self.depth))
-            self.tree[node] = values
-            return
-        self.tree[node] = values
-        for _ in range(self.depth):
-            node = node >> 1
-            self.tree[node] = self.tree[2 * node] + self.tree[2 * node + 1]
-
-    def prefix(self, idx):
-        """Sum of leaves [0, idx) for each idx (0 <= idx <= capacity): the left siblings of idx's ancestors."""
-        idx = np.asarray(idx, np.int64)
-        if idx.size <= self.SMALL:
-            return np.array([self.prefix_one(i) for i in idx.ravel().tolist()], self.tree.dtype).reshape(idx.shape)
-        node = (idx + self.size)[None] >> self.shifts  # [depth, n]: leaf and its ancestors
-        return np.where(node & 1, self.tree[node - 1], 0).sum(0)
-
-    def find(self, value):
-        """Leaf i with prefix(i) <= value < prefix(i + 1) (for counts: the (value+1)-th one)."""
-        value = np.array(value, dtype=self.tree.dtype)
-        if value.size <= self.SMALL:
-            return np.array([self.find_one(v) for v in value.ravel().tolist()], np.int64).reshape(value.shape)
-        node = np.ones(value.shape, np.int64)
-        for _ in range(self.depth):
-            node = node * 2
-            left = self.tree[node]
-            right = value >= left
-            value = value - left * right
-            node = node + right
-        return node - self.size
-
-    # --- scalar operations (Python numbers in and out) ---
-    def add_one(self, i: int, delta) -> None:
-        """Add `delta` to leaf i and its ancestors (integer trees: exact)."""
-        t, nd = self.nodes, i + self.size
-        while nd:
-            t[nd] += delta
-            nd >>= 1
-
-    def set_leaves(self, idx: list, values: list) -> None:
-        """Set leaves idx (sorted, unique) to values and recompute their ancestors from their children. Each walk
-        stops below its lowest common ancestor with the next leaf, which that leaf's walk recomputes (after this one):
-        nearby leaves share most of their path to the root."""
-        t, size, last = self.nodes, self.size, len(idx) - 1
-        for j, (i, v) in enumerate(zip(idx, values)):
-            nd = i + size
-            t[nd] = v
-            # levels below the common ancestor with the next leaf (the root for the last leaf)
-            levels = ((nd ^ (idx[j + 1] + size)).bit_length() - 1) if j < last else self.depth
-            for _ in range(levels):
-                v += t[nd ^ 1]  # parent = this node + its sibling (the same float as left + right)
-                nd >>= 1
-                t[nd] = v
-
-    def prefix_one(self, i: int):
-        """Sum of leaves [0, i)."""
-        t, nd, res = self.nodes, i + self.size, 0
-        while nd > 1:
-            if nd & 1:
-                res += t[nd - 1]
-            nd >>= 1
-        return res
-
-    def find_one(self, v):
-        """Leaf i with prefix(i) <= v < prefix(i + 1)."""
-        t, nd = self.nodes, 1
-        for _ in range(self.depth):
-            nd <<= 1
-            left = t[nd]
-            if v >= left:
-                v -= left
-                nd += 1
-        return nd - self.size
-
-    def count(self, a: int, b: int):
-        """Sum of leaves [a, b) (a <= b), bottom-up: about 2 log2(b - a) nodes."""
-        t, lo, hi, res = self.nodes, a + self.size, b + self.size, 0
-        while lo < hi:
-            if lo & 1:
-                res += t[lo]
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                res += t[hi]
-            lo >>= 1
-            hi >>= 1
-        return res
-
-    def last_nonzero_at_or_before(self, i: int) -> int:
-        """Count trees: the largest leaf j <= i that is nonzero; circularly, the largest nonzero leaf when none is
-        (the tree must not be empty). Climbs until a left sibling holds a nonzero leaf, then descends into it."""
-        t, nd = self.nodes, i + self.size
-        if t[nd]:
-            return i
-        while nd > 1:
-            if nd & 1 and t[nd - 1]:
-                nd -= 1
-                break
-            nd >>= 1
-        while nd < self.size:  # the rightmost nonzero leaf under nd (the whole tree after a wrap)
-            nd = 2 * nd + 1 if t[2 * nd + 1] else 2 * nd
-        return nd - self.size
-
-    def nth_after(self, i: int, m: int) -> int:
-        """0/1 count trees: the m-th nonzero leaf after leaf i, circularly (1 <= m < total). Climbs until the
-        right siblings passed hold m, then descends; the same as find((prefix(i + 1) + m - 1) mod total)."""
-        t, nd = self.nodes, i + self.size
-        while nd > 1:
-            if not nd & 1:  # a left child: its right sibling comes next
-                right = t[nd + 1]
-                if m <= right:
-                    nd += 1
-                    break
-                m -= right
-            nd >>= 1
-        while nd < self.size:  # the m-th nonzero leaf under nd (from leaf 0 after a wrap)
-            nd <<= 1
-            left = t[nd]
-            if m > left:
-                m -= left
-                nd += 1
-        return nd - self.size
-
-
 class LazyPriorities:
-    """Sequence keys 0..capacity-1 with lazily initialized priorities (paper 3.3), all operations O(log n) per key.
+    """Sequence keys 0..capacity-1 with lazily initialized priorities (paper 3.3), O(log n) per key and operation.
 
-    A key is *valid* when its whole sequence is in memory. A valid key is either *known* (it was trained on and got a
-    priority p) or unknown. The known keys s_1 < s_2 < ... partition the valid keys into cells
-    I_i = {valid keys from s_i up to (excluding) s_{i+1}} (circular over the key space), each with exactly one known
-    key; the partition depends only on which keys are known, never on priority values. J(t) = the cell of t and its
-    two neighbour cells. The estimate of an unknown key in cell i is
+    A key is *valid* when its whole sequence is in memory, and *known* once trained on (it has a priority p). The
+    known keys s_1 < s_2 < ... partition the valid keys into cells I_i = {valid keys from s_i up to s_{i+1}}
+    (circularly), one known key each. J(t) = the cell of t and its two neighbour cells. An unknown key of cell i gets
         p_hat = sum_{j in J} w_j p_j / sum_{j in J} w_j,  w_j = |I_j| (cell sizes: inverse local density),
-    the same for every unknown key of the cell, so the cell's mass is m_i = p_i + (|I_i| - 1) p_hat_i, held at s_i in
-    a sum tree. Sampling: with probability eps uniformly over the valid keys, else proportionally to p_hat (pick a
-    cell by mass, then its known key with probability p_i / m_i, else one of its unknown keys uniformly).
-    When no priority is known the sampling is uniform.
-
-    Data: sum trees over the keys of valid flags, known flags and cell masses, the priorities, and for each known key
-    its neighbours in the circular list of known keys (`prev_known`, `next_known`) and its cell size (`cell_size`),
-    so a cell's estimate costs O(1). A change at a key alters the masses of at most 4 cells around it (`_touched`):
-    each operation updates the links and sizes, then recomputes those masses. Batches up to SMALL keys run the
-    scalar code (a few tree walks per key, most of them local); larger ones run the vectorized code (whole levels at
-    once, all cells within two of each key refreshed); both give identical results.
+    so the cell's mass m_i = p_i + (|I_i| - 1) p_hat_i is held at s_i in a sum tree. Sampling: with probability eps
+    uniformly over the valid keys, else proportionally to p_hat (a cell by mass, then its known key with probability
+    p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known.
+    Data: sum trees of valid flags, known flags and cell masses, the priorities, and for each known key its neighbours
+    in the circular list of known keys and its cell size, so a cell's estimate costs O(1). A change at a key alters
+    the masses of at most 4 cells around it (`_touched`): each operation updates links and sizes, then those masses.
     """
-
-    SMALL = 64
 
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
         self.capacity, self.eps = capacity, uniform_eps
-        self.valid = SumTree(capacity, np.int64)
-        self.known = SumTree(capacity, np.int64)
-        self.mass = SumTree(capacity, np.float64)
+        self.valid, self.known = SumTree(capacity, np.int64), SumTree(capacity, np.int64)  # 0/1 flags
+        self.mass = SumTree(capacity, np.float64)  # the mass of each cell, at its known key
         self.priority = np.zeros(capacity, np.float64)
         # meaningful at known keys only: neighbours in the circular list of known keys, cell sizes |I|
-        self.prev_known = np.zeros(capacity, np.int64)
-        self.next_known = np.zeros(capacity, np.int64)
+        self.prev_known, self.next_known = np.zeros(capacity, np.int64), np.zeros(capacity, np.int64)
         self.cell_size = np.zeros(capacity, np.int64)
         # scalar access to these four arrays (so write them in place only)
         self._views = tuple(memoryview(a) for a in (self.priority, self.prev_known, self.next_known, self.cell_size))
@@ -719,7 +544,6 @@ class LazyPriorities:
     def num_known(self) -> int:
         return int(self.known.total)
 
-    # --- scalar code: one key at a time, Python numbers ---
     def _is_known(self, k: int) -> bool:
         return self.known.nodes[k + self.known.size] != 0
 
@@ -732,12 +556,11 @@ class LazyPriorities:
                 return guess
         return self.known.last_nonzero_at_or_before(k)
 
-    def _cell_estimate_one(self, c: int) -> float:
+    def _cell_estimate(self, c: int) -> float:
         """p_hat of the unknown keys of known key c's cell: the cell-size weighted mean over J (distinct cells)."""
         p, prev, nxt, size = self._views
         a, b = prev[c], nxt[c]
-        w = size[c]
-        num, den = w * p[c], w
+        num, den = size[c] * p[c], size[c]
         if a != c:
             num += size[a] * p[a]
             den += size[a]
@@ -746,40 +569,37 @@ class LazyPriorities:
             den += size[b]
         return num / den
 
-    def _touched(self, c: int) -> tuple:
-        """The cells whose mass depends on known key c's priority, cell size or links: c and its two neighbours."""
-        _, prev, nxt, _ = self._views
-        return prev[c], c, nxt[c]
+    def _touched(self, c: int) -> tuple:  # the cells whose mass depends on known key c's priority, size or links
+        return self._views[1][c], c, self._views[2][c]
 
     def _set_masses(self, cells: set) -> None:
         """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
         cells = sorted(cells)
         p, _, _, size = self._views
-        known, offset, estimate = self.known.nodes, self.known.size, self._cell_estimate_one
-        masses = [p[c] + (size[c] - 1) * estimate(c) if known[c + offset] else 0.0 for c in cells]
-        self.mass.set_leaves(cells, masses)
+        known, offset, estimate = self.known.nodes, self.known.size, self._cell_estimate
+        self.mass.set_leaves(cells, [p[c] + (size[c] - 1) * estimate(c) if known[c + offset] else 0.0 for c in cells])
 
-    def _add_small(self, keys: list) -> None:
-        """`add` of sorted unique keys: each new (unknown) key joins the cell that holds it."""
-        valid, cells, o = self.valid, set(), -1
-        _, _, _, size = self._views
-        keys = [k for k in keys if not valid.nodes[k + valid.size]]
+    def add(self, keys) -> None:
+        """Keys become valid with an unknown priority (lazy initialization): each joins the cell that holds it."""
+        valid, cells, o, size = self.valid, set(), -1, self._views[3]
+        keys = [k for k in sorted(set(np.asarray(keys, np.int64).ravel().tolist())) if not valid.nodes[k + valid.size]]
         valid.set_leaves(keys, [1] * len(keys))
         if self.known.nodes[1]:
-            for k in keys:  # an unknown key: the cell holding it grows by one
+            for k in keys:
                 o = self._owner(k, o)
                 size[o] += 1
                 cells.update(self._touched(o))
         self._set_masses(cells)
 
-    def _remove_small(self, keys: list) -> None:
-        """`remove` of sorted unique keys: an unknown key leaves its cell; a known key's cell joins the previous one."""
+    def remove(self, keys) -> None:
+        """Evict keys (their sequence is being overwritten): an unknown key leaves its cell, a known key's cell merges
+        into the previous one."""
         valid, known, cells, o = self.valid, self.known, set(), -1
         _, prev, nxt, size = self._views
-        keys = [k for k in keys if valid.nodes[k + valid.size]]
+        keys = [k for k in sorted(set(np.asarray(keys, np.int64).ravel().tolist())) if valid.nodes[k + valid.size]]
         valid.set_leaves(keys, [0] * len(keys))
         for k in keys:
-            if self._is_known(k):  # its cell merges into the previous cell
+            if self._is_known(k):
                 known.add_one(k, -1)
                 cells.add(k)  # (mass 0)
                 a, b = prev[k], nxt[k]
@@ -795,11 +615,12 @@ class LazyPriorities:
                 cells.update(self._touched(o))
         self._set_masses(cells)
 
-    def _set_priority_small(self, keys: list, priorities: list) -> None:
-        """`set_priority`: a known key's priority changes; a newly known key splits the cell that held it."""
+    def set_priority(self, keys, priorities) -> None:
+        """Priorities of keys just trained on (the last one of a repeated key; keys evicted meanwhile are skipped): a
+        known key's priority changes, a newly known key splits the cell that held it."""
         valid, known, cells = self.valid, self.known, set()
         p, prev, nxt, size = self._views
-        last = dict(zip(keys, priorities))  # the last priority of a repeated key
+        last = dict(zip(np.asarray(keys, np.int64).ravel().tolist(), np.asarray(priorities, np.float64).ravel().tolist()))
         for k in sorted(last):
             if not valid.nodes[k + valid.size]:
                 continue
@@ -823,94 +644,14 @@ class LazyPriorities:
             cells.add(b)
         self._set_masses(cells)
 
-    def _estimate_one(self, k: int) -> float:
-        return self._views[0][k] if self._is_known(k) else self._cell_estimate_one(self._owner(k))
-
-    # --- vectorized code: large batches, numpy arrays ---
-    def _owner_rank(self, keys):
-        """Rank (among known keys) of the known key whose cell holds each key: the last known key <= key, circularly."""
-        return np.mod(self.known.prefix(np.asarray(keys, np.int64) + 1) - 1, self.num_known)
-
-    def _cell_sizes(self, starts, ends):
-        """Number of valid keys in the circular ranges [start, end) (end == start: all valid keys)."""
-        pre = self.valid.prefix(np.concatenate([starts, ends]))
-        a, b = pre[: len(starts)], pre[len(starts):]
-        return np.where(ends > starts, b - a, self.num_valid - a + b)
-
-    def _cell_estimate(self, ranks):
-        """For the known keys of these ranks: (keys, p_hat of their cell's unknown keys, cell sizes w, previous and
-        next known keys), from the trees alone.
-
-        p_hat = cell-size weighted mean of the known priorities of J (the cell and its two neighbours, distinct).
-        """
-        n = len(ranks)
-        pos = self.known.find(np.mod(np.concatenate([ranks - 1, ranks, ranks + 1, ranks + 2]), self.num_known))
-        prv, own, nxt, nxt2 = pos[:n], pos[n: 2 * n], pos[2 * n: 3 * n], pos[3 * n:]
-        w = self._cell_sizes(np.concatenate([prv, own, nxt]), np.concatenate([own, nxt, nxt2]))
-        w_prv, w_own, w_nxt = w[:n], w[n: 2 * n], w[2 * n:]
-        use_prv = (prv != own).astype(np.float64)  # J holds distinct cells only (fewer than 3 known keys)
-        use_nxt = ((nxt != own) & (nxt != prv)).astype(np.float64)
-        p = self.priority
-        num = w_own * p[own] + use_prv * w_prv * p[prv] + use_nxt * w_nxt * p[nxt]
-        den = w_own + use_prv * w_prv + use_nxt * w_nxt
-        return own, num / den, w_own, prv, nxt
-
-    def _refresh(self, keys) -> None:
-        """Recompute the masses, links and sizes of every cell that may have changed after changes at `keys`: the
-        cells within two cells of the one now holding each key (its size, priority or neighbours changed)."""
-        if self.num_known == 0 or len(keys) == 0:
-            return
-        ranks = np.unique(np.mod(self._owner_rank(keys)[:, None] + np.arange(-2, 3), self.num_known))
-        cells, est, w, prv, nxt = self._cell_estimate(ranks)
-        self.prev_known[cells], self.next_known[cells], self.cell_size[cells] = prv, nxt, w
-        self.mass.set(cells, self.priority[cells] + (w - 1) * est)
-
-    # --- the four replay operations ---
-    def add(self, keys) -> None:
-        """Keys become valid with an unknown priority (lazy initialization)."""
-        keys = np.asarray(keys, np.int64).ravel()
-        if len(keys) <= self.SMALL:
-            return self._add_small(sorted(set(keys.tolist())))
-        keys = np.unique(keys)
-        self.valid.set(keys, 1)
-        self._refresh(keys)
-
-    def remove(self, keys) -> None:
-        """Evict keys (their sequence is being overwritten); a known key's cell merges into the previous cell."""
-        keys = np.asarray(keys, np.int64).ravel()
-        if len(keys) <= self.SMALL:
-            return self._remove_small(sorted(set(keys.tolist())))
-        keys = np.unique(keys)
-        keys = keys[self.valid.get(keys) == 1]
-        was_known = keys[self.known.get(keys) == 1]
-        self.valid.set(keys, 0)
-        self.known.set(was_known, 0)
-        self.mass.set(was_known, 0.0)
-        self._refresh(keys)
-
-    def set_priority(self, keys, priorities) -> None:
-        """Assign priorities to keys just trained on (invalid keys, evicted meanwhile, are skipped)."""
-        keys = np.asarray(keys, np.int64).ravel()
-        priorities = np.asarray(priorities, np.float64).ravel()
-        if len(keys) <= self.SMALL:
-            return self._set_priority_small(keys.tolist(), priorities.tolist())
-        keys, last = np.unique(keys[::-1], return_index=True)  # keep the last priority of a repeated key
-        priorities = priorities[::-1][last]
-        ok = self.valid.get(keys) == 1
-        keys, priorities = keys[ok], priorities[ok]
-        self.priority[keys] = priorities
-        self.known.set(keys, 1)
-        self._refresh(keys)
+    def _estimate_one(self, k: int) -> float:  # p_hat of valid key k: its priority if known, else its cell's estimate
+        return self._views[0][k] if self._is_known(k) else self._cell_estimate(self._owner(k))
 
     def estimate(self, keys):
-        """p_hat for each (valid) key: its priority if known, else its cell's estimate."""
+        """p_hat for each (valid) key (NaN while none is known)."""
         keys = np.asarray(keys, np.int64)
-        if self.num_known == 0:
-            return np.full(keys.shape, np.nan)
-        if keys.size <= self.SMALL:
-            return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
-        _, est, _, _, _ = self._cell_estimate(self._owner_rank(keys))
-        return np.where(self.known.get(keys) == 1, self.priority[keys], est)
+        est = [self._estimate_one(k) if self.num_known else np.nan for k in keys.ravel().tolist()]
+        return np.array(est, np.float64).reshape(keys.shape)
 
     def probability(self, keys):
         """Sampling probability P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k (uniform while nothing is known)."""
@@ -920,47 +661,24 @@ class LazyPriorities:
         return self.eps / n + (1 - self.eps) * self.estimate(keys) / total
 
     def sample(self, batch: int, rng: np.random.Generator):
-        """Sample `batch` valid keys; returns (keys, their sampling probabilities).
-
-        Each draw takes 5 uniforms u in [0, 1) (one `rng.random` call for the batch: far cheaper than
-        `rng.integers`): the uniform key of rank floor(u0 n) (uniform up to n 2^-53), the coin u1 < eps for the uniform
-        part, the mass point u2 M, the choice of the cell's known key u3 m_i < p_i, the unknown key floor(u4 (w - 1)).
-        """
-        n = self.num_valid
-        if n == 0:
-            raise ValueError("cannot sample from an empty replay")
-        u = rng.random((5, batch))
-        if batch <= self.SMALL:
-            return self._sample_small(u)
-        total = self.mass.total
-        keys = self.valid.find(np.minimum((u[0] * n).astype(np.int64), n - 1))  # uniform part
-        if self.num_known > 0 and total > 0:
-            prio = u[1] >= self.eps
-            if prio.any():
-                cell = np.minimum(self.mass.find(u[2, prio] * total), self.capacity - 1)
-                # (a float round-off landing on an empty leaf is mapped to the cell that holds it)
-                cell, _, w, _, _ = self._cell_estimate(self._owner_rank(cell))
-                take_known = (w <= 1) | (u[3, prio] * self.mass.get(cell) < self.priority[cell])
-                offset = 1 + np.minimum((u[4, prio] * (w - 1)).astype(np.int64), np.maximum(w - 2, 0))  # 1..w-1
-                other = self.valid.find(np.mod(self.valid.prefix(cell) + offset, n))  # the offset-th after the cell
-                keys[prio] = np.where(take_known, cell, other)
-        return keys, self.probability(keys)
-
-    def _sample_small(self, u):
-        """`sample` key by key (the same keys and probabilities as the vectorized code)."""
+        """Sample `batch` valid keys; returns (keys, their sampling probabilities). Each draw takes 5 uniforms in
+        [0, 1) (one `rng.random` call): the uniform key's rank, the coin for the uniform part (< eps), the mass point,
+        the choice of the cell's known key, the unknown key's offset in the cell."""
         valid, mass, eps = self.valid, self.mass, self.eps
         n, total = valid.nodes[1], mass.nodes[1]
+        if n == 0:
+            raise ValueError("cannot sample from an empty replay")
         p, _, _, size = self._views
         prioritized = self.known.nodes[1] > 0 and total > 0
         keys, probs = [], []
-        for u_rank, u_coin, u_mass, u_known, u_offset in zip(*u.tolist()):
+        for u_rank, u_coin, u_mass, u_known, u_offset in zip(*rng.random((5, batch)).tolist()):
             if prioritized and u_coin >= eps:  # a cell by mass, then its known key or one of its w - 1 unknown keys
                 c = self._owner(mass.find_one(u_mass * total))  # (a round-off landing on an empty leaf: its cell)
                 w = size[c]
                 if w <= 1 or u_known * mass.nodes[c + mass.size] < p[c]:
                     k, est = c, p[c]
                 else:
-                    k, est = valid.nth_after(c, 1 + min(int(u_offset * (w - 1)), w - 2)), self._cell_estimate_one(c)
+                    k, est = valid.nth_after(c, 1 + min(int(u_offset * (w - 1)), w - 2)), self._cell_estimate(c)
             else:  # uniform
                 k = valid.find_one(min(int(u_rank * n), n - 1))
                 est = self._estimate_one(k) if prioritized else None
@@ -977,8 +695,9 @@ class LazyPriorities:
         self.priority[:] = state["priority"]
         known = np.flatnonzero(self.known.get(np.arange(self.capacity)))  # the links and sizes, from the trees
         if len(known):
-            self.prev_known[known], self.next_known[known] = np.roll(known, 1), np.roll(known, -1)
-            self.cell_size[known] = self._cell_sizes(known, np.roll(known, -1))
+            nxt, before = np.roll(known, -1), np.r_[0, np.cumsum(self.valid.get(np.arange(self.capacity)))]
+            self.prev_known[known], self.next_known[known] = np.roll(known, 1), nxt
+            self.cell_size[known] = np.where(nxt > known, 0, self.num_valid) + before[nxt] - before[known]
 
 
 class SequenceReplay:
