@@ -4,37 +4,33 @@
 Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional
 Retrace and a policy head with beta-LOO, from prioritized replay of 33-observation sequences.
 
-Paper parts implemented here
-- Retrace (Eqs. (3)-(4), the scalar "ND" ablation) `retrace_returns`; C51 projection (C51 Eq. (7))
-  `categorical_projection`; distributional Retrace as an alpha-mixture of n-step backups with the KL loss
-  (3.2, Eq. (12)) `distributional_retrace_target`, `reactor_loss`.
+Paper parts, in file order
+- Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
+  policy, CReLU `ReactorNetwork`.
+- C51 projection (C51 Eq. (7)) `categorical_projection`; Retrace (Eqs. (3)-(4), the scalar "ND" ablation)
+  `retrace_returns`; distributional Retrace as an alpha-mixture of n-step backups with the KL loss (3.2, Eq. (12))
+  `distributional_retrace_target`, `reactor_loss`.
 - beta-LOO policy gradient (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1)
   `tislr_policy_loss`.
 - Prioritized sequence replay with lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean
   |TD| (ND) or total variation (distributional) in `reactor_loss`.
-- Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
-  policy, CReLU `ReactorNetwork`; acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts,
-  whole games, real scores (4.1) `evaluate`.
+- Acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts, whole games, real scores (4.1)
+  `evaluate`.
 
-Defaults and their source
-- 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
-  Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3).
-- Not in the recovered paper (its appendix was lost), our choices: 51 atoms on [-10, 10], gamma 0.99 (C51); conv
-  16-32-32, LSTM 128, CReLU; policy_uniform_eps 0.01, entropy 0.01, replay_uniform_eps 0.1, priority exponent 1,
-  grad clip 40, tislr_c 10, replay 1e6, learning_starts 10k, no sticky actions; stored LSTM states (R2D2).
+Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
+Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix was lost: every other value is our choice
+(C51's atoms and gamma, A3C's grad clip, ACER's tislr_c, ...), each flag's docstring names its source.
 
 Differences from the paper
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
-- The appendix's Contextual Priority Tree (AVL, subtree mean-priority estimates) is replaced by three sum trees (keys,
-  known priorities, cell masses) and a linked list of the known keys with their cell sizes: an unknown key takes its
-  and the neighbour cells' mean, O(log n) (3.3).
-- LSTM states stored in float16; loss averaged over a sequence's valid steps, then IS-weighted; a lost life resets
-  the LSTM in training and evaluation alike.
-- R(A) in beta-LOO is the scalar Retrace return; IS weights are normalized by their batch maximum.
+- The appendix's Contextual Priority Tree is replaced by three sum trees (keys, known priorities, cell masses) and a
+  linked list of the known keys with their cell sizes: an unknown key takes its and the neighbour cells' mean (3.3).
+- LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
+  normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
 - Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33).
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
   LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
-Long form: README.md, section reactor.py. Actors reset their envs (a truncation's last frame is stored, bootstrapped).
+Actors reset their envs (a truncation's last frame is stored, bootstrapped). Long form: README.md, section reactor.py.
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
 import queue
@@ -51,7 +47,8 @@ import torch.nn.functional as F
 from common.args import CommonArgs, check_args, parse_run_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
-from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
+                               set_rng_state, state_dicts)
 from common.logger import start_run
 from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
                               stop_on_signals)
@@ -227,15 +224,14 @@ class ReactorNetwork(nn.Module):
         self.num_actions, self.num_atoms, self.lstm_size = num_actions, num_atoms, lstm_size
         self.distributional, self.policy_uniform_eps = distributional, policy_uniform_eps
         self.obs_shape, self.obs_scale = tuple(obs_shape), obs_scale
-        c, h, w = self.obs_shape
+        c = self.obs_shape[0]
         if torso == "paper":  # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
             convs = [nn.Conv2d(c, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
                      nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten()]
         else:  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels
             convs = [nn.Conv2d(c, 16, 3, stride=1), act(), nn.Flatten()]
-        conv = nn.Sequential(*convs)
-        with torch.no_grad():
-            n = conv(torch.zeros(1, *self.obs_shape)).shape[1]
+        with torch.no_grad():  # the size of the flattened conv output
+            n = nn.Sequential(*convs)(torch.zeros(1, *self.obs_shape)).shape[1]
         self.torso = nn.Sequential(*convs, nn.Linear(n, 128), act())
         self.q_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)  # fused over the unroll (cuDNN on a GPU)
         self.pi_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)
@@ -290,20 +286,14 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
                           args.policy_uniform_eps, obs_shape, torso, obs_scale=1.0 if minatar else 255.0)
 
 
-def make_optimizer(net: nn.Module, args: Args) -> torch.optim.Adam:
-    """Adam (3.4.1: beta1 = 0), fused: one kernel for all parameters (the same update as torch's per-tensor loop, up
-    to float rounding, several times faster for this many small tensors)."""
-    return torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                            eps=args.adam_eps, fused=True)
-
-
 def make_learner(args: Args, num_actions: int, obs_shape, device):
-    """The learner's network, its target network (a copy) and optimizer. Channels-last convolution weights: the same
-    results up to float rounding, and on a CPU a faster Atari torso over a batch of 4 x 33 frames."""
+    """The learner's network, its target network (a copy) and Adam (3.4.1: beta1 = 0). Channels-last convolution
+    weights and fused Adam: the same results up to float rounding, faster on a CPU for this many small tensors."""
     net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
     target_net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
     target_net.load_state_dict(net.state_dict())
-    return net, target_net, make_optimizer(net, args)
+    return net, target_net, torch.optim.Adam(net.parameters(), lr=args.learning_rate, eps=args.adam_eps,
+                                             betas=(args.adam_beta1, args.adam_beta2), fused=True)
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
@@ -346,15 +336,13 @@ def _window_products(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
 
 
 def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
-    """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) on a sequence of T transitions, by its backward recursion
-
-        Q^ret_t = r_t + gamma_t [ E_pi Q(x_{t+1}, .) - c_{t+1} Q(x_{t+1}, a_{t+1}) + c_{t+1} Q^ret_{t+1} ],
-
-    which equals Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s. All inputs [B, T]: rewards r_t,
-    discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one is treated as 0: the sequence end
-    cuts the trace), v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
-    Computed unrolled, for all t at once: Q^ret_t = sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s with
-    x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q(x_{s+1}, a_{s+1})].
+    """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) on a sequence of T transitions: the backward recursion
+        Q^ret_t = r_t + gamma_t [ E_pi Q(x_{t+1}, .) - c_{t+1} Q(x_{t+1}, a_{t+1}) + c_{t+1} Q^ret_{t+1} ]
+    (= Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s), unrolled for all t at once:
+    Q^ret_t = sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s, x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q^+],
+    Q^+ = Q(x_{s+1}, a_{s+1}).
+    All inputs [B, T]: rewards r_t, discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one is
+    treated as 0: the sequence end cuts the trace), v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
     """
     T = rewards.shape[1]
     c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
@@ -457,10 +445,8 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     out = net(batch.obs, batch.first, batch.state)
     with torch.no_grad():
         tout = target_net(batch.obs, batch.first, batch.state, policy=False)  # (its policy is never used)
-    T = batch.obs.shape[1] - 1
-    pi = out.pi  # [B, T+1, A]
+    T, pi, a = batch.obs.shape[1] - 1, out.pi, batch.actions.long()  # pi: [B, T+1, A]
     pi_d = pi.detach()
-    a = batch.actions.long()
     mu_a = batch.mu.gather(-1, a.unsqueeze(-1)).squeeze(-1)
     rho = pi_d.gather(-1, a.unsqueeze(-1)).squeeze(-1) / mu_a
     disc, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
@@ -491,22 +477,18 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         policy_loss = tislr_policy_loss(pi[:, :T], q_online[:, :T], a[:, :T], returns, batch.mu[:, :T], args.tislr_c)
     entropy = -(pi[:, :T] * torch.log(pi[:, :T])).sum(-1)
     per_step = value_loss + policy_loss - args.entropy_coef * entropy
-    denom = mask.sum(1).clamp(min=1.0)
-    w = batch.weights
-    loss = (w * (per_step * mask).sum(1) / denom).mean()
+    denom, n = mask.sum(1).clamp(min=1.0), mask.sum().clamp(min=1.0)
+    loss = (batch.weights * (per_step * mask).sum(1) / denom).mean()  # IS-weighted mean over the valid steps
     priorities = (td_size.detach() * mask).sum(1) / denom  # mean |TD| (ND) or mean total variation
-    n = mask.sum().clamp(min=1.0)
-    stats = {
-        "losses/value_loss": (value_loss.detach() * mask).sum() / n,
-        "losses/policy_loss": (policy_loss.detach() * mask).sum() / n,
-        "losses/entropy": (entropy.detach() * mask).sum() / n,
-        "losses/q_values": (q_online[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1) * mask).sum() / n,
-        "losses/retrace_return": (returns * mask).sum() / n,
-        "replay/rho_mean": (rho[:, :T] * mask).sum() / n,
-        "replay/trace_mean": (c_next * mask).sum() / n,
-        "replay/trace_cut_fraction": ((c_next < 0.99).float() * mask).sum() / n,  # traces c < 0.99 (incl. episode ends)
-    }
-    return loss, priorities, stats
+
+    def mean(x):  # over the valid steps of the batch
+        return (x.detach() * mask).sum() / n
+
+    return loss, priorities, {
+        "losses/value_loss": mean(value_loss), "losses/policy_loss": mean(policy_loss), "losses/entropy": mean(entropy),
+        "losses/q_values": mean(q_online[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1)),
+        "losses/retrace_return": mean(returns), "replay/rho_mean": mean(rho[:, :T]), "replay/trace_mean": mean(c_next),
+        "replay/trace_cut_fraction": mean((c_next < 0.99).float())}  # traces c < 0.99 (episode ends included)
 
 
 # PRIORITIZED SEQUENCE REPLAY WITH LAZY INITIALIZATION (paper 3.3)
@@ -702,35 +684,34 @@ class LazyPriorities:
 
 class SequenceReplay:
     """Per-actor ring segments of transitions, frames stored once as uint8; every start time is a sequence key.
-
     Slot t of a segment holds the observation x_t, the LSTM state before x_t, the action a_t, its behaviour policy
     mu(.|x_t), the reward r_t and flags. The sequence with key t is slots t .. t+T (T+1 observations); it is valid once
-    slot t+T is written and until slot t is overwritten.
-    """
+    slot t+T is written and until slot t is overwritten."""
 
     FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state")
+
+    @staticmethod
+    def slot_fields(num_actions: int, lstm_size: int, obs_shape) -> dict:
+        """{field: (dtype, shape)} of one slot, in FIELDS order (the replay arrays and the actors' chunk buffers)."""
+        return {"obs": (np.uint8, tuple(obs_shape)), "action": (np.uint8, ()), "reward": (np.float32, ()),
+                "term": (np.bool_, ()), "pad": (np.bool_, ()), "first": (np.bool_, ()),
+                "mu": (np.float32, (num_actions,)), "state": (np.float16, (4, lstm_size))}
 
     def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int,
                  uniform_eps: float = 0.1, prioritized: bool = True, obs_shape=(1, 84, 84)):
         self.seg_cap = capacity // num_segments
         self.capacity = self.seg_cap * num_segments
         self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
-        N = self.capacity
-        self.obs = np.zeros((N, *obs_shape), np.uint8)
-        self.action = np.zeros(N, np.uint8)
-        self.reward = np.zeros(N, np.float32)
-        self.term = np.zeros(N, np.bool_)
-        self.pad = np.zeros(N, np.bool_)
-        self.first = np.zeros(N, np.bool_)
-        self.mu = np.zeros((N, num_actions), np.float32)
-        self.state = np.zeros((N, 4, lstm_size), np.float16)
+        for name, (dtype, shape) in self.slot_fields(num_actions, lstm_size, obs_shape).items():
+            setattr(self, name, np.zeros((self.capacity, *shape), dtype))
         self.written = np.zeros(num_segments, np.int64)  # slots ever written per segment
-        self.index = LazyPriorities(N, uniform_eps if prioritized else 1.0)
+        self.index = LazyPriorities(self.capacity, uniform_eps if prioritized else 1.0)
 
-    @staticmethod
-    def bytes_needed(capacity: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> int:
-        per_slot = int(np.prod(obs_shape)) + 1 + 4 + 3 + 4 * num_actions + 2 * 4 * lstm_size + 3 * 2 * 8 * 2 + 8
-        return capacity * per_slot  # (sum trees: 3 trees of 2 * 2^ceil(log2) 8-byte nodes, plus priorities)
+    @classmethod
+    def bytes_needed(cls, capacity: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> int:
+        """The slot arrays, plus per key 3 sum trees of 2 * 2^ceil(log2) 8-byte nodes and the priority."""
+        fields = cls.slot_fields(num_actions, lstm_size, obs_shape).values()
+        return capacity * (sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in fields) + 3 * 2 * 8 * 2 + 8)
 
     def __len__(self):
         return self.index.num_valid
@@ -753,16 +734,14 @@ class SequenceReplay:
         seg, local = keys // self.seg_cap, keys % self.seg_cap
         slots = seg[:, None] * self.seg_cap + (local[:, None] + np.arange(self.seq_len + 1)) % self.seg_cap
         weights = 1.0 / (len(self) * probs)  # PER Eq. (2) with exponent beta = 1 (3.3)
-        weights = weights / weights.max()
 
         def t(x, dtype=None):
             return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
 
         st = self.state[keys].astype(np.float32)
-        batch_ = Batch(t(self.obs[slots]), t(self.action[slots], torch.int64), t(self.reward[slots]),
-                       t(self.term[slots]), t(self.pad[slots]), t(self.first[slots]), t(self.mu[slots]),
-                       tuple(t(st[:, i]) for i in range(4)), t(weights, torch.float32))
-        return keys, batch_
+        return keys, Batch(t(self.obs[slots]), t(self.action[slots], torch.int64), t(self.reward[slots]),
+                           t(self.term[slots]), t(self.pad[slots]), t(self.first[slots]), t(self.mu[slots]),
+                           tuple(t(st[:, i]) for i in range(4)), t(weights / weights.max(), torch.float32))
 
     def cut_at_heads(self) -> None:
         """For a resumed run, whose actors start new episodes: the last written slot of each segment becomes a pad (a
@@ -776,8 +755,8 @@ class SequenceReplay:
             self.index.set_priority(keys, (np.asarray(priorities, np.float64) + 1e-6) ** exponent)
 
     def state_dict(self):
-        d = {name: getattr(self, name) for name in self.FIELDS}
-        return {**d, "written": self.written, "index": self.index.state_dict()}
+        return {**{name: getattr(self, name) for name in self.FIELDS}, "written": self.written,
+                "index": self.index.state_dict()}
 
     def load_state_dict(self, d):
         for name in self.FIELDS:
@@ -796,26 +775,28 @@ def check_replay_memory(args: Args, num_actions: int, obs_shape=(1, 84, 84)) -> 
 CHUNK_SLOTS = 4  # shared-memory chunk buffers per actor
 
 
-def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> dict:
-    """Shared-memory chunk buffers [num_actors, CHUNK_SLOTS, chunk + 1, ...] (one extra row for a pad slot).
+def act(net, obs, state, rng: np.random.Generator, device="cpu"):
+    """One step of the policy: (action sampled from pi, pi(.|x) as float64, the network's output)."""
+    with torch.no_grad():
+        out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool, device=device), state)
+    mu = out.pi[0, 0].cpu().numpy().astype(np.float64)
+    mu /= mu.sum()
+    return int(rng.choice(len(mu), p=mu)), mu, out
 
-    An actor fills a free buffer, then sends only its index through the queue: messages stay a few bytes, so a killed
-    actor can never leave a half-written message that would block the learner's read."""
-    shape = (num_actors, CHUNK_SLOTS, chunk + 1)
-    buffers = {"obs": torch.zeros(*shape, *obs_shape, dtype=torch.uint8), "action": torch.zeros(shape, dtype=torch.uint8),
-               "reward": torch.zeros(shape), "term": torch.zeros(shape, dtype=torch.bool),
-               "pad": torch.zeros(shape, dtype=torch.bool), "first": torch.zeros(shape, dtype=torch.bool),
-               "mu": torch.zeros(*shape, num_actions), "state": torch.zeros(*shape, 4, lstm_size, dtype=torch.float16)}
-    return {k: v.share_memory_() for k, v in buffers.items()}
+
+def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> dict:
+    """Shared-memory chunk buffers [num_actors, CHUNK_SLOTS, chunk + 1, ...] (one extra row for a pad slot). An actor
+    fills a free buffer, then sends only its index through the queue: messages stay a few bytes, so a killed actor
+    can never leave a half-written message that would block the learner's read."""
+    return {name: torch.from_numpy(np.zeros((num_actors, CHUNK_SLOTS, chunk + 1, *shape), dtype)).share_memory_()
+            for name, (dtype, shape) in SequenceReplay.slot_fields(num_actions, lstm_size, obs_shape).items()}
 
 
 def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, buffers,
                free_slots, out_queue, stop_event):
     """Act with the latest shared weights (CPU, one thread), write slots into shared-memory chunk buffers and send
-    their indices to the learner, respect the acting:learning ratio.
-
-    ratio_base = (env step, learning step) from which the ratio is counted; free_slots: this actor's queue of free
-    chunk buffer indices (the learner gives a buffer back once it has copied it into the replay)."""
+    their indices to the learner (free_slots: this actor's free buffer indices, given back once copied into the
+    replay); wait while ahead of the acting:learning ratio, counted from ratio_base = (env step, learning step)."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
@@ -824,18 +805,15 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     env = make_env(args.env_id, seed, args, video_folder=video)
     num_actions = env.action_space.n
     net = make_network(args, num_actions, env.observation_space.shape)
-    version = -1
     obs, _ = env.reset(seed=seed)
-    state = net.initial_state(1)
-    first = True
+    state, first, version = net.initial_state(1), True, -1
     views = {k: v[actor_id].numpy() for k, v in buffers.items()}  # [CHUNK_SLOTS, chunk + 1, ...]
     slot, pos, env_steps_in_buf = None, 0, 0
     steps = actor_steps[actor_id]  # actor 0 starts from the resumed global step
-    base_env, base_learn = ratio_base
 
-    def put(slot_obs, a, r, term, pad, is_first, mu, st):
+    def put(*values):  # one slot, values in SequenceReplay.FIELDS order
         nonlocal pos
-        for name, value in zip(SequenceReplay.FIELDS, (slot_obs, a, r, term, pad, is_first, mu, st)):
+        for name, value in zip(SequenceReplay.FIELDS, values):
             views[name][slot, pos] = value
         pos += 1
 
@@ -846,9 +824,8 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
             slot, pos, env_steps_in_buf = None, 0, 0
 
     while not stop_event.is_set():
-        # enforce the acting:learning ratio (actors wait for the learner)
-        total = sum(actor_steps[:])
-        if total >= base_env and total - base_env > args.replay_ratio * (learner_steps.value - base_learn) + args.ratio_slack:
+        ahead = sum(actor_steps[:]) - ratio_base[0]  # enforce the acting:learning ratio (actors wait for the learner)
+        if ahead >= 0 and ahead > args.replay_ratio * (learner_steps.value - ratio_base[1]) + args.ratio_slack:
             flush()
             time.sleep(0.002)
             continue
@@ -860,12 +837,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
         if steps % args.actor_sync_every == 0 and weights_version.value != version:
             version = weights_version.value
             net.load_state_dict(shared_net.state_dict())
-        with torch.no_grad():
-            o = torch.from_numpy(obs)[None, None]
-            out = net(o, torch.zeros(1, 1, dtype=torch.bool), state)
-        mu = out.pi[0, 0].numpy().astype(np.float64)
-        mu /= mu.sum()
-        action = int(rng.choice(num_actions, p=mu))
+        action, mu, out = act(net, obs, state, rng)
         st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
         next_obs, reward, terminated, truncated, info = env.step(action)
         put(obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
@@ -879,8 +851,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
                 put(next_obs, 0, 0.0, False, True, False, np.full(num_actions, 1.0 / num_actions, np.float32),
                     torch.cat(out.state, 0).numpy().astype(np.float16))
             obs, _ = env.reset()
-            state = net.initial_state(1)
-            first = True
+            state, first = net.initial_state(1), True
         else:
             obs, state, first = next_obs, out.state, False
         if pos >= args.actor_chunk:
@@ -899,11 +870,8 @@ def evaluate(net, args: Args, episodes: int, device, seed: int):
         obs, info = env.reset(seed=seed + ep)
         state, lives = net.initial_state(1, device), info.get("lives")
         while True:
-            with torch.no_grad():
-                out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool,
-                          device=device), state)
-            p = out.pi[0, 0].cpu().numpy().astype(np.float64)
-            obs, _, terminated, truncated, info = env.step(int(rng.choice(len(p), p=p / p.sum())))
+            action, _, out = act(net, obs, state, rng, device)
+            obs, _, terminated, truncated, info = env.step(action)
             lost_life = lives is not None and info.get("lives", lives) < lives
             state, lives = net.initial_state(1, device) if lost_life else out.state, info.get("lives", lives)
             if "episode" in info:
@@ -926,14 +894,12 @@ if __name__ == "__main__":
             raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}" + (
                 f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
                 + f": give --total-timesteps > {learns_from:,}")
-    probe = make_env(args.env_id, args.seed, args)
-    if not hasattr(probe.action_space, "n"):
-        raise SystemExit(f"error: {args.env_id} does not have a discrete action space")
+    probe = make_env(args.env_id, args.seed, args)  # (Atari and MinAtar: discrete actions)
     num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
     probe.close()
     check_replay_memory(args, num_actions, obs_shape)
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
-    run_name = args.run_name = logger.run_name  # (args: for the actors' video folder)
+    args.run_name = logger.run_name  # (for the actors' video folder)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -947,15 +913,12 @@ if __name__ == "__main__":
     replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
                             args.replay_uniform_eps, args.prioritized, obs_shape)
     global_step, learn_steps, episodes_done = 0, 0, 0
-    # the acting:learning ratio counts from (env step, learning step) = ratio_base
-    ratio_base = (args.learning_starts, 0)
+    ratio_base = (args.learning_starts, 0)  # the acting:learning ratio counts from (env step, learning step)
     if ckpt:  # restore, then one line
-        net.load_state_dict(ckpt["model"])
-        target_net.load_state_dict(ckpt["target_model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_state_dicts(ckpt, model=net, target_model=target_net, optimizer=optimizer,
+                         replay=None if ckpt["replay"] is None else replay)
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
         if ckpt["replay"] is not None:
-            replay.load_state_dict(ckpt["replay"])
             replay.cut_at_heads()  # the actors start new episodes: no bootstrap across the checkpoint
             what = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
         else:  # the first learning_starts steps refill the replay; the ratio counts from there
@@ -973,13 +936,9 @@ if __name__ == "__main__":
     shared_net.share_memory()
     ctx = torch.multiprocessing.get_context(args.start_method)
     # unlocked shared counters, one writer each (the learner; actor i for actor_steps[i]): a killed actor can never
-    # leave a lock held that the learner would then wait on forever
-    weights_version = ctx.Value("l", 0, lock=False)
-    actor_steps = ctx.Array("l", args.num_actors, lock=False)
-    learner_steps = ctx.Value("l", 0, lock=False)
-    # on resume, actors count from the resumed step so the acting:learning ratio carries on
-    actor_steps[0] = global_step
-    learner_steps.value = learn_steps
+    # leave a lock held that the learner would then wait on forever. On resume actor 0 counts from the resumed step.
+    weights_version, learner_steps = ctx.Value("l", 0, lock=False), ctx.Value("l", learn_steps, lock=False)
+    actor_steps = ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False)
     data_queue = ctx.Queue()  # small messages only: chunk buffer indices and episode scores
     chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size, obs_shape)
     chunk_views = {k: v.numpy() for k, v in chunk_buffers.items()}
@@ -996,10 +955,10 @@ if __name__ == "__main__":
 
     def make_checkpoint():
         save_checkpoint(logger.dir / "checkpoint.pt", {
-            "script": "reactor.py", "args": vars(args), "run_name": run_name, "global_step": global_step,
-            "model": net.state_dict(), "target_model": target_net.state_dict(), "optimizer": optimizer.state_dict(),
+            "script": "reactor.py", "args": vars(args), "run_name": args.run_name, "global_step": global_step,
             "learn_steps": learn_steps, "episodes": episodes_done, "rng": rng_state(), "np_rng": rng,
-            "replay": replay.state_dict() if args.checkpoint_replay else None})
+            **state_dicts(model=net, target_model=target_net, optimizer=optimizer,
+                          replay=replay if args.checkpoint_replay else None)})
 
     error, can_learn = None, False
     try:
@@ -1007,14 +966,12 @@ if __name__ == "__main__":
             procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
                                      chunk_buffers, free_slots[i], data_queue, procs.stop_event), name=f"actor-{i}")
         while global_step < args.total_timesteps:
-            # COLLECT: drain what the actors sent
-            got = 0
-            while True:
+            # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
+            for got in range(4 * args.num_actors):
                 try:
                     msg = data_queue.get(timeout=0.05) if got == 0 and not can_learn else data_queue.get_nowait()
                 except queue.Empty:
                     break
-                got += 1
                 if msg[0] == "chunk":
                     _, actor_id, slot, m, n_env = msg
                     replay.add(actor_id, {k: v[actor_id, slot, :m] for k, v in chunk_views.items()})  # copies
@@ -1025,8 +982,6 @@ if __name__ == "__main__":
                     episodes_done += 1
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_len})
-                if got >= 4 * args.num_actors:
-                    break
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
             can_learn = (global_step >= ratio_base[0] and len(replay) >= args.batch_size
                          and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio)
@@ -1042,29 +997,26 @@ if __name__ == "__main__":
                 replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent)
                 learn_steps += 1
                 shared_net.load_state_dict(net.state_dict())  # publish the weights to the actors
-                weights_version.value = learn_steps
-                learner_steps.value = learn_steps
+                weights_version.value = learner_steps.value = learn_steps
                 if learn_steps % args.target_update_period == 0:
                     target_net.load_state_dict(net.state_dict())
                 for k, v in stats.items():
                     stats_acc[k] = stats_acc.get(k, 0.0) + v.detach()
                 learn_time += time.time() - t0
-                # LOG
+                # LOG: the means since the last log line
                 if learn_steps % args.log_every == 0:
-                    n_logged = learn_steps - last_log_step
-                    metrics = {k: v / n_logged for k, v in stats_acc.items()}
+                    n_logged, idx = learn_steps - last_log_step, replay.index
                     sps = (global_step - start_step) / (time.time() - start_time)
-                    idx = replay.index
-                    known = np.flatnonzero(idx.known.tree[idx.known.size: idx.known.size + idx.capacity])
-                    metrics.update({
+                    known = idx.priority[idx.known.tree[idx.known.size:][:idx.capacity] > 0]  # the known priorities
+                    metrics = {k: v / n_logged for k, v in stats_acc.items()} | {
                         "charts/SPS": sps, "charts/learning_steps": learn_steps,
                         "charts/learner_steps_per_s": n_logged / max(learn_time, 1e-9),
                         "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
                         "losses/loss": loss.detach(), "replay/size": len(replay),
                         "replay/known_fraction": idx.num_known / max(len(replay), 1),
-                        "replay/priority_mean": float(idx.priority[known].mean()) if len(known) else 0.0,
-                        "replay/priority_max": float(idx.priority[known].max()) if len(known) else 0.0,
-                        "replay/is_weight_mean": batch.weights.mean()})
+                        "replay/priority_mean": float(known.mean()) if known.size else 0.0,
+                        "replay/priority_max": float(known.max()) if known.size else 0.0,
+                        "replay/is_weight_mean": batch.weights.mean()}
                     logger.log(global_step, metrics)
                     logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None,
                                     "value_loss", float(metrics["losses/value_loss"]),
