@@ -11,4 +11,5 @@ No algorithm logic lives here. Each script names the modules it needs in its doc
 - checkpoint.py    seeding, RNG state, device choice, atomic checkpoints
 - processes.py     actor process start / death detection / shutdown, signals, thread and memory budget
 - video.py         the --capture-video support check (RecordVideo needs moviepy)
+- sum_tree.py      a sum tree over n leaves (prefix sums, sampling by mass; Reactor's lazy priorities)
 """
