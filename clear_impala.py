@@ -153,12 +153,15 @@ def validate_args(args: Args) -> None:
             raise SystemExit(f"error: {msg}")
 
 
+def total_steps(args: Args) -> int:
+    return args.steps_per_task * len(args.env_ids) * args.num_cycles
+
+
 def buffer_capacity_per_actor(args: Args) -> int:
     """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
     if args.replay_ratio == 0 and args.buffer_frames <= 0:
         return 0  # plain IMPALA: no buffer at all
-    total_steps = args.steps_per_task * len(args.env_ids) * args.num_cycles
-    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps // 2
+    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
     return max(1, frames // (args.num_actors * args.unroll_length))
 
 
@@ -663,7 +666,7 @@ if __name__ == "__main__":
         args.bootstrap_truncation = kind != "minigrid"
     torso, K, T, B = resolve_torso(args, obs_shape), len(args.env_ids), args.unroll_length, args.batch_size
     num_envs = args.num_actors * args.envs_per_actor  # the paper's actors: one (new, replay) pair each per batch
-    num_nets, TOTAL = K if args.mode == "separate" else 1, args.steps_per_task * K * args.num_cycles
+    num_nets, TOTAL = K if args.mode == "separate" else 1, total_steps(args)
     if ckpt and ckpt["global_step"] >= TOTAL:
         raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
                          f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
