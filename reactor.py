@@ -632,8 +632,9 @@ class LazyPriorities:
     def estimate(self, keys):
         """p_hat for each (valid) key (NaN while none is known)."""
         keys = np.asarray(keys, np.int64)
-        est = [self._estimate_one(k) if self.num_known else np.nan for k in keys.ravel().tolist()]
-        return np.array(est, np.float64).reshape(keys.shape)
+        if not self.num_known:
+            return np.full(keys.shape, np.nan)
+        return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
 
     def probability(self, keys):
         """Sampling probability P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k (uniform while nothing is known)."""
