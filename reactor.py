@@ -50,8 +50,8 @@ from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
                                set_rng_state, state_dicts)
 from common.logger import start_run
-from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
-                              stop_on_signals)
+from common.processes import (ActorDied, ChunkChannel, ProcessGroup, check_memory, finish_run,
+                              set_learner_threads, stop_on_signals)
 from common.sum_tree import SumTree
 from common.video import check_video_support
 
@@ -83,10 +83,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """Adam learning rate (paper 3.4.1)"""
     adam_beta1: float = 0.0
     """Adam first-moment momentum (paper 3.4.1: zero momentum)"""
-    adam_beta2: float = 0.999
-    """Adam second-moment decay (torch default, not in the recovered paper)"""
-    adam_eps: float = 1e-8
-    """Adam epsilon (torch default, not in the recovered paper)"""
     max_grad_norm: float = 40.0
     """gradient clipping norm, 0 = off (A3C's value, not in the recovered paper)"""
     target_update_period: int = 1000
@@ -151,7 +147,7 @@ ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
     "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
     "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
-    "adam_beta2": "[0, 1)", "adam_eps": "> 0", "max_grad_norm": ">= 0", "target_update_period": ">= 1",
+    "max_grad_norm": ">= 0", "target_update_period": ">= 1",
     "gamma": "[0, 1]", "retrace_lambda": "[0, 1]", "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0",
     "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)", "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]",
     "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]", "torso": ("auto", "paper", "minatar"),
@@ -162,30 +158,27 @@ ARG_RULES = {
 
 def validate_args(args: Args) -> None:
     """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
-    def fail(msg):
-        raise SystemExit(f"error: {msg}")
-
-    if args.env_id not in ATARI_ENV_IDS and args.env_id not in MINATAR_ENV_IDS:
-        fail(f"reactor.py is for Atari and MinAtar (discrete actions, image frames): {args.env_id!r} is neither a "
-             f"registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)")
-    if args.env_id in MINATAR_ENV_IDS and args.torso == "paper":
-        fail("--torso paper needs 84x84 Atari frames; MinAtar's 10x10 frames take --torso minatar (or auto)")
-    if args.env_id in MINATAR_ENV_IDS and args.capture_video:
-        fail("--capture-video needs an Atari game (MinAtar envs render no frames here)")
-    if args.capture_video:
-        try:
+    minatar, slots = args.env_id in MINATAR_ENV_IDS, 2 * (args.sequence_length + 1) + args.actor_chunk + 2
+    for bad, msg in (
+        (args.env_id not in ATARI_ENV_IDS and not minatar, f"reactor.py is for Atari and MinAtar (discrete actions, image "
+         f"frames): {args.env_id!r} is neither a registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)"),
+        (minatar and args.torso == "paper", "--torso paper needs 84x84 Atari frames; MinAtar's 10x10 frames take --torso "
+                                            "minatar (or auto)"),
+        (minatar and args.capture_video, "--capture-video needs an Atari game (MinAtar envs render no frames here)"),
+        (args.total_timesteps <= args.learning_starts,
+         f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})"),
+        (args.v_max <= args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})"),
+        (args.policy_gradient == "tislr" and args.policy_uniform_eps == 0,
+         "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions"),
+        (args.replay_size // args.num_actors < slots,
+         f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots} slots")):
+        if bad:
+            raise SystemExit(f"error: {msg}")
+    try:
+        if args.capture_video:
             check_video_support()
-        except ValueError as e:
-            fail(str(e))
-    if args.total_timesteps <= args.learning_starts:
-        fail(f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})")
-    if args.v_max <= args.v_min:
-        fail(f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
-    if args.policy_gradient == "tislr" and args.policy_uniform_eps == 0:
-        fail("tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions")
-    if args.replay_size // args.num_actors < 2 * (args.sequence_length + 1) + args.actor_chunk + 2:
-        fail(f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= "
-             f"{2 * (args.sequence_length + 1) + args.actor_chunk + 2} slots")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
@@ -287,13 +280,11 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
-    """The learner's network, its target network (a copy) and Adam (3.4.1: beta1 = 0). Channels-last convolution
+    """The learner's network, its target network (a copy) and Adam (3.4.1: beta1 = 0, lr 5e-5). Channels-last convolution
     weights and fused Adam: the same results up to float rounding, faster on a CPU for this many small tensors."""
-    net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
-    target_net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
-    target_net.load_state_dict(net.state_dict())
-    return net, target_net, torch.optim.Adam(net.parameters(), lr=args.learning_rate, eps=args.adam_eps,
-                                             betas=(args.adam_beta1, args.adam_beta2), fused=True)
+    net, target_net = (make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last) for _ in "ab")
+    target_net.load_state_dict(net.state_dict())  # Adam's beta2 and eps: torch's defaults (not in the recovered paper)
+    return net, target_net, torch.optim.Adam(net.parameters(), args.learning_rate, (args.adam_beta1, 0.999), fused=True)
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
@@ -701,7 +692,7 @@ class SequenceReplay:
     def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int,
                  uniform_eps: float = 0.1, prioritized: bool = True, obs_shape=(1, 84, 84)):
         self.seg_cap = capacity // num_segments
-        self.capacity = self.seg_cap * num_segments
+        self.capacity = self.seg_cap * num_segments  # (whole segments)
         self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
         for name, (dtype, shape) in self.slot_fields(num_actions, lstm_size, obs_shape).items():
             setattr(self, name, np.zeros((self.capacity, *shape), dtype))
@@ -756,26 +747,15 @@ class SequenceReplay:
             self.index.set_priority(keys, (np.asarray(priorities, np.float64) + 1e-6) ** exponent)
 
     def state_dict(self):
-        return {**{name: getattr(self, name) for name in self.FIELDS}, "written": self.written,
-                "index": self.index.state_dict()}
+        return {**{name: getattr(self, name) for name in (*self.FIELDS, "written")}, "index": self.index.state_dict()}
 
     def load_state_dict(self, d):
-        for name in self.FIELDS:
+        for name in (*self.FIELDS, "written"):
             getattr(self, name)[:] = d[name]
-        self.written[:] = d["written"]
         self.index.load_state_dict(d["index"])
 
 
-def check_replay_memory(args: Args, num_actions: int, obs_shape=(1, 84, 84)) -> None:
-    """Print the replay's RAM need at start-up and refuse (one line) a size that does not fit."""
-    check_memory(SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),
-                 "--replay-size", args.memory_fraction)
-
-
 # ACTOR PROCESS (module-level so spawn can pickle it)
-CHUNK_SLOTS = 4  # shared-memory chunk buffers per actor
-
-
 def act(net, obs, state, rng: np.random.Generator, device="cpu"):
     """One step of the policy: (action sampled from pi, pi(.|x) as float64, the network's output)."""
     with torch.no_grad():
@@ -785,19 +765,15 @@ def act(net, obs, state, rng: np.random.Generator, device="cpu"):
     return int(rng.choice(len(mu), p=mu)), mu, out
 
 
-def make_chunk_buffers(num_actors: int, chunk: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> dict:
-    """Shared-memory chunk buffers [num_actors, CHUNK_SLOTS, chunk + 1, ...] (one extra row for a pad slot). An actor
-    fills a free buffer, then sends only its index through the queue: messages stay a few bytes, so a killed actor
-    can never leave a half-written message that would block the learner's read."""
-    return {name: torch.from_numpy(np.zeros((num_actors, CHUNK_SLOTS, chunk + 1, *shape), dtype)).share_memory_()
-            for name, (dtype, shape) in SequenceReplay.slot_fields(num_actions, lstm_size, obs_shape).items()}
+def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
+    """Actor -> learner slots (SequenceReplay's fields) in chunks of actor_chunk + 1 rows (room for a pad slot)."""
+    fields = SequenceReplay.slot_fields(num_actions, args.lstm_size, obs_shape)
+    return ChunkChannel(ctx, args.num_actors, args.actor_chunk + 1, fields)
 
 
-def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, buffers,
-               free_slots, out_queue, stop_event):
-    """Act with the latest shared weights (CPU, one thread), write slots into shared-memory chunk buffers and send
-    their indices to the learner (free_slots: this actor's free buffer indices, given back once copied into the
-    replay); wait while ahead of the acting:learning ratio, counted from ratio_base = (env step, learning step)."""
+def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel, stop_event):
+    """Act with the latest shared weights (CPU, one thread) and send slots (SequenceReplay.FIELDS) to the learner in
+    chunks; wait while ahead of the acting:learning ratio, counted from ratio_base = (env step, learning step)."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
@@ -808,56 +784,38 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     net = make_network(args, num_actions, env.observation_space.shape)
     obs, _ = env.reset(seed=seed)
     state, first, version = net.initial_state(1), True, -1
-    views = {k: v[actor_id].numpy() for k, v in buffers.items()}  # [CHUNK_SLOTS, chunk + 1, ...]
-    slot, pos, env_steps_in_buf = None, 0, 0
     steps = actor_steps[actor_id]  # actor 0 starts from the resumed global step
-
-    def put(*values):  # one slot, values in SequenceReplay.FIELDS order
-        nonlocal pos
-        for name, value in zip(SequenceReplay.FIELDS, values):
-            views[name][slot, pos] = value
-        pos += 1
-
-    def flush():
-        nonlocal slot, pos, env_steps_in_buf
-        if slot is not None and pos > 0:
-            out_queue.put(("chunk", actor_id, slot, pos, env_steps_in_buf))
-            slot, pos, env_steps_in_buf = None, 0, 0
-
     while not stop_event.is_set():
         ahead = sum(actor_steps[:]) - ratio_base[0]  # enforce the acting:learning ratio (actors wait for the learner)
         if ahead >= 0 and ahead > args.replay_ratio * (learner_steps.value - ratio_base[1]) + args.ratio_slack:
-            flush()
+            channel.send(actor_id)
             time.sleep(0.002)
             continue
-        if slot is None:
-            try:
-                slot = free_slots.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        if not channel.reserve(actor_id):  # a free chunk buffer (the learner gives them back)
+            continue
         if steps % args.actor_sync_every == 0 and weights_version.value != version:
             version = weights_version.value
             net.load_state_dict(shared_net.state_dict())
         action, mu, out = act(net, obs, state, rng)
         st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
         next_obs, reward, terminated, truncated, info = env.step(action)
-        put(obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
+        rows = channel.write(actor_id, obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
         steps += 1
-        env_steps_in_buf += 1
         actor_steps[actor_id] = steps
         if "episode" in info:
-            out_queue.put(("episode", actor_id, float(info["episode"]["r"]), int(info["episode"]["l"])))
+            channel.post("episode", float(info["episode"]["r"]), int(info["episode"]["l"]))
         if terminated or truncated:
             if truncated and not terminated:  # the true last frame, to bootstrap from (no transition leaves it)
-                put(next_obs, 0, 0.0, False, True, False, np.full(num_actions, 1.0 / num_actions, np.float32),
-                    torch.cat(out.state, 0).numpy().astype(np.float16))
+                rows = channel.write(actor_id, next_obs, 0, 0.0, False, True, False,
+                                     np.full(num_actions, 1.0 / num_actions, np.float32),
+                                     torch.cat(out.state, 0).numpy().astype(np.float16))
             obs, _ = env.reset()
             state, first = net.initial_state(1), True
         else:
             obs, state, first = next_obs, out.state, False
-        if pos >= args.actor_chunk:
-            flush()
-    flush()
+        if rows >= args.actor_chunk:
+            channel.send(actor_id)
+    channel.send(actor_id)
     env.close()
 
 
@@ -898,7 +856,8 @@ if __name__ == "__main__":
     probe = make_env(args.env_id, args.seed, args)  # (Atari and MinAtar: discrete actions)
     num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
     probe.close()
-    check_replay_memory(args, num_actions, obs_shape)
+    check_memory(SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),  # (prints it)
+                 "--replay-size", args.memory_fraction)  # refuses a replay that does not fit in RAM, in one line
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
     args.run_name = logger.run_name  # (for the actors' video folder)
 
@@ -940,13 +899,7 @@ if __name__ == "__main__":
     # leave a lock held that the learner would then wait on forever. On resume actor 0 counts from the resumed step.
     weights_version, learner_steps = ctx.Value("l", 0, lock=False), ctx.Value("l", learn_steps, lock=False)
     actor_steps = ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False)
-    data_queue = ctx.Queue()  # small messages only: chunk buffer indices and episode scores
-    chunk_buffers = make_chunk_buffers(args.num_actors, args.actor_chunk, num_actions, args.lstm_size, obs_shape)
-    chunk_views = {k: v.numpy() for k, v in chunk_buffers.items()}
-    free_slots = [ctx.Queue() for _ in range(args.num_actors)]
-    for q in free_slots:
-        for j in range(CHUNK_SLOTS):
-            q.put(j)
+    channel = make_channel(ctx, args, num_actions, obs_shape)  # slot chunks in shared memory, episode scores
     procs = ProcessGroup(ctx)
 
     recent_returns = deque(maxlen=100)
@@ -965,21 +918,21 @@ if __name__ == "__main__":
     try:
         for i in range(args.num_actors):
             procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
-                                     chunk_buffers, free_slots[i], data_queue, procs.stop_event), name=f"actor-{i}")
+                                     channel, procs.stop_event), name=f"actor-{i}")
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
             for got in range(4 * args.num_actors):
                 try:
-                    msg = data_queue.get(timeout=0.05) if got == 0 and not can_learn else data_queue.get_nowait()
+                    msg = channel.get(timeout=0.05 if got == 0 and not can_learn else None)
                 except queue.Empty:
                     break
                 if msg[0] == "chunk":
-                    _, actor_id, slot, m, n_env = msg
-                    replay.add(actor_id, {k: v[actor_id, slot, :m] for k, v in chunk_views.items()})  # copies
-                    free_slots[actor_id].put(slot)
-                    global_step += n_env
+                    actor_id, chunk = channel.read(msg)
+                    replay.add(actor_id, chunk)  # (copies)
+                    global_step += int((~chunk["pad"]).sum())  # a pad slot is no env step
+                    channel.release(msg)
                 else:
-                    _, actor_id, ep_return, ep_len = msg
+                    _, ep_return, ep_len = msg
                     episodes_done += 1
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_len})
@@ -1019,10 +972,9 @@ if __name__ == "__main__":
                         "replay/priority_max": float(known.max()) if known.size else 0.0,
                         "replay/is_weight_mean": batch.weights.mean()}
                     logger.log(global_step, metrics)
-                    logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None,
-                                    "value_loss", float(metrics["losses/value_loss"]),
-                                    f"learn {learn_steps:,} ({metrics['charts/learner_steps_per_s']:.1f}/s) "
-                                    f"rho {float(metrics['replay/rho_mean']):.2f}")
+                    logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
+                                    float(metrics["losses/value_loss"]), f"learn {learn_steps:,} "
+                                    f"({n_logged / max(learn_time, 1e-9):.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}")
                     stats_acc, learn_time, last_log_step = {}, 0.0, learn_steps
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:

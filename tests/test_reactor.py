@@ -16,6 +16,7 @@ sys.path.insert(0, str(REPO))
 
 import reactor  # noqa: E402
 from common.args import check_args  # noqa: E402
+from common.processes import check_memory  # noqa: E402
 from common.sum_tree import SumTree  # noqa: E402
 from reactor import (  # noqa: E402
     LazyPriorities,
@@ -871,7 +872,7 @@ def test_bad_input_fails_with_one_line():
     with pytest.raises(SystemExit, match="error: reactor.py is for Atari"):
         reactor.validate_args(reactor.Args(env_id="CartPole-v1"))
     with pytest.raises(SystemExit, match="error: the replay memory needs .* lower --replay-size"):  # start-up RAM check
-        reactor.check_replay_memory(reactor.Args(replay_size=10**10), 6)
+        check_memory(reactor.SequenceReplay.bytes_needed(10**10, 6, 128), "--replay-size", 0.8)  # as __main__ calls it
     with pytest.raises(SystemExit, match="error: --policy-gradient must be one of beta-loo, tislr"):
         check_args(reactor.Args(policy_gradient="ppo"), reactor.ARG_RULES)
     with pytest.raises(SystemExit, match="error: --torso paper needs 84x84 Atari frames"):
@@ -961,7 +962,6 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     exactly what a direct rollout written here gives with the same weights and seeds: frames, actions, rewards,
     mu, the float16 LSTM state before each frame, term / first flags, and a pad slot (true last frame, uniform mu)
     after each truncation. MinAtar Breakout with an 8-step limit has terminations and truncations."""
-    import queue as queue_mod
     import threading
     from types import SimpleNamespace
 
@@ -976,23 +976,19 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     A, shape = int(probe.action_space.n), probe.observation_space.shape
     torch.manual_seed(0)
     shared = reactor.make_network(args, A, shape)
-    buffers = reactor.make_chunk_buffers(1, args.actor_chunk, A, args.lstm_size, shape)
-    free, out, stop = queue_mod.Queue(), queue_mod.Queue(), threading.Event()
-    for i in range(reactor.CHUNK_SLOTS):
-        free.put(i)
+    channel, stop = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape), threading.Event()
     actor_steps, threads = [0], torch.get_num_threads()
     actor = threading.Thread(target=reactor.actor_loop, args=(
-        0, args, shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), buffers, free,
-        out, stop))  # ratio base far ahead: no acting:learning gate
+        0, args, shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), channel,
+        stop))  # ratio base far ahead: no acting:learning gate
     replay = reactor.SequenceReplay(4000, 1, 8, A, args.lstm_size, obs_shape=shape)
     actor.start()
     try:
         while replay.written[0] < steps:
-            msg = out.get(timeout=30)
+            msg = channel.get(timeout=30)
             if msg[0] == "chunk":
-                _, i, slot, m, _ = msg
-                replay.add(i, {k: v[i, slot, :m].numpy() for k, v in buffers.items()})
-                free.put(slot)
+                replay.add(*channel.read(msg))  # the main loop's lines
+                channel.release(msg)
     finally:
         stop.set()
         actor.join()

@@ -187,15 +187,9 @@ def run_actors(ctx, env_id, num_actors, seconds):
     net = reactor.make_network(args, num_actions, obs_shape)
     net.share_memory()
     version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
-    data, stop = ctx.Queue(), ctx.Event()
-    buffers = reactor.make_chunk_buffers(num_actors, args.actor_chunk, num_actions, args.lstm_size, obs_shape)
-    views = {k: v.numpy() for k, v in buffers.items()}
-    free = [ctx.Queue() for _ in range(num_actors)]
-    for q_ in free:
-        for j in range(reactor.CHUNK_SLOTS):
-            q_.put(j)
-    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), buffers,
-                                                          free[i], data, stop)) for i in range(num_actors)]
+    channel, stop = reactor.make_channel(ctx, args, num_actions, obs_shape), ctx.Event()
+    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), channel,
+                                                          stop)) for i in range(num_actors)]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
     while min(steps[:]) == 0:  # start-up (imports, ROM load)
@@ -203,13 +197,12 @@ def run_actors(ctx, env_id, num_actors, seconds):
     t0, s0 = time.perf_counter(), sum(steps[:])
     while time.perf_counter() - t0 < seconds:
         try:
-            msg = data.get(timeout=0.1)
+            msg = channel.get(timeout=0.1)
         except Exception:  # noqa: BLE001 - queue.Empty
             continue
         if msg[0] == "chunk":
-            _, i, slot, m, _ = msg
-            replay.add(i, {k: v[i, slot, :m] for k, v in views.items()})
-            free[i].put(slot)
+            replay.add(*channel.read(msg))
+            channel.release(msg)
     act_sps = (sum(steps[:]) - s0) / (time.perf_counter() - t0)
     stop.set()
     while any(p.is_alive() for p in procs):
