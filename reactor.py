@@ -213,11 +213,9 @@ class ReactorNetwork(nn.Module):
                  distributional: bool = True, policy_uniform_eps: float = 0.01, obs_shape=(1, 84, 84),
                  torso: str = "paper", obs_scale: float = 255.0):
         super().__init__()
-        act, m = (CReLU, 2) if crelu else (nn.ReLU, 1)
-        self.num_actions, self.num_atoms, self.lstm_size = num_actions, num_atoms, lstm_size
-        self.distributional, self.policy_uniform_eps = distributional, policy_uniform_eps
-        self.obs_shape, self.obs_scale = tuple(obs_shape), obs_scale
-        c = self.obs_shape[0]
+        (act, m), c = ((CReLU, 2) if crelu else (nn.ReLU, 1)), obs_shape[0]
+        self.num_actions, self.num_atoms, self.lstm_size, self.obs_shape = num_actions, num_atoms, lstm_size, tuple(obs_shape)
+        self.distributional, self.policy_uniform_eps, self.obs_scale = distributional, policy_uniform_eps, obs_scale
         if torso == "paper":  # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
             convs = [nn.Conv2d(c, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
                      nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten()]
@@ -627,15 +625,9 @@ class LazyPriorities:
             return np.full(keys.shape, np.nan)
         return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
 
-    def probability(self, keys):
-        """Sampling probability P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k (uniform while nothing is known)."""
-        n, total = self.num_valid, self.mass.total
-        if self.num_known == 0 or total <= 0:
-            return np.full(np.shape(keys), 1.0 / n)
-        return self.eps / n + (1 - self.eps) * self.estimate(keys) / total
-
     def sample(self, batch: int, rng: np.random.Generator):
-        """Sample `batch` valid keys; returns (keys, their sampling probabilities). Each draw takes 5 uniforms in
+        """Sample `batch` valid keys; returns (keys, their sampling probabilities P(t) = eps / n + (1 - eps) p_hat_t /
+        sum_k p_hat_k, uniform while nothing is known). Each draw takes 5 uniforms in
         [0, 1) (one `rng.random` call): the uniform key's rank, the coin for the uniform part (< eps), the mass point,
         the choice of the cell's known key, the unknown key's offset in the cell."""
         valid, mass, eps = self.valid, self.mass, self.eps
@@ -661,8 +653,8 @@ class LazyPriorities:
         return np.array(keys, np.int64), np.array(probs, np.float64)
 
     def state_dict(self):
-        return {"valid": self.valid.tree.copy(), "known": self.known.tree.copy(), "mass": self.mass.tree.copy(),
-                "priority": self.priority.copy()}
+        trees = {name: getattr(self, name).tree.copy() for name in ("valid", "known", "mass")}
+        return trees | {"priority": self.priority.copy()}
 
     def load_state_dict(self, state):
         self.valid.tree[:], self.known.tree[:], self.mass.tree[:] = state["valid"], state["known"], state["mass"]
