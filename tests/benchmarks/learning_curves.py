@@ -16,10 +16,16 @@ Usage:
       [--with refer/beta refer/far_policy_frac refer/kl]   (one more table per run: bin means of these metrics)
       [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
       [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
+      [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
+      [--export tests/benchmarks/results/<experiment>]       (keep each run's returns as <run>/metrics.jsonl.gz, with
+                                                              its summary.json and args.json: small, committed, read
+                                                              back by this script like a run directory)
 """
 import argparse
+import gzip
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -46,13 +52,37 @@ def binned(rows, metric: str, bin_size: int):
             {int(e): int((ends == e).sum()) for e in bins}, vals)
 
 
+def read_run(run_dir: str) -> list[dict]:
+    """A run's metrics.jsonl, or the metrics.jsonl.gz that --export kept of it."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        return read_metrics(path)
+    with gzip.open(path + ".gz", "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def export_run(run_dir: str, rows: list[dict], metric: str, out_dir: str) -> None:
+    """Keep `metric` and eval/ records (global_step and those keys) as out_dir/<run>/metrics.jsonl.gz, and the run's
+    summary.json and args.json."""
+    dest = os.path.join(out_dir, os.path.basename(os.path.normpath(run_dir)))
+    os.makedirs(dest, exist_ok=True)
+    kept = [{k: v for k, v in r.items() if k in ("global_step", metric) or k.startswith("eval/")} for r in rows]
+    with gzip.open(os.path.join(dest, "metrics.jsonl.gz"), "wt") as f:
+        f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in kept if len(r) > 1)
+    for name in ("summary.json", "args.json"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            shutil.copy(os.path.join(run_dir, name), dest)
+    print(f"export: {dest}")
+
+
 def config_name(run_dir: str) -> str:
     """'Hopper-v5__vracer_refer' for runs/Hopper-v5__vracer_refer__3__1700000000 (the seed and start time dropped)."""
     parts = os.path.basename(os.path.normpath(run_dir)).split("__")
     return "__".join(parts[:-2]) if len(parts) >= 4 else "__".join(parts)
 
 
-def plot_groups(tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str) -> None:
+def plot_groups(tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str,
+                hline: list | None = None) -> None:
     """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps."""
     import matplotlib
 
@@ -67,6 +97,8 @@ def plot_groups(tables: list[dict], groups: list[str], path: str, metric: str, b
         mean = np.array([np.mean(v) for v in vals])
         (line,) = ax.plot(ends, mean, label=f"{group} ({len(members)} seed{'s' * (len(members) > 1)})")
         ax.fill_between(ends, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
+    if hline:
+        ax.axhline(float(hline[0]), color="gray", linestyle="--", linewidth=1, label=" ".join(hline[1:]) or None)
     ax.set_xlabel("environment steps")
     ax.set_ylabel(f"{metric}\n(mean per {bin_size:,} steps)", fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -111,8 +143,12 @@ def main():
                    "mean ± sd per configuration (e.g. final_test_return wall_time_s)")
     p.add_argument("--series", nargs="*", default=[], help="with --plot: one line per metric named here (mean and "
                    "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration")
+    p.add_argument("--hline", nargs="+", default=None, help="with --plot: VALUE [LABEL], a dashed reference line")
+    p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
     a = p.parse_args()
-    runs_rows = [read_metrics(os.path.join(d, "metrics.jsonl")) for d in a.runs]  # read each file once
+    runs_rows = [read_run(d) for d in a.runs]  # read each file once
+    for d, rows in zip(a.runs, runs_rows) if a.export else ():
+        export_run(d, rows, a.metric, a.export)
     tables, lasts, names = [], [], []
     for d, rows in zip(a.runs, runs_rows):
         t, _, vals = binned(rows, a.metric, a.bin)
@@ -158,7 +194,8 @@ def main():
     elif a.plot:
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
-        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title)
+        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title,
+                    a.hline)
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
 
