@@ -294,18 +294,13 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
     weights (distributional Retrace's alpha) are fine. O(M) via scatter-add of the two neighbouring grid points.
     """
     atoms, probs = torch.broadcast_tensors(atoms, probs)
-    K = support.shape[0]
-    v_min, v_max = float(support[0]), float(support[-1])
+    K, v_min, v_max = support.shape[0], float(support[0]), float(support[-1])
     b = ((atoms - v_min) / ((v_max - v_min) / (K - 1))).clamp_(0, K - 1)  # grid position, atoms clipped to the range
-    lower_idx = b.floor()
-    frac = b.sub_(lower_idx)  # weight of the upper neighbour; 0 for an atom on a grid point
-    lower_idx = lower_idx.long()
-    upper_idx = (lower_idx + 1).clamp_(max=K - 1)
-    upper_w = probs * frac
-    out = probs.new_zeros(*probs.shape[:-1], K)
-    out.scatter_add_(-1, lower_idx, probs - upper_w)
-    out.scatter_add_(-1, upper_idx, upper_w)
-    return out
+    lower = b.floor()
+    upper_w = probs * b.sub_(lower)  # the upper neighbour's share: 0 for an atom on a grid point
+    lower = lower.long()
+    out = probs.new_zeros(*probs.shape[:-1], K).scatter_add_(-1, lower, probs - upper_w)
+    return out.scatter_add_(-1, (lower + 1).clamp_(max=K - 1), upper_w)
 
 
 def _window_products(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
