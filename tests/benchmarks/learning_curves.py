@@ -43,10 +43,11 @@ def label(end: int, bin_size: int) -> str:
 
 def binned(rows, metric: str, bin_size: int):
     """({bin end: mean of `metric` over the rows whose global_step falls in (end - bin_size, end]},
-    {bin end: number of those rows}, all values in order)."""
+    {bin end: number of those rows}, all values in order). Step 0 (an episode logged before the learner counted a
+    step) falls in the first bin."""
     steps = np.array([r["global_step"] for r in rows if metric in r], dtype=np.int64)
     vals = np.array([r[metric] for r in rows if metric in r], dtype=np.float64)
-    ends = ((steps - 1) // bin_size + 1) * bin_size
+    ends = np.maximum((steps - 1) // bin_size + 1, 1) * bin_size
     bins = np.unique(ends)
     return ({int(e): float(vals[ends == e].mean()) for e in bins},
             {int(e): int((ends == e).sum()) for e in bins}, vals)
