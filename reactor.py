@@ -8,29 +8,27 @@ Paper parts, in file order
 - Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
   policy, CReLU `ReactorNetwork`.
 - C51 projection (C51 Eq. (7)) `categorical_projection`; Retrace (Eqs. (3)-(4), the scalar "ND" ablation)
-  `retrace_returns`; distributional Retrace as an alpha-mixture of n-step backups with the KL loss (3.2, Eq. (12))
+  `retrace_returns`; distributional Retrace, an alpha-mixture of n-step backups, KL loss (3.2, Eq. (12))
   `distributional_retrace_target`, `reactor_loss`.
-- beta-LOO policy gradient (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1)
-  `tislr_policy_loss`.
-- Prioritized sequence replay with lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean
-  |TD| (ND) or total variation (distributional) in `reactor_loss`.
-- Acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts, whole games, real scores (4.1)
-  `evaluate`.
+- beta-LOO (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1) `tislr_policy_loss`.
+- Prioritized sequence replay, lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean |TD|
+  (ND) or total variation (distributional) in `reactor_loss`.
+- Acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts, whole games, real scores (4.1) `evaluate`.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix was lost: every other value is our choice
 (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c, ...), each flag's docstring names its source.
 
-Differences from the paper
+Differences from the paper (long form: README.md, section reactor.py)
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
-- The appendix's Contextual Priority Tree is replaced by three sum trees (keys, known priorities, cell masses) and a
-  linked list of the known keys with their cell sizes: an unknown key takes its and the neighbour cells' mean (3.3).
+- The appendix's Contextual Priority Tree -> three sum trees (keys, known priorities, cell masses) and a linked list
+  of the known keys with their cell sizes: an unknown key takes its and the neighbour cells' mean (3.3).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
-- Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33).
+- Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33). Actors reset their envs (a
+  truncation's last frame is stored, bootstrapped).
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
   LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
-Actors reset their envs (a truncation's last frame is stored, bootstrapped). Long form: README.md, section reactor.py.
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
 import queue
@@ -124,8 +122,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     noop_max: int = 30
     """maximum no-op actions at the start of an Atari game (acting and evaluation; MinAtar has none)"""
     torso: str = "auto"
-    """paper (3.4.1's conv torso, 84x84 Atari frames) | minatar (MinAtar's network: one 3x3 conv, 16 channels, for
-    10x10 frames) | auto (by the env family); the linear 128, LSTMs and heads on top are the paper's"""
+    """paper (3.4.1's conv torso, 84x84 frames) | minatar (MinAtar's one 3x3 conv, 16 channels, 10x10) | auto (by env)"""
     actor_sync_every: int = 16
     """actor env steps between checks for new weights in shared memory"""
     eval_episodes: int = 10
@@ -147,13 +144,11 @@ ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
     "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
     "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
-    "max_grad_norm": ">= 0", "target_update_period": ">= 1",
-    "gamma": "[0, 1]", "retrace_lambda": "[0, 1]", "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0",
-    "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)", "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]",
-    "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]", "torso": ("auto", "paper", "minatar"),
-    "noop_max": ">= 0", "actor_sync_every": ">= 1",
-    "eval_episodes": ">= 0", "log_every": ">= 1", "checkpoint_every": ">= 0", "memory_fraction": "(0, 1]",
-}
+    "max_grad_norm": ">= 0", "target_update_period": ">= 1", "gamma": "[0, 1]", "retrace_lambda": "[0, 1]",
+    "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0", "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)",
+    "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]", "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]",
+    "torso": ("auto", "paper", "minatar"), "noop_max": ">= 0", "actor_sync_every": ">= 1", "eval_episodes": ">= 0",
+    "log_every": ">= 1", "checkpoint_every": ">= 0", "memory_fraction": "(0, 1]"}
 
 
 def validate_args(args: Args) -> None:
@@ -182,8 +177,7 @@ def validate_args(args: Args) -> None:
 
 
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
-    """Atari: single 84x84 grayscale frames (1, 84, 84) uint8, rewards clipped for learning, life loss ends a learning
-    episode, not an evaluation one. MinAtar: its (C, 10, 10) 0/1 frames and rewards as they are."""
+    """Atari: (1, 84, 84) uint8, rewards clipped and life loss = episode end for learning only. MinAtar: (C, 10, 10) as is."""
     sticky = args.sticky_action_prob
     if env_id in MINATAR_ENV_IDS:
         return make_minatar_env(env_id, seed, sticky_action_prob=0.1 if sticky is None else sticky)
@@ -224,10 +218,8 @@ class ReactorNetwork(nn.Module):
         with torch.no_grad():  # the size of the flattened conv output
             n = nn.Sequential(*convs)(torch.zeros(1, *self.obs_shape)).shape[1]
         self.torso = nn.Sequential(*convs, nn.Linear(n, 128), act())
-        self.q_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)  # fused over the unroll (cuDNN on a GPU)
-        self.pi_lstm = nn.LSTM(128 * m, lstm_size, batch_first=True)
-        self.q_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
-        self.pi_hidden = nn.Sequential(nn.Linear(lstm_size, 32), act())
+        self.q_lstm, self.pi_lstm = (nn.LSTM(128 * m, lstm_size, batch_first=True) for _ in "qp")  # fused (cuDNN on a GPU)
+        self.q_hidden, self.pi_hidden = (nn.Sequential(nn.Linear(lstm_size, 32), act()) for _ in "qp")
         k = num_atoms if distributional else 1
         self.value_logits = nn.Linear(32 * m, k)  # state-value logits
         self.action_logits = nn.Linear(32 * m, num_actions * k)  # action-specific logits
@@ -237,15 +229,13 @@ class ReactorNetwork(nn.Module):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
-        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame).
-        policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and the
-        policy LSTM state come back as None."""
+        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame). policy=False
+        (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are None."""
         B, L = obs.shape[:2]
         x = self.torso(obs.reshape(B * L, *self.obs_shape).float() / self.obs_scale).reshape(B, L, -1)
         hq, cq, hp, cp = (h.unsqueeze(0) for h in state)
         keep = (~first.bool()).float().T[:, None, :, None]  # [L, 1, B, 1]
-        # the unroll is cut where any sequence starts an episode; each piece runs fused, after the state of the
-        # sequences starting there is reset to 0: the same as resetting step by step (tests/test_reactor.py)
+        # cut where any sequence starts an episode: fused pieces, the state reset at each cut (= step-by-step resets)
         cuts = [0, *(torch.nonzero(first[:, 1:].any(0)).flatten() + 1).tolist(), L]
         q_out, pi_out = [], []
         for a, b in zip(cuts[:-1], cuts[1:]):
@@ -257,10 +247,9 @@ class ReactorNetwork(nn.Module):
                 yp, (hp, cp) = self.pi_lstm(x[:, a:b].detach(), (hp, cp))
                 pi_out.append(yp)
         hq_all = self.q_hidden(torch.cat(q_out, 1).reshape(B * L, -1))
-        k = self.num_atoms if self.distributional else 1
         # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
-        q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, k)
-        q = q.view(B, L, self.num_actions, k) if self.distributional else q.view(B, L, self.num_actions)
+        q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, -1)
+        q = q.view(B, L, *q.shape[1:]) if self.distributional else q.view(B, L, self.num_actions)
         if not policy:
             return NetOut(q, None, (hq[0], cq[0], None, None))
         hp_all = self.pi_hidden(torch.cat(pi_out, 1).reshape(B * L, -1))
@@ -278,21 +267,23 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
-    """The learner's network, its target network (a copy) and Adam (3.4.1: beta1 = 0, lr 5e-5). Channels-last convolution
-    weights and fused Adam: the same results up to float rounding, faster on a CPU for this many small tensors."""
+    """The network, its target copy and Adam (3.4.1); channels-last convs, fused Adam: same up to rounding, faster on CPU."""
     net, target_net = (make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last) for _ in "ab")
     target_net.load_state_dict(net.state_dict())  # Adam's beta2 and eps: torch's defaults (not in the recovered paper)
     return net, target_net, torch.optim.Adam(net.parameters(), args.learning_rate, (args.adam_beta1, 0.999), fused=True)
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """Project sum_j probs_j delta_{atoms_j} onto the fixed grid `support` (C51 Eq. (7), the kernel h_{z_i} of 3.2).
+def _at(x: torch.Tensor, a: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x at the actions a [...] (a gather): x [..., A] -> [...] (dim -1), or x [..., A, K] -> [..., K] (dim -2)."""
+    idx = a.long().unsqueeze(-1)
+    return torch.take_along_dim(x, idx if dim == -1 else idx.unsqueeze(-1), dim).squeeze(dim)
 
-    out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1).
-    atoms, probs: [..., M] (broadcastable); support: [K] evenly spaced; returns [..., K]. Linear in probs, so signed
-    weights (distributional Retrace's alpha) are fine. O(M) via scatter-add of the two neighbouring grid points.
-    """
+
+def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Project sum_j probs_j delta_{atoms_j} onto the fixed grid `support` (C51 Eq. (7), the kernel h_{z_i} of 3.2):
+    out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1). atoms,
+    probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M)."""
     atoms, probs = torch.broadcast_tensors(atoms, probs)
     K, v_min, v_max = support.shape[0], float(support[0]), float(support[-1])
     b = ((atoms - v_min) / ((v_max - v_min) / (K - 1))).clamp_(0, K - 1)  # grid position, atoms clipped to the range
@@ -304,32 +295,22 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
 
 
 def _window_products(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """x [B, T] -> P [B, T(t), T(j)] with P[t, j] = prod_{i=t}^{j} x_i (inclusive) or prod_{i=t}^{j-1} x_i, for j >= t.
-
-    Built with a cumulative product over a matrix where entries before t are 1, so zeros in x (cut traces,
-    terminal discounts) are exact. Entries with j < t are garbage (1) and must be masked by the caller.
-    """
-    B, T = x.shape
-    t_idx = torch.arange(T, device=x.device)
-    start = t_idx[:, None] <= t_idx[None, :]  # [t, i]: i >= t
-    m = torch.where(start, x[:, None, :], torch.ones((), dtype=x.dtype, device=x.device))
-    incl = torch.cumprod(m, dim=-1)
-    if inclusive:
-        return incl
-    return torch.cat([torch.ones_like(incl[..., :1]), incl[..., :-1]], dim=-1)
+    """x [B, T] -> P [B, T(t), T(j)], P[t, j] = prod_{i=t}^{j} x_i (inclusive) or prod_{i=t}^{j-1} x_i for j >= t, by a
+    cumulative product with 1 before t (zeros in x, cut traces or terminal discounts, stay exact); j < t: garbage."""
+    later = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu()  # [t, i]: i >= t
+    incl = torch.cumprod(torch.where(later, x[:, None, :], torch.ones((), dtype=x.dtype, device=x.device)), dim=-1)
+    return incl if inclusive else torch.cat([torch.ones_like(incl[..., :1]), incl[..., :-1]], dim=-1)
 
 
 def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
     """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) on a sequence of T transitions: the backward recursion
         Q^ret_t = r_t + gamma_t [ E_pi Q(x_{t+1}, .) - c_{t+1} Q(x_{t+1}, a_{t+1}) + c_{t+1} Q^ret_{t+1} ]
-    (= Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s), unrolled for all t at once:
-    Q^ret_t = sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s, x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q^+],
-    Q^+ = Q(x_{s+1}, a_{s+1}).
-    All inputs [B, T]: rewards r_t, discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one is
-    treated as 0: the sequence end cuts the trace), v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
-    """
+    (= Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s), unrolled for all t at once: Q^ret_t =
+    sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s, x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q(x_{s+1}, a_{s+1})].
+    All [B, T]: rewards r_t, discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one taken as 0),
+    v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1})."""
     T = rewards.shape[1]
-    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
+    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)  # the sequence end cuts the trace
     x = rewards + discounts * (v_next - c * q_next_a)
     later = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # s >= t
     weights = torch.where(later, _window_products(discounts * c, inclusive=False), 0.0)  # [B, T(t), T(s)]
@@ -337,24 +318,17 @@ def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
 
 
 def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a_next, support):
-    """Distributional Retrace target q*_i(x_t, a_t) for every t of a sequence (paper 3.2).
-
+    """Distributional Retrace target q*_i(x_t, a_t) for every t of a sequence (paper 3.2):
         q*_i(x_t,a_t) = sum_{n>=1} sum_a alpha_{n,a} sum_j q_j(x_{t+n}, a) h_{z_i}(z^n_j),
         alpha_{n,a} = (c_{t+1}...c_{t+n-1}) (pi(a|x_{t+n}) - 1{a = a_{t+n}} c_{t+n}),
         z^n_j = sum_{s=t}^{t+n-1} gamma^{s-t} r_s + gamma^n z_j.
-
-    rewards, discounts (gamma_t, 0 after termination), c_next (c_{t+1}): [B, T]; pi_next (pi(.|x_{t+1})): [B, T, A];
-    q_next (target-network probabilities q(x_{t+1}, .)): [B, T, A, K]; a_next (a_{t+1}): [B, T]; support z: [K].
-    The sequence end cuts the trace (c_{t+T} := 0), so sum_{n,a} alpha = 1 and the target has total mass 1
-    (some entries may be negative for a given trajectory; they are non-negative in expectation).
-    Returns [B, T, K]. Only the T (T + 1) / 2 pairs (t, n >= 1) are built and projected.
-    """
+    rewards, discounts (gamma_t, 0 after termination), c_next (c_{t+1}), a_next (a_{t+1}): [B, T]; pi_next: [B, T, A];
+    q_next (target-network probabilities): [B, T, A, K]; support z: [K]. The sequence end cuts the trace (c_{t+T} := 0):
+    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). [B, T, K], from the T (T + 1) / 2 pairs."""
     B, T, A, K = q_next.shape
-    c = c_next.clone()
-    c[:, -1] = 0.0  # c_{t+K} := 0 at the end of the sequence
+    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)  # c_{t+K} := 0 at the end of the sequence
     # Y_s = sum_a (pi(a|x_s) - 1{a=a_s} c_s) q(x_s, a) = E_pi q(x_s) - c_s q(x_s, a_s)       [B, T(s), K]
-    q_a = q_next.gather(2, a_next.long()[:, :, None, None].expand(B, T, 1, K)).squeeze(2)
-    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * q_a
+    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * _at(q_next, a_next, dim=-2)
     trace = _window_products(c, inclusive=False)  # [t, j]: c_{t+1} ... c_{s-1} for s = j + 1
     disc_incl = _window_products(discounts, inclusive=True)  # gamma^n (with cuts): prod_{u=t}^{s-1} gamma_u
     disc_excl = _window_products(discounts, inclusive=False)  # prod_{u=t}^{j-1} gamma_u: discount of r_j
@@ -368,47 +342,30 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
 
 
 def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
-    """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)].
-
-    beta = min(c, 1/mu(A)) (3.1; c = 1 gives beta = 1, the paper's runs). pi [..., A] carries the gradient;
-    q [..., A] (current Q estimates), returns R(A) [...] (Retrace) and mu_a = mu(A) [...] are constants.
-    """
-    beta = torch.clamp(1.0 / mu_a, max=c)
-    pi_a = pi.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-    q = q.detach()
-    q_a = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-    return -(beta * (returns - q_a).detach() * pi_a + (q * pi).sum(-1))
+    """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)],
+    beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants."""
+    beta, q = torch.clamp(1.0 / mu_a, max=c), q.detach()
+    return -(beta * (returns - _at(q, actions)).detach() * _at(pi, actions) + (q * pi).sum(-1))
 
 
 def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
-    """Negative TISLR surrogate (ACER; paper 3.1), the ablation of beta-LOO:
-    min(c, rho(A)) (R(A) - V) grad log pi(A) + sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q.
-    pi [..., A] (gradient), q [..., A], returns [...], mu [..., A] (full behaviour policy)."""
-    q, pi_d = q.detach(), pi.detach()
-    rho = pi_d / mu
-    v = (pi_d * q).sum(-1)
-    log_pi = torch.log(pi)
-    idx = actions.long().unsqueeze(-1)
-    rho_a = rho.gather(-1, idx).squeeze(-1)
-    term1 = torch.clamp(rho_a, max=c) * (returns - v).detach() * log_pi.gather(-1, idx).squeeze(-1)
-    term2 = (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1)
-    return -(term1 + term2)
+    """Negative TISLR surrogate (ACER; paper 3.1), beta-LOO's ablation: min(c, rho(A)) (R(A) - V) grad log pi(A) +
+    sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it."""
+    q, pi_d, log_pi = q.detach(), pi.detach(), torch.log(pi)
+    rho, v = pi_d / mu, (pi_d * q).sum(-1)
+    term1 = torch.clamp(_at(rho, actions), max=c) * (returns - v).detach() * _at(log_pi, actions)
+    return -(term1 + (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1))
 
 
 def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
-    """Per-transition discounts gamma_t, traces c_{t+1} and loss mask for a sequence of T+1 slots ([B, T+1] each).
-
-    c_s = lambda min(1, rho_s) (Eq. (4)). An episode end inside the sequence cuts the discount and the traces:
-    after a termination at t, gamma_t = 0 and c_{t+1} = 0. A time-limit truncation at t is followed by a pad slot
-    holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0 (the trace stops there), and the pad
-    slot itself carries no transition (mask 0, gamma 0). Returns (disc [B, T], c_next [B, T], mask [B, T]).
-    """
-    T = rho.shape[1] - 1
-    c = lam * torch.clamp(rho, max=1.0)
+    """Discounts gamma_t, traces c_{t+1} (c_s = lambda min(1, rho_s), Eq. (4)) and loss mask from T+1 slots ([B, T+1]).
+    An episode end cuts them: a termination at t gives gamma_t = 0, c_{t+1} = 0; a time-limit truncation at t is followed
+    by a pad slot holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
+    no transition (mask 0, gamma 0). Returns (disc [B, T], c_next [B, T], mask [B, T])."""
     term, pad, first = term.to(rho.dtype), pad.to(rho.dtype), first.to(rho.dtype)
-    mask = 1.0 - pad[:, :T]
-    disc = gamma * (1.0 - term[:, :T]) * mask
-    c_next = c[:, 1:] * (1.0 - first[:, 1:]) * (1.0 - pad[:, 1:]) * mask
+    mask = 1.0 - pad[:, :-1]
+    disc = gamma * (1.0 - term[:, :-1]) * mask
+    c_next = lam * torch.clamp(rho[:, 1:], max=1.0) * (1.0 - first[:, 1:]) * (1.0 - pad[:, 1:]) * mask  # Eq. (4)
     return disc, c_next, mask
 
 
@@ -430,29 +387,26 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     with torch.no_grad():
         tout = target_net(batch.obs, batch.first, batch.state, policy=False)  # (its policy is never used)
     T, pi, a = batch.obs.shape[1] - 1, out.pi, batch.actions.long()  # pi: [B, T+1, A]
-    pi_d = pi.detach()
-    mu_a = batch.mu.gather(-1, a.unsqueeze(-1)).squeeze(-1)
-    rho = pi_d.gather(-1, a.unsqueeze(-1)).squeeze(-1) / mu_a
+    pi_d, mu_a = pi.detach(), _at(batch.mu, a)
+    rho = _at(pi_d, a) / mu_a
     disc, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
     rewards = batch.rewards[:, :T].float()
     if args.distributional:
         logq = F.log_softmax(out.q, -1)  # [B, T+1, A, K]
         q_online = (logq.exp() * support).sum(-1).detach()  # Eq. (5): Q = sum_i q_i z_i
         q_next = F.softmax(tout.q[:, 1:], -1)
-        target = distributional_retrace_target(rewards, disc, c_next, pi_d[:, 1:], q_next, a[:, 1:], support)
-        K = support.shape[0]
-        logq_a = logq[:, :T].gather(2, a[:, :T, None, None].expand(-1, -1, 1, K)).squeeze(2)
-        value_loss = -(target * logq_a).sum(-1)  # Eq. (12): cross-entropy with the (signed) target
-        td_size = 0.5 * (target - logq_a.exp()).abs().sum(-1)  # total variation (3.3)
         qbar_next = (q_next * support).sum(-1)
     else:
-        q_online = out.q.detach()
-        qbar_next = tout.q[:, 1:]
-    v_next = (pi_d[:, 1:] * qbar_next).sum(-1)
-    q_next_a = qbar_next.gather(-1, a[:, 1:].unsqueeze(-1)).squeeze(-1)
+        q_online, qbar_next = out.q.detach(), tout.q[:, 1:]
+    v_next, q_next_a = (pi_d[:, 1:] * qbar_next).sum(-1), _at(qbar_next, a[:, 1:])
     returns = retrace_returns(rewards, disc, c_next, v_next, q_next_a)  # R(A), Eq. (3)
-    if not args.distributional:
-        q_taken = out.q[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1)
+    if args.distributional:
+        target = distributional_retrace_target(rewards, disc, c_next, pi_d[:, 1:], q_next, a[:, 1:], support)
+        logq_a = _at(logq[:, :T], a[:, :T], dim=-2)
+        value_loss = -(target * logq_a).sum(-1)  # Eq. (12): cross-entropy with the (signed) target
+        td_size = 0.5 * (target - logq_a.exp()).abs().sum(-1)  # total variation (3.3)
+    else:
+        q_taken = _at(out.q[:, :T], a[:, :T])
         value_loss = 0.5 * (returns - q_taken) ** 2
         td_size = (returns - q_taken).abs().detach()  # |TD| along the sequence (3.3)
     if args.policy_gradient == "beta-loo":
@@ -464,15 +418,10 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     denom, n = mask.sum(1).clamp(min=1.0), mask.sum().clamp(min=1.0)
     loss = (batch.weights * (per_step * mask).sum(1) / denom).mean()  # IS-weighted mean over the valid steps
     priorities = (td_size.detach() * mask).sum(1) / denom  # mean |TD| (ND) or mean total variation
-
-    def mean(x):  # over the valid steps of the batch
-        return (x.detach() * mask).sum() / n
-
-    return loss, priorities, {
-        "losses/value_loss": mean(value_loss), "losses/policy_loss": mean(policy_loss), "losses/entropy": mean(entropy),
-        "losses/q_values": mean(q_online[:, :T].gather(-1, a[:, :T].unsqueeze(-1)).squeeze(-1)),
-        "losses/retrace_return": mean(returns), "replay/rho_mean": mean(rho[:, :T]), "replay/trace_mean": mean(c_next),
-        "replay/trace_cut_fraction": mean((c_next < 0.99).float())}  # traces c < 0.99 (episode ends included)
+    stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/entropy": entropy,
+             "losses/q_values": _at(q_online, a)[:, :T], "losses/retrace_return": returns, "replay/rho_mean": rho[:, :T],
+             "replay/trace_mean": c_next, "replay/trace_cut_fraction": (c_next < 0.99).float()}  # c < 0.99 (episode ends too)
+    return loss, priorities, {k: (x.detach() * mask).sum() / n for k, x in stats.items()}  # means over the valid steps
 
 
 # PRIORITIZED SEQUENCE REPLAY WITH LAZY INITIALIZATION (paper 3.3)
@@ -485,41 +434,29 @@ class LazyPriorities:
         p_hat = sum_{j in J} w_j p_j / sum_{j in J} w_j,  w_j = |I_j| (cell sizes: inverse local density),
     so the cell's mass m_i = p_i + (|I_i| - 1) p_hat_i is held at s_i in a sum tree. Sampling: with probability eps
     uniformly over the valid keys, else proportionally to p_hat (a cell by mass, then its known key with probability
-    p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known.
-    Data: sum trees of valid flags, known flags and cell masses, the priorities, and for each known key its neighbours
-    in the circular list of known keys and its cell size, so a cell's estimate costs O(1). A change at a key alters
-    the masses of at most 4 cells around it (`_touched`): each operation updates links and sizes, then those masses.
-    """
+    p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known. Links and sizes of the
+    known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`)."""
+
+    num_valid = property(lambda self: int(self.valid.total))
+    num_known = property(lambda self: int(self.known.total))
 
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
         self.capacity, self.eps = capacity, uniform_eps
         self.valid, self.known = SumTree(capacity, np.int64), SumTree(capacity, np.int64)  # 0/1 flags
         self.mass = SumTree(capacity, np.float64)  # the mass of each cell, at its known key
         self.priority = np.zeros(capacity, np.float64)
-        # meaningful at known keys only: neighbours in the circular list of known keys, cell sizes |I|
-        self.prev_known, self.next_known = np.zeros(capacity, np.int64), np.zeros(capacity, np.int64)
-        self.cell_size = np.zeros(capacity, np.int64)
+        self.prev_known, self.next_known, self.cell_size = np.zeros((3, capacity), np.int64)  # known keys' links, |I|
         # scalar access to these four arrays (so write them in place only)
         self._views = tuple(memoryview(a) for a in (self.priority, self.prev_known, self.next_known, self.cell_size))
-
-    @property
-    def num_valid(self) -> int:
-        return int(self.valid.total)
-
-    @property
-    def num_known(self) -> int:
-        return int(self.known.total)
 
     def _is_known(self, k: int) -> bool:
         return self.known.nodes[k + self.known.size] != 0
 
     def _owner(self, k: int, guess: int = -1) -> int:
-        """The known key whose cell holds key k: the last known key <= k, circularly (some key must be known).
-        `guess`, a known key, is checked first in O(1) (sorted keys of one operation mostly share their cell)."""
-        if guess >= 0:
-            nxt, n = self._views[2], self.capacity
-            if (k - guess) % n < ((nxt[guess] - guess) % n or n):  # k in [guess, next known key), circularly
-                return guess
+        """The last known key <= k, circularly (its cell holds k); `guess`, a known key, is checked first in O(1)."""
+        n = self.capacity
+        if guess >= 0 and (k - guess) % n < ((self._views[2][guess] - guess) % n or n):  # k in [guess, next known key)
+            return guess
         return self.known.last_nonzero_at_or_before(k)
 
     def _cell_estimate(self, c: int) -> float:
@@ -527,12 +464,8 @@ class LazyPriorities:
         p, prev, nxt, size = self._views
         a, b = prev[c], nxt[c]
         num, den = size[c] * p[c], size[c]
-        if a != c:
-            num += size[a] * p[a]
-            den += size[a]
-        if b != c and b != a:
-            num += size[b] * p[b]
-            den += size[b]
+        for j in () if a == c else (a,) if b == a else (a, b):  # the distinct neighbour cells in J
+            num, den = num + size[j] * p[j], den + size[j]
         return num / den
 
     def _touched(self, c: int) -> tuple:  # the cells whose mass depends on known key c's priority, size or links
@@ -540,8 +473,7 @@ class LazyPriorities:
 
     def _set_masses(self, cells: set) -> None:
         """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
-        cells = sorted(cells)
-        p, _, _, size = self._views
+        cells, (p, _, _, size) = sorted(cells), self._views
         known, offset, estimate = self.known.nodes, self.known.size, self._cell_estimate
         self.mass.set_leaves(cells, [p[c] + (size[c] - 1) * estimate(c) if known[c + offset] else 0.0 for c in cells])
 
@@ -558,8 +490,7 @@ class LazyPriorities:
         self._set_masses(cells)
 
     def remove(self, keys) -> None:
-        """Evict keys (their sequence is being overwritten): an unknown key leaves its cell, a known key's cell merges
-        into the previous one."""
+        """Evict keys (sequence overwritten): an unknown key leaves its cell, a known key's cell merges into the previous."""
         valid, known, cells, o = self.valid, self.known, set(), -1
         _, prev, nxt, size = self._views
         keys = [k for k in sorted(set(np.asarray(keys, np.int64).ravel().tolist())) if valid.nodes[k + valid.size]]
@@ -569,12 +500,11 @@ class LazyPriorities:
                 known.add_one(k, -1)
                 cells.add(k)  # (mass 0)
                 a, b = prev[k], nxt[k]
-                o = -1  # (the next owner guess: k is no longer known)
+                o = a if a != k else -1  # (the next owner guess: a, now that k is no longer known)
                 if a != k:  # other keys remain known: unlink k, a's cell takes k's other keys
                     nxt[a], prev[b] = b, a
                     size[a] += size[k] - 1
                     cells.update(self._touched(a))
-                    o = a
             elif known.nodes[1]:  # an unknown key: the cell holding it shrinks by one
                 o = self._owner(k, o)
                 size[o] -= 1
@@ -582,8 +512,7 @@ class LazyPriorities:
         self._set_masses(cells)
 
     def set_priority(self, keys, priorities) -> None:
-        """Priorities of keys just trained on (the last one of a repeated key; keys evicted meanwhile are skipped): a
-        known key's priority changes, a newly known key splits the cell that held it."""
+        """Priorities of keys just trained on (a repeated key's last; evicted keys skipped); a new known key splits a cell."""
         valid, known, cells = self.valid, self.known, set()
         p, prev, nxt, size = self._views
         last = dict(zip(np.asarray(keys, np.int64).ravel().tolist(), np.asarray(priorities, np.float64).ravel().tolist()))
@@ -596,8 +525,7 @@ class LazyPriorities:
                 continue
             if not known.nodes[1]:  # the first known key: one cell of all valid keys
                 known.add_one(k, 1)
-                prev[k] = nxt[k] = k
-                size[k] = valid.nodes[1]
+                prev[k], nxt[k], size[k] = k, k, valid.nodes[1]
                 cells.add(k)
                 continue
             o = self._owner(k)  # k splits o's cell: k's cell is the valid keys [k, next known key)
@@ -606,8 +534,7 @@ class LazyPriorities:
             w = valid.count(k, b) if b > k else valid.nodes[1] - valid.count(b, k)
             size[k], size[o] = w, size[o] - w
             nxt[o], prev[k], nxt[k], prev[b] = k, o, b, k
-            cells.update(self._touched(o))
-            cells.add(b)
+            cells.update((prev[o], o, k, b))  # the cells around the split
         self._set_masses(cells)
 
     def _estimate_one(self, k: int) -> float:  # p_hat of valid key k: its priority if known, else its cell's estimate
@@ -621,17 +548,15 @@ class LazyPriorities:
         return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
 
     def sample(self, batch: int, rng: np.random.Generator):
-        """Sample `batch` valid keys; returns (keys, their sampling probabilities P(t) = eps / n + (1 - eps) p_hat_t /
-        sum_k p_hat_k, uniform while nothing is known). Each draw takes 5 uniforms in
-        [0, 1) (one `rng.random` call): the uniform key's rank, the coin for the uniform part (< eps), the mass point,
-        the choice of the cell's known key, the unknown key's offset in the cell."""
+        """Sample `batch` valid keys: (keys, probabilities P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k, uniform while
+        nothing is known). A draw takes 5 uniforms in [0, 1) (one `rng.random` call): the uniform key's rank, the coin
+        for the uniform part (< eps), the mass point, the choice of the cell's known key, the unknown key's offset."""
         valid, mass, eps = self.valid, self.mass, self.eps
         n, total = valid.nodes[1], mass.nodes[1]
         if n == 0:
             raise ValueError("cannot sample from an empty replay")
-        p, _, _, size = self._views
+        (p, _, _, size), keys, probs = self._views, [], []
         prioritized = self.known.nodes[1] > 0 and total > 0
-        keys, probs = [], []
         for u_rank, u_coin, u_mass, u_known, u_offset in zip(*rng.random((5, batch)).tolist()):
             if prioritized and u_coin >= eps:  # a cell by mass, then its known key or one of its w - 1 unknown keys
                 c = self._owner(mass.find_one(u_mass * total))  # (a round-off landing on an empty leaf: its cell)
@@ -648,8 +573,7 @@ class LazyPriorities:
         return np.array(keys, np.int64), np.array(probs, np.float64)
 
     def state_dict(self):
-        trees = {name: getattr(self, name).tree.copy() for name in ("valid", "known", "mass")}
-        return trees | {"priority": self.priority.copy()}
+        return {k: getattr(self, k).tree.copy() for k in ("valid", "known", "mass")} | {"priority": self.priority.copy()}
 
     def load_state_dict(self, state):
         self.valid.tree[:], self.known.tree[:], self.mass.tree[:] = state["valid"], state["known"], state["mass"]
@@ -662,10 +586,8 @@ class LazyPriorities:
 
 
 class SequenceReplay:
-    """Per-actor ring segments of transitions, frames stored once as uint8; every start time is a sequence key.
-    Slot t of a segment holds the observation x_t, the LSTM state before x_t, the action a_t, its behaviour policy
-    mu(.|x_t), the reward r_t and flags. The sequence with key t is slots t .. t+T (T+1 observations); it is valid once
-    slot t+T is written and until slot t is overwritten."""
+    """Per-actor ring segments of slots: x_t (uint8), the LSTM state before x_t, a_t, mu(.|x_t), r_t, flags. Key t is the
+    sequence of slots t .. t+T (T+1 observations), valid from the writing of slot t+T until slot t is overwritten."""
 
     FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state")
 
@@ -723,9 +645,7 @@ class SequenceReplay:
                            tuple(t(st[:, i]) for i in range(4)), t(weights / weights.max(), torch.float32))
 
     def cut_at_heads(self) -> None:
-        """For a resumed run, whose actors start new episodes: the last written slot of each segment becomes a pad (a
-        last frame that no transition leaves, as after a truncation), so no sequence bootstraps across into the next
-        episode's first frame; the transition into it still bootstraps from it."""
+        """Resume: each segment's last written slot becomes a pad (as after a truncation): no sequence crosses episodes."""
         seg = np.flatnonzero(self.written > 0)
         self.pad[seg * self.seg_cap + (self.written[seg] - 1) % self.seg_cap] = True
 
@@ -743,10 +663,10 @@ class SequenceReplay:
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
+@torch.no_grad()
 def act(net, obs, state, rng: np.random.Generator, device="cpu"):
     """One step of the policy: (action sampled from pi, pi(.|x) as float64, the network's output)."""
-    with torch.no_grad():
-        out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool, device=device), state)
+    out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool, device=device), state)
     mu = out.pi[0, 0].cpu().numpy().astype(np.float64)
     mu /= mu.sum()
     return int(rng.choice(len(mu), p=mu)), mu, out
@@ -759,8 +679,7 @@ def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
 
 
 def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel, stop_event):
-    """Act with the latest shared weights (CPU, one thread) and send slots (SequenceReplay.FIELDS) to the learner in
-    chunks; wait while ahead of the acting:learning ratio, counted from ratio_base = (env step, learning step)."""
+    """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
@@ -787,8 +706,7 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
         st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
         next_obs, reward, terminated, truncated, info = env.step(action)
         rows = channel.write(actor_id, obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
-        steps += 1
-        actor_steps[actor_id] = steps
+        actor_steps[actor_id] = steps = steps + 1
         if "episode" in info:
             channel.post("episode", float(info["episode"]["r"]), int(info["episode"]["l"]))
         if terminated or truncated:
@@ -807,11 +725,9 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
 
 
 def evaluate(net, args: Args, episodes: int, device, seed: int):
-    """Whole games (no life-loss ends), up to noop_max no-op starts, actions sampled from pi; real game scores. The
-    LSTM state is reset at a lost life, as in training, where a life loss ends the learning episode."""
+    """Whole games, up to noop_max no-op starts, actions sampled from pi, real scores; a lost life resets the LSTM state."""
     env = make_env(args.env_id, seed, args, evaluation=True)
-    rng = np.random.default_rng(seed)
-    returns = []
+    rng, returns = np.random.default_rng(seed), []
     for ep in range(episodes):
         obs, info = env.reset(seed=seed + ep)
         state, lives = net.initial_state(1, device), info.get("lives")
@@ -877,22 +793,17 @@ if __name__ == "__main__":
         print(f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
               f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
               f"runs to step {args.total_timesteps:,}", flush=True)
-
-    shared_net = make_network(args, num_actions, obs_shape)
-    shared_net.load_state_dict(net.state_dict())
-    shared_net.share_memory()
+    shared_net = make_network(args, num_actions, obs_shape).share_memory()
+    shared_net.load_state_dict(net.state_dict())  # (copies into the shared tensors)
     ctx = torch.multiprocessing.get_context(args.start_method)
-    # unlocked shared counters, one writer each (the learner; actor i for actor_steps[i]): a killed actor can never
-    # leave a lock held that the learner would then wait on forever. On resume actor 0 counts from the resumed step.
+    # unlocked counters, one writer each (a killed actor leaves no lock held); actor 0 counts from the resumed step
     weights_version, learner_steps = ctx.Value("l", 0, lock=False), ctx.Value("l", learn_steps, lock=False)
     actor_steps = ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False)
     channel = make_channel(ctx, args, num_actions, obs_shape)  # slot chunks in shared memory, episode scores
     procs = ProcessGroup(ctx)
-
-    recent_returns = deque(maxlen=100)
     start_time, start_step, last_log_step = time.time(), global_step, learn_steps
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
-    stats_acc, learn_time = {}, 0.0
+    stats_acc, learn_time, recent_returns = {}, 0.0, deque(maxlen=100)
 
     def make_checkpoint():
         save_checkpoint(logger.dir / "checkpoint.pt", {
@@ -941,17 +852,15 @@ if __name__ == "__main__":
                 weights_version.value = learner_steps.value = learn_steps
                 if learn_steps % args.target_update_period == 0:
                     target_net.load_state_dict(net.state_dict())
-                for k, v in stats.items():
-                    stats_acc[k] = stats_acc.get(k, 0.0) + v.detach()
+                stats_acc = {k: stats_acc.get(k, 0.0) + v.detach() for k, v in stats.items()}
                 learn_time += time.time() - t0
                 # LOG: the means since the last log line
                 if learn_steps % args.log_every == 0:
                     n_logged, idx = learn_steps - last_log_step, replay.index
-                    sps = (global_step - start_step) / (time.time() - start_time)
+                    sps, lps = (global_step - start_step) / (time.time() - start_time), n_logged / max(learn_time, 1e-9)
                     known = idx.priority[idx.known.tree[idx.known.size:][:idx.capacity] > 0]  # the known priorities
                     metrics = {k: v / n_logged for k, v in stats_acc.items()} | {
-                        "charts/SPS": sps, "charts/learning_steps": learn_steps,
-                        "charts/learner_steps_per_s": n_logged / max(learn_time, 1e-9),
+                        "charts/SPS": sps, "charts/learning_steps": learn_steps, "charts/learner_steps_per_s": lps,
                         "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
                         "losses/loss": loss.detach(), "replay/size": len(replay),
                         "replay/known_fraction": idx.num_known / max(len(replay), 1),
@@ -960,8 +869,8 @@ if __name__ == "__main__":
                         "replay/is_weight_mean": batch.weights.mean()}
                     logger.log(global_step, metrics)
                     logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
-                                    float(metrics["losses/value_loss"]), f"learn {learn_steps:,} "
-                                    f"({n_logged / max(learn_time, 1e-9):.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}")
+                                    float(metrics["losses/value_loss"]),
+                                    f"learn {learn_steps:,} ({lps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}")
                     stats_acc, learn_time, last_log_step = {}, 0.0, learn_steps
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
