@@ -44,8 +44,7 @@ from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
-from common.processes import (ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads,
-                              stop_on_signals)
+from common.processes import ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads, stop_on_signals
 from common.video import check_video_support
 
 @dataclass
@@ -121,16 +120,14 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames", "minigrid_max_steps")
 FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "envs_per_actor", "unroll_length", "replay_ratio",
                    "behavior_cloning")
-ARG_RULES = {
-    "mode": ("sequential", "simultaneous", "separate"), "start_method": ("spawn", "forkserver"),
+ARG_RULES = {"mode": ("sequential", "simultaneous", "separate"), "start_method": ("spawn", "forkserver"),
     "torso": ("auto", "nature", "resnet", "minigrid", "minatar"), "steps_per_task": ">= 1", "num_cycles": ">= 1",
     "num_actors": ">= 1", "envs_per_actor": ">= 1", "num_test_actors": ">= 0", "batch_size": ">= 1", "unroll_length": ">= 1",
     "replay_ratio": "[0, 1]", "buffer_frames": ">= -1", "policy_cloning_cost": ">= 0", "value_cloning_cost": ">= 0",
     "gamma": "[0, 1]", "pg_cost": ">= 0", "baseline_cost": ">= 0", "entropy_cost": ">= 0", "clip_rho_threshold": "> 0",
     "clip_pg_rho_threshold": "> 0", "learning_rate": "> 0", "rmsprop_alpha": "[0, 1]", "rmsprop_eps": ">= 0",
     "max_grad_norm": "> 0", "sticky_action_prob": "[0, 1]", "max_episode_frames": ">= 1",
-    "minigrid_max_steps": ">= 1", "test_actor_max_sps": ">= 0", "log_every_seconds": ">= 0", "checkpoint_every": ">= 0",
-}
+    "minigrid_max_steps": ">= 1", "test_actor_max_sps": ">= 0", "log_every_seconds": ">= 0", "checkpoint_every": ">= 0"}
 
 
 def validate_args(args: Args) -> None:

@@ -137,11 +137,9 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
 ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max", "torso")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
-FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "distributional",
-                   "num_atoms", "v_min", "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size",
-                   "sequence_length")
-ARG_RULES = {
-    "start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
+FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "distributional", "num_atoms",
+                   "v_min", "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size", "sequence_length")
+ARG_RULES = {"start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
     "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
     "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
     "max_grad_norm": ">= 0", "target_update_period": ">= 1", "gamma": "[0, 1]", "retrace_lambda": "[0, 1]",
@@ -899,7 +897,6 @@ if __name__ == "__main__":
         return {"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
                 "eval_return_median": float(np.median(returns)), "eval_returns": returns}
 
-    finish_run(logger, error, {
-        "global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
+    finish_run(logger, error, {"global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
         "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None},
         save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)
