@@ -608,9 +608,9 @@ class SequenceReplay:
 
     @classmethod
     def bytes_needed(cls, capacity: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> int:
-        """The slot arrays, plus per key 3 sum trees of 2 * 2^ceil(log2) 8-byte nodes and the priority."""
+        """The slot arrays, plus per key 3 sum trees (2 * 2^ceil(log2) 8-byte nodes) and LazyPriorities' 4 8-byte arrays."""
         fields = cls.slot_fields(num_actions, lstm_size, obs_shape).values()
-        return capacity * (sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in fields) + 3 * 2 * 8 * 2 + 8)
+        return capacity * (sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in fields) + 3 * 2 * 8 * 2 + 4 * 8)
 
     def __len__(self):
         return self.index.num_valid
