@@ -722,16 +722,16 @@ def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner
     env.close()
 
 
-def evaluate(net, args: Args, episodes: int, device, seed: int):
-    """Whole games, up to noop_max no-op starts, actions sampled from pi, real scores; a lost life resets the LSTM state."""
+def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = False):
+    """Whole games, up to noop_max no-op starts, actions from pi (or argmax pi), real scores; a lost life resets the state."""
     env = make_env(args.env_id, seed, args, evaluation=True)
     rng, returns = np.random.default_rng(seed), []
     for ep in range(episodes):
         obs, info = env.reset(seed=seed + ep)
         state, lives = net.initial_state(1, device), info.get("lives")
         while True:
-            action, _, out = act(net, obs, state, rng, device)
-            obs, _, terminated, truncated, info = env.step(action)
+            action, mu, out = act(net, obs, state, rng, device)
+            obs, _, terminated, truncated, info = env.step(int(mu.argmax()) if greedy else action)
             lost_life = lives is not None and info.get("lives", lives) < lives
             state, lives = net.initial_state(1, device) if lost_life else out.state, info.get("lives", lives)
             if "episode" in info:

@@ -858,6 +858,34 @@ def test_evaluate_plays_whole_games(float32):
     assert len(returns) == 1 and returns[0] >= 0
 
 
+def test_evaluate_greedy_plays_argmax_pi(monkeypatch):
+    played = []
+
+    class ThreeStepEnv:
+        def reset(self, seed=None):
+            played.append([])
+            return np.zeros((1, 84, 84), np.uint8), {}
+
+        def step(self, action):
+            played[-1].append(action)
+            done = len(played[-1]) == 3
+            return np.zeros((1, 84, 84), np.uint8), 0.0, done, False, {"episode": {"r": 0.0, "l": 3}} if done else {}
+
+        def close(self):
+            pass
+
+    class StubNet:
+        def initial_state(self, batch, device=None):
+            return None
+
+    mu = np.array([0.3, 0.1, 0.6])  # the sampled action (0) is not the argmax (2)
+    monkeypatch.setattr(reactor, "make_env", lambda *a, **k: ThreeStepEnv())
+    monkeypatch.setattr(reactor, "act", lambda net, obs, state, rng, device: (0, mu, type("Out", (), {"state": None})))
+    assert reactor.evaluate(StubNet(), reactor.Args(), 1, "cpu", seed=0, greedy=True) == [0.0]
+    assert reactor.evaluate(StubNet(), reactor.Args(), 1, "cpu", seed=0) == [0.0]
+    assert played == [[2, 2, 2], [0, 0, 0]]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the script: bad input, smoke run with 2 actors, save/resume round-trip
 SCRIPT = str(REPO / "reactor.py")

@@ -2,7 +2,8 @@
 
 Prints, for each run directory, the mean of a metric in bins of environment steps, as the markdown table the README
 Results sections use, plus the mean over the last `--last` values. `--eval-vracer K` also plays K episodes with the
-deterministic policy (mean action) from each run's checkpoint.pt (vracer_refer.py runs only).
+deterministic policy (mean action) from each run's checkpoint.pt (vracer_refer.py runs only); `--eval-reactor K` plays
+K games with the greedy policy (argmax pi) of each reactor.py run's saved model (kept as the run's eval_greedy.json).
 
 `--plot FILE.png` draws one curve per configuration: runs are grouped by their directory name without seed and time
 (`{env}__{exp_name}__{seed}__{time}` -> `{env}__{exp_name}`, or `--labels`, one per run); the line is the mean over
@@ -17,8 +18,9 @@ Usage:
       [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
       [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
       [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
+      [--eval-reactor 100]                                  (reactor.py runs with --save-model: greedy games)
       [--export tests/benchmarks/results/<experiment>]       (keep each run's returns as <run>/metrics.jsonl.gz, with
-                                                              its summary.json and args.json: small, committed, read
+                                                              its summary.json, args.json, eval_greedy.json: read
                                                               back by this script like a run directory)
 """
 import argparse
@@ -70,7 +72,7 @@ def export_run(run_dir: str, rows: list[dict], metric: str, out_dir: str) -> Non
     kept = [{k: v for k, v in r.items() if k in ("global_step", metric) or k.startswith("eval/")} for r in rows]
     with gzip.open(os.path.join(dest, "metrics.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in kept if len(r) > 1)
-    for name in ("summary.json", "args.json"):
+    for name in ("summary.json", "args.json", "eval_greedy.json"):
         if os.path.exists(os.path.join(run_dir, name)):
             shutil.copy(os.path.join(run_dir, name), dest)
     print(f"export: {dest}")
@@ -128,6 +130,31 @@ def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     return float(np.mean(returns)), ckpt["global_step"]
 
 
+def eval_reactor(run_dir: str, episodes: int) -> dict:
+    """`episodes` games with the greedy policy (argmax pi) of run_dir's saved model (reactor.py --save-model), on the
+    final evaluation's game seeds; kept as run_dir/eval_greedy.json (which --export keeps)."""
+    import torch
+
+    import reactor
+    models = [f for f in os.listdir(run_dir) if f.endswith(".model")]
+    if not models:
+        raise SystemExit(f"error: no saved model in {run_dir} (run reactor.py with --save-model)")
+    saved = torch.load(os.path.join(run_dir, models[0]), map_location="cpu", weights_only=False)
+    args = reactor.Args(**saved["args"])
+    probe = reactor.make_env(args.env_id, args.seed, args)
+    net = reactor.make_network(args, int(probe.action_space.n), probe.observation_space.shape)
+    probe.close()
+    net.load_state_dict(saved["model"])
+    with torch.no_grad():
+        returns = reactor.evaluate(net, args, episodes, "cpu", args.seed + 10_000, greedy=True)
+    out = {"episodes": len(returns), "return_mean": float(np.mean(returns)),
+           "return_se": float(np.std(returns, ddof=1) / np.sqrt(len(returns))) if len(returns) > 1 else 0.0,
+           "returns": returns}
+    with open(os.path.join(run_dir, "eval_greedy.json"), "w") as f:
+        json.dump(out, f)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+")
@@ -139,6 +166,7 @@ def main():
     p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric)")
     p.add_argument("--labels", nargs="*", default=None)
     p.add_argument("--eval-vracer", type=int, default=0)
+    p.add_argument("--eval-reactor", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
     p.add_argument("--summary", nargs="*", default=[], help="also a table of these summary.json keys per run and their "
                    "mean ± sd per configuration (e.g. final_test_return wall_time_s)")
@@ -148,8 +176,6 @@ def main():
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
     a = p.parse_args()
     runs_rows = [read_run(d) for d in a.runs]  # read each file once
-    for d, rows in zip(a.runs, runs_rows) if a.export else ():
-        export_run(d, rows, a.metric, a.export)
     tables, lasts, names = [], [], []
     for d, rows in zip(a.runs, runs_rows):
         t, _, vals = binned(rows, a.metric, a.bin)
@@ -168,6 +194,12 @@ def main():
             m, step = eval_vracer(d, a.eval_vracer)
             cells.append(f"{m:.0f} (at {step:,})")
         print(f"| deterministic policy, {a.eval_vracer} episodes | " + " | ".join(cells) + " |")
+    if a.eval_reactor:
+        cells = [eval_reactor(d, a.eval_reactor) for d in a.runs]
+        print(f"| greedy policy (argmax pi), {a.eval_reactor} games | "
+              + " | ".join(f"{c['return_mean']:.3g} ± {c['return_se']:.2g}" for c in cells) + " |")
+    for d, rows in zip(a.runs, runs_rows) if a.export else ():  # after --eval-reactor: keeps its eval_greedy.json
+        export_run(d, rows, a.metric, a.export)
     for rows, name in zip(runs_rows, names) if a.extra else ():
         ret, count, _ = binned(rows, a.metric, a.bin)
         cols = [binned(rows, m, a.bin)[0] for m in a.extra]
