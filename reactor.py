@@ -25,8 +25,7 @@ Differences from the paper (long form: README.md, section reactor.py)
   of the known keys with their cell sizes: an unknown key takes its and the neighbour cells' mean (3.3).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
-- Both networks unroll all 33 frames (paper: online over 1-32, target over 2-33). Actors reset their envs (a
-  truncation's last frame is stored, bootstrapped).
+- Both networks unroll all 33 frames (paper: online 1-32, target 2-33); a truncation's last frame is stored, bootstrapped.
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
   LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
@@ -155,8 +154,7 @@ def validate_args(args: Args) -> None:
     for bad, msg in (
         (args.env_id not in ATARI_ENV_IDS and not minatar, f"reactor.py is for Atari and MinAtar (discrete actions, image "
          f"frames): {args.env_id!r} is neither a registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)"),
-        (minatar and args.torso == "paper", "--torso paper needs 84x84 Atari frames; MinAtar's 10x10 frames take --torso "
-                                            "minatar (or auto)"),
+        (minatar and args.torso == "paper", "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)"),
         (minatar and args.capture_video, "--capture-video needs an Atari game (MinAtar envs render no frames here)"),
         (args.total_timesteps <= args.learning_starts,
          f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})"),
