@@ -139,7 +139,10 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
     models = [f for f in os.listdir(run_dir) if f.endswith(".model")]
     if not models:
         raise SystemExit(f"error: no saved model in {run_dir} (run reactor.py with --save-model)")
-    saved = torch.load(os.path.join(run_dir, models[0]), map_location="cpu", weights_only=False)
+    try:
+        saved = load_checkpoint(os.path.join(run_dir, models[0]))
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
     args = reactor.Args(**saved["args"])
     probe = reactor.make_env(args.env_id, args.seed, args)
     net = reactor.make_network(args, int(probe.action_space.n), probe.observation_space.shape)
