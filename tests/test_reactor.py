@@ -923,6 +923,11 @@ def test_minatar_run_end_to_end(tmp_path):
     model = torch.load(run / "reactor.model", weights_only=False)
     assert model["model"]["torso.0.weight"].shape == (16, 4, 3, 3)  # MinAtar's 3x3 conv on 4 channels
     assert model["args"]["sticky_action_prob"] is None  # the family's standard (0.1) applied by make_env
+    sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+    import learning_curves  # its --eval-reactor reads this real saved model (whose args also hold run_name)
+
+    torch.set_default_dtype(torch.float32)  # as in a real run (this module's fixture set float64; it restores it)
+    assert learning_curves.eval_reactor(str(run), 1)["episodes"] == 1 and (run / "eval_greedy.json").exists()
 
 
 def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):

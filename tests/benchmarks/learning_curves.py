@@ -24,6 +24,7 @@ Usage:
                                                               back by this script like a run directory)
 """
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -143,7 +144,8 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
         saved = load_checkpoint(os.path.join(run_dir, models[0]))
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
-    args = reactor.Args(**saved["args"])
+    fields = {f.name for f in dataclasses.fields(reactor.Args)}  # (the saved args also hold run_name)
+    args = reactor.Args(**{k: v for k, v in saved["args"].items() if k in fields})
     probe = reactor.make_env(args.env_id, args.seed, args)
     net = reactor.make_network(args, int(probe.action_space.n), probe.observation_space.shape)
     probe.close()
