@@ -909,7 +909,7 @@ def test_bad_input_fails_with_one_line():
         reactor.validate_args(reactor.Args(env_id="MinAtar/Breakout-v0", torso="paper"))
 
 
-def test_minatar_run_end_to_end(tmp_path):
+def test_minatar_run_end_to_end(tmp_path, monkeypatch):
     """MinAtar: (4, 10, 10) 0/1 frames through the actors, the replay and MinAtar's torso; the loop learns, logs and
     saves; the network and replay take their input size from the env."""
     r = run_script(tmp_path, "--env-id", "MinAtar/Breakout-v0", "--num-actors", "1", "--replay-size", "600",
@@ -923,7 +923,7 @@ def test_minatar_run_end_to_end(tmp_path):
     model = torch.load(run / "reactor.model", weights_only=False)
     assert model["model"]["torso.0.weight"].shape == (16, 4, 3, 3)  # MinAtar's 3x3 conv on 4 channels
     assert model["args"]["sticky_action_prob"] is None  # the family's standard (0.1) applied by make_env
-    sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "benchmarks"))
     import learning_curves  # its --eval-reactor reads this real saved model (whose args also hold run_name)
 
     torch.set_default_dtype(torch.float32)  # as in a real run (this module's fixture set float64; it restores it)

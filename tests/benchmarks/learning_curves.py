@@ -24,7 +24,6 @@ Usage:
                                                               back by this script like a run directory)
 """
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -34,6 +33,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from common.args import resume_args  # noqa: E402
 from common.checkpoint import load_checkpoint  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
 
@@ -144,8 +144,7 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
         saved = load_checkpoint(os.path.join(run_dir, models[0]))
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
-    fields = {f.name for f in dataclasses.fields(reactor.Args)}  # (the saved args also hold run_name)
-    args = reactor.Args(**{k: v for k, v in saved["args"].items() if k in fields})
+    args, _ = resume_args(reactor.Args(), (), saved["args"], ())  # --resume's reader: skips non-flags (run_name)
     probe = reactor.make_env(args.env_id, args.seed, args)
     net = reactor.make_network(args, int(probe.action_space.n), probe.observation_space.shape)
     probe.close()
