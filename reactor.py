@@ -674,13 +674,14 @@ def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
     return ChunkChannel(ctx, args.num_actors, args.actor_chunk + 1, fields)
 
 
-def actor_loop(actor_id, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel, stop_event):
+def actor_loop(actor_id, args, run_name, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel,
+               stop_event):
     """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    video = f"videos/{args.run_name}" if args.capture_video and actor_id == 0 else None
+    video = f"videos/{run_name}" if args.capture_video and actor_id == 0 else None
     env = make_env(args.env_id, seed, args, video_folder=video)
     num_actions = env.action_space.n
     net = make_network(args, num_actions, env.observation_space.shape)
@@ -758,7 +759,6 @@ if __name__ == "__main__":
     check_memory(SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),  # (prints it)
                  "--replay-size", args.memory_fraction)  # refuses a replay that does not fit in RAM, in one line
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
-    args.run_name = logger.run_name  # (for the actors' video folder)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
@@ -803,7 +803,7 @@ if __name__ == "__main__":
 
     def make_checkpoint():
         save_checkpoint(logger.dir / "checkpoint.pt", {
-            "script": "reactor.py", "args": vars(args), "run_name": args.run_name, "global_step": global_step,
+            "script": "reactor.py", "args": vars(args), "run_name": logger.run_name, "global_step": global_step,
             "learn_steps": learn_steps, "episodes": episodes_done, "rng": rng_state(), "np_rng": rng,
             **state_dicts(model=net, target_model=target_net, optimizer=optimizer,
                           replay=replay if args.checkpoint_replay else None)})
@@ -811,8 +811,8 @@ if __name__ == "__main__":
     error, can_learn = None, False
     try:
         for i in range(args.num_actors):
-            procs.start(actor_loop, (i, args, shared_net, weights_version, actor_steps, learner_steps, ratio_base,
-                                     channel, procs.stop_event), name=f"actor-{i}")
+            procs.start(actor_loop, (i, args, logger.run_name, shared_net, weights_version, actor_steps, learner_steps,
+                                     ratio_base, channel, procs.stop_event), name=f"actor-{i}")
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
             for got in range(4 * args.num_actors):

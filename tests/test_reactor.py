@@ -1017,7 +1017,7 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     channel, stop = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape), threading.Event()
     actor_steps, threads = [0], torch.get_num_threads()
     actor = threading.Thread(target=reactor.actor_loop, args=(
-        0, args, shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), channel,
+        0, args, "test", shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), channel,
         stop))  # ratio base far ahead: no acting:learning gate
     replay = reactor.SequenceReplay(4000, 1, 8, A, args.lstm_size, obs_shape=shape)
     actor.start()

@@ -118,6 +118,7 @@ def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     import torch
 
     import vracer_refer as vr
+    torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     try:
         ckpt = load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
     except (FileNotFoundError, RuntimeError) as e:
@@ -137,6 +138,7 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
     import torch
 
     import reactor
+    torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     models = [f for f in os.listdir(run_dir) if f.endswith(".model")]
     if not models:
         raise SystemExit(f"error: no saved model in {run_dir} (run reactor.py with --save-model)")
