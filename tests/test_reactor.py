@@ -924,7 +924,7 @@ def test_minatar_run_end_to_end(tmp_path, monkeypatch):
     assert model["model"]["torso.0.weight"].shape == (16, 4, 3, 3)  # MinAtar's 3x3 conv on 4 channels
     assert model["args"]["sticky_action_prob"] is None  # the family's standard (0.1) applied by make_env
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "benchmarks"))
-    import learning_curves  # its --eval-reactor reads this real saved model (whose args also hold run_name)
+    import learning_curves  # its --eval-reactor reads this real saved model
 
     torch.set_default_dtype(torch.float32)  # as in a real run (this module's fixture set float64; it restores it)
     assert learning_curves.eval_reactor(str(run), 1)["episodes"] == 1 and (run / "eval_greedy.json").exists()

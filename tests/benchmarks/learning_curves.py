@@ -118,7 +118,6 @@ def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     import torch
 
     import vracer_refer as vr
-    torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     try:
         ckpt = load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
     except (FileNotFoundError, RuntimeError) as e:
@@ -138,7 +137,6 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
     import torch
 
     import reactor
-    torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     models = [f for f in os.listdir(run_dir) if f.endswith(".model")]
     if not models:
         raise SystemExit(f"error: no saved model in {run_dir} (run reactor.py with --save-model)")
@@ -194,6 +192,9 @@ def main():
     for e in ends:
         print(f"| {label(e, a.bin)} | " + " | ".join(f"{t[e]:.4g}" if e in t else "-" for t in tables) + " |")
     print(f"| mean of last {a.last} | " + " | ".join(f"{v:.4g}" for v in lasts) + " |")
+    if a.eval_vracer or a.eval_reactor:
+        import torch
+        torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     if a.eval_vracer:
         cells = []
         for d in a.runs:
