@@ -19,9 +19,9 @@ Usage:
       [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
       [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
       [--eval-reactor 100]                                  (reactor.py runs with --save-model: greedy games)
-      [--export tests/benchmarks/results/<experiment>]       (keep each run's returns as <run>/metrics.jsonl.gz, with
-                                                              its summary.json, args.json, eval_greedy.json: read
-                                                              back by this script like a run directory)
+      [--export tests/benchmarks/results/<experiment>]       (keep each run's returns and --with metrics as
+                                                              <run>/metrics.jsonl.gz, with its summary.json, args.json,
+                                                              eval_greedy.json: read back like a run directory)
 """
 import argparse
 import gzip
@@ -65,12 +65,12 @@ def read_run(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def export_run(run_dir: str, rows: list[dict], metric: str, out_dir: str) -> None:
-    """Keep `metric` and eval/ records (global_step and those keys) as out_dir/<run>/metrics.jsonl.gz, and the run's
+def export_run(run_dir: str, rows: list[dict], metrics: list[str], out_dir: str) -> None:
+    """Keep `metrics` and eval/ records (global_step and those keys) as out_dir/<run>/metrics.jsonl.gz, and the run's
     summary.json and args.json."""
     dest = os.path.join(out_dir, os.path.basename(os.path.normpath(run_dir)))
     os.makedirs(dest, exist_ok=True)
-    kept = [{k: v for k, v in r.items() if k in ("global_step", metric) or k.startswith("eval/")} for r in rows]
+    kept = [{k: v for k, v in r.items() if k == "global_step" or k in metrics or k.startswith("eval/")} for r in rows]
     with gzip.open(os.path.join(dest, "metrics.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in kept if len(r) > 1)
     for name in ("summary.json", "args.json", "eval_greedy.json"):
@@ -206,7 +206,7 @@ def main():
         print(f"| greedy policy (argmax pi), {a.eval_reactor} games | "
               + " | ".join(f"{c['return_mean']:.3g} ± {c['return_se']:.2g}" for c in cells) + " |")
     for d, rows in zip(a.runs, runs_rows) if a.export else ():  # after --eval-reactor: keeps its eval_greedy.json
-        export_run(d, rows, a.metric, a.export)
+        export_run(d, rows, [a.metric, *a.extra], a.export)
     for rows, name in zip(runs_rows, names) if a.extra else ():
         ret, count, _ = binned(rows, a.metric, a.bin)
         cols = [binned(rows, m, a.bin)[0] for m in a.extra]
