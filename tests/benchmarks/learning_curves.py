@@ -67,7 +67,7 @@ def read_run(run_dir: str) -> list[dict]:
 
 def export_run(run_dir: str, rows: list[dict], metrics: list[str], out_dir: str) -> None:
     """Keep `metrics` and eval/ records (global_step and those keys) as out_dir/<run>/metrics.jsonl.gz, and the run's
-    summary.json and args.json."""
+    summary.json, args.json and eval_greedy.json."""
     dest = os.path.join(out_dir, os.path.basename(os.path.normpath(run_dir)))
     os.makedirs(dest, exist_ok=True)
     kept = [{k: v for k, v in r.items() if k == "global_step" or k in metrics or k.startswith("eval/")} for r in rows]
