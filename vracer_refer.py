@@ -528,7 +528,8 @@ class EpisodeReplay:
 def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
                obs_mean: torch.Tensor, obs_std: torch.Tensor, bookkeeping: bool = True) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
-    k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho].
+    k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho]; a non-finite
+    loss raises FloatingPointError before the replay is touched (the NaN guard).
     bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
     k = state["k"]
     rm.cmax = cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); --refer none: only to count far-policy samples
@@ -556,6 +557,8 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     stats = torch.stack([loss.detach(), info["policy_loss"], info["value_loss"], info["kl_mu_pi"].mean(),
                          info["far"].float().mean(), info["rho"].mean()])
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
+    if not np.isfinite(host[-6:-3]).all():  # NaN guard on the loss terms only (a masked or weight-0 D_KL may be inf)
+        raise FloatingPointError(f"non-finite loss at gradient step {k}: loss, policy, value = {host[-6:-3]}")
     nb = len(boot_idx)
     if bookkeeping:  # host = [rho (B) | V(s) (B) | V(s_L) (nb) | |err| (B) | stats (6)]
         rm.update_samples(idx, host[:B], host[B:2 * B], boot_idx, host[2 * B:2 * B + nb],
@@ -630,9 +633,13 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     env.close()
 
 
-def store_episodes(rows: np.ndarray, partial: list, rm: EpisodeReplay, obs_dim: int, act_dim: int) -> list:
-    """Append one actor's new ring rows (`ring_width` columns) to its running episode `partial` (a list of row blocks)
-    and store every episode they complete in the replay (App. C Alg. 2); returns their (return, length)."""
+def store_episodes(ring, written, read, partial: list, rm: EpisodeReplay, obs_dim: int, act_dim: int) -> tuple:
+    """The learner's reader: take one actor's new ring rows (read..written, modulo the ring size), advance `read`,
+    append them to its running episode `partial` (row blocks) and store every episode they complete (App. C Alg. 2);
+    returns (rows read, [(return, length)] of those episodes)."""
+    n_written = int(written)
+    rows = ring.numpy()[np.arange(int(read), n_written) % len(ring)]  # a copy (fancy indexing)
+    read.fill_(n_written)  # the actor may overwrite these rows now
     p, q = obs_dim, obs_dim + 3 * act_dim
     finished, prev = [], 0
     for e in np.flatnonzero(rows[:, q + 2] + rows[:, q + 3] > 0):  # terminated or truncated at row e
@@ -645,7 +652,7 @@ def store_episodes(rows: np.ndarray, partial: list, rm: EpisodeReplay, obs_dim: 
         finished.append((float(last[-2]), int(last[-1])))
     if prev < len(rows):
         partial.append(rows[prev:])
-    return finished
+    return len(rows), finished
 
 
 @torch.no_grad()
@@ -748,11 +755,9 @@ if __name__ == "__main__":
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
-                n_w = int(written[i])
-                rows = rings[i].numpy()[np.arange(int(read[i]), n_w) % args.ring_size]  # a copy (fancy indexing)
-                read[i] = n_w
-                global_step += len(rows)
-                for ep_return, ep_length in store_episodes(rows, partial[i], rm, obs_dim, act_dim):
+                n_rows, finished = store_episodes(rings[i], written[i], read[i], partial[i], rm, obs_dim, act_dim)
+                global_step += n_rows
+                for ep_return, ep_length in finished:
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
             if not started and rm.size >= args.learning_starts:
@@ -777,12 +782,7 @@ if __name__ == "__main__":
                         rm.per_rebuild()
                     for current, target in zip((obs_mean, obs_std), rm.state_stats() if args.state_stats_rate else ()):
                         current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
-                stats = train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
-                if not torch.isfinite(stats).all():  # NaN guard: stop with the step and the reason
-                    raise FloatingPointError(f"non-finite loss at gradient step {k} (env step {global_step}): "
-                                             f"loss={stats[0]:.4g} policy={stats[1]:.4g} value={stats[2]:.4g} "
-                                             f"kl={stats[3]:.4g}")
-                acc += stats
+                acc += train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
                 acc_n, did = acc_n + 1, did + 1
             if did:
                 publish()
@@ -826,7 +826,7 @@ if __name__ == "__main__":
             procs.check()  # every iteration: a dead actor stops the run with its reason
             if not did:
                 time.sleep(0.0005)
-    except (KeyboardInterrupt, ActorDied, FloatingPointError) as e:  # FloatingPointError: the NaN guard
+    except (KeyboardInterrupt, ActorDied, FloatingPointError) as e:  # FloatingPointError: train_step's NaN guard
         error = e
     finally:
         procs.stop()

@@ -422,8 +422,16 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "replay memory (" in p2.stdout and "checkpoint_every, cuda, progress, total_timesteps; runs to" in p2.stdout
     ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt2["state"]["k"] > ckpt["state"]["k"]
-    assert ckpt2["global_step"] > ckpt["global_step"]
+    assert ckpt2["global_step"] > ckpt["global_step"] and ckpt2["t0"] == ckpt["t0"]  # the same F clock
+    resumed = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "charts/grad_steps" in r and r["global_step"] > ckpt["global_step"]]
+    assert resumed and min(r["charts/grad_steps"] for r in resumed) > ckpt["state"]["k"]  # k continues, no restart
+    assert float(ckpt2["optimizer"]["state"][0]["step"]) == ckpt2["state"]["k"]  # one Adam step per k, across the resume
+    first = min(resumed, key=lambda r: r["global_step"])  # Eq. (12) moves beta by at most beta_lr per step
+    assert abs(first["refer/beta"] - ckpt["state"]["beta"]) <= 1e-4 * (first["charts/grad_steps"] - ckpt["state"]["k"])
+    for r in resumed + [{"global_step": ckpt2["global_step"], "charts/grad_steps": ckpt2["state"]["k"]}]:
+        due = (r["global_step"] - ckpt["t0"]) / ckpt["args"]["F"]  # k keeps up with (t - t0)/F (App. C Alg. 1)
+        assert due - vr.GRAD_STEPS_PER_READ - 64 <= r["charts/grad_steps"] <= due + 1, (r, due)
     torch.testing.assert_close(ckpt2["obs_mean"], ckpt["obs_mean"])  # frozen state statistics restored
     # without its replay memory, a resumed run must have the steps to refill it (learning_starts) and learn, or refuse
     del ckpt2["replay"]
@@ -440,7 +448,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     assert "error: unknown or non-MuJoCo env id 'CartPole-v1'" in p.stderr and "Traceback" not in p.stderr, p.stderr
     for kw in [dict(env_id="NoSuchEnv-v0"), dict(env_id="ALE/Pong-v5"), dict(batch_size=512, learning_starts=100),
                dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0), dict(gamma=0.0),
-               dict(learning_starts=2**19)]:
+               dict(learning_starts=2**19), dict(adam_eps=0.0)]:
         with pytest.raises(SystemExit, match="^error: "):  # the range rules, then the checks between flags
             args = vr.Args(**kw)
             vr.check_args(args, vr.ARG_RULES)
@@ -473,20 +481,30 @@ def test_numpy_actor_forward_matches_agent(residual):
         assert vi == pytest.approx(float(v[i]), abs=1e-5)
 
 
-def test_train_step_reports_non_finite_loss():
-    """The NaN guard's input: a poisoned target gives non-finite stats (the main loop then stops with the step)."""
+def test_train_step_nan_guard():
+    """train_step's NaN guard: a poisoned target raises FloatingPointError before the replay is touched (the main loop
+    then stops with the reason); an overflowing D_KL(mu || pi) that is masked (rule 1) or of weight 0 (--refer none)
+    does not stop the run."""
     rng = np.random.default_rng(14)
     rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 30)
-    args = vr.Args(batch_size=16, buffer_size=300)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
+    step = lambda state, refer: vr.train_step(agent, opt, rm, state, vr.Args(batch_size=16, buffer_size=300,
+                                              refer=refer), torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
     state = {"k": 0, "beta": 0.5}
-    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
-    assert torch.isfinite(stats).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
+    assert torch.isfinite(step(state, "full")).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
+    rm.mu_std[rm.valid] = 1e30  # sigma_mu^2 / sigma_pi^2 overflows float32: D_KL(mu || pi) = inf; log rho clips (far)
+    for refer in ("rule1", "none"):
+        stats = step({"k": 1, "beta": 0.5}, refer)
+        assert torch.isfinite(stats[:3]).all() and torch.isinf(stats[3]), refer
+    rm.mu_std[rm.valid] = 1.0
     rm.qret[rm.valid] = np.nan
-    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
-    assert not torch.isfinite(stats).all()
+    rho_before = rm.rho.copy()
+    with pytest.raises(FloatingPointError, match="non-finite loss at gradient step 1"):
+        step(state, "full")
+    np.testing.assert_array_equal(rm.rho, rho_before)
+    assert state["k"] == 1
 
 
 @pytest.mark.parametrize("refer,per", [("full", "none"), ("rule1", "none"), ("rule2", "none"), ("none", "none"),
@@ -511,7 +529,8 @@ def test_train_step_all_variants(refer, per):
 
 # ---------------------------------------------------------------- wiring: actor ring -> replay
 def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
-    """What the real `actor_loop` writes into its ring and `store_episodes` (the learner's reader) puts into the replay
+    """What the real `actor_loop` writes into its ring and `store_episodes` (the learner's reader, draining the ring
+    while it wraps, episodes spanning several reads) puts into the replay
     (s_t, u_t, mu_t, r_{t+1}, V(s_t), terminated / truncated, s_T and V(s_T) of a truncated end) equals a direct
     rollout of the same env, written here from the paper's Alg. 2, with the same weights, state statistics and noise;
     a 25-step time limit gives both terminations (Hopper falls) and truncations."""
@@ -521,7 +540,7 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
 
     limit, seed, steps = 25, 3, 400
     monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=limit))
-    args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=512)
+    args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=48)  # the ring wraps 8 times, read while written
     obs_dim, act_dim = 11, 3
     torch.manual_seed(0)
     agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
@@ -534,15 +553,18 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     written, read, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), threading.Event()
     actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control,
                                                          rings, written, read, seed, "test", stop))
+    rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
+    n_read = n_finished = 0
     actor.start()
-    for _ in range(3000):
-        if int(written[0]) >= steps:
+    for _ in range(6000):  # the main loop's COLLECT: drain the ring while the actor fills it
+        n, finished = vr.store_episodes(rings[0], written[0], read[0], partial, rm, obs_dim, act_dim)
+        n_read, n_finished = n_read + n, n_finished + len(finished)
+        if n_read >= steps:
             break
-        threading.Event().wait(0.01)
+        threading.Event().wait(0.002)
     stop.set()
     actor.join()
-    rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
-    vr.store_episodes(rings[0].numpy()[:steps].copy(), partial, rm, obs_dim, act_dim)
+    assert n_read == steps == int(read[0]) and n_finished == len(rm.episodes)
 
     # the direct rollout (independent of the ring format): a ~ mu = N(mean, std) with the actor's noise stream
     env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
