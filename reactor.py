@@ -16,8 +16,8 @@ Paper parts, in file order
 - Acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts, whole games, real scores (4.1) `evaluate`.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
-Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix was lost: every other value is our choice
-(C51's atoms and gamma, A3C's grad clip, ACER's tislr_c, ...), each flag's docstring names its source.
+Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
+is not): every other value is our choice (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c), named per flag.
 
 Differences from the paper (long form: README.md, section reactor.py)
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.

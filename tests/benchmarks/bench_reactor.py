@@ -180,7 +180,6 @@ def run_actors(ctx, env_id, num_actors, seconds):
     """The real `actor_loop` processes (env + network on CPU, 1 thread each) streaming into a draining learner loop
     that copies every chunk into a SequenceReplay, as the main loop (no learning, so never throttled)."""
     args = reactor.Args(env_id=env_id, num_actors=num_actors, learning_starts=10**12)
-    args.run_name = "bench"
     probe = reactor.make_env(env_id, 0, args)
     num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
     probe.close()
@@ -188,11 +187,14 @@ def run_actors(ctx, env_id, num_actors, seconds):
     net.share_memory()
     version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
     channel, stop = reactor.make_channel(ctx, args, num_actions, obs_shape), ctx.Event()
-    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, net, version, steps, lsteps, (10**12, 0), channel,
-                                                          stop)) for i in range(num_actors)]
+    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, "bench", net, version, steps, lsteps, (10**12, 0),
+                                                          channel, stop)) for i in range(num_actors)]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
     while min(steps[:]) == 0:  # start-up (imports, ROM load)
+        if not all(p.is_alive() for p in procs):
+            [p.kill() for p in procs]
+            raise SystemExit("error: an actor died at start-up (see its traceback above)")
         time.sleep(0.1)
     t0, s0 = time.perf_counter(), sum(steps[:])
     while time.perf_counter() - t0 < seconds:
