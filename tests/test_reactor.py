@@ -999,15 +999,28 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     """Wiring: the real `actor_loop` (in a thread) and `SequenceReplay.add` (the learner's one line per chunk) store
     exactly what a direct rollout written here gives with the same weights and seeds: frames, actions, rewards,
     mu, the float16 LSTM state before each frame, term / first flags, and a pad slot (true last frame, uniform mu)
-    after each truncation. MinAtar Breakout with an 8-step limit has terminations and truncations."""
+    after each truncation. MinAtar Breakout with an 8-step limit has terminations and truncations; a wrapper adds
+    0.25 x (step in episode) to its rewards so that a dropped or shifted reward shows."""
     import threading
     from types import SimpleNamespace
 
+    import gymnasium as gym
+
     from common.minatar_env import make_minatar_env
 
+    class StepReward(gym.Wrapper):
+        def reset(self, **kwargs):
+            self.t = 0
+            return self.env.reset(**kwargs)
+
+        def step(self, action):
+            obs, r, term, trunc, info = self.env.step(action)
+            self.t += 1
+            return obs, r + 0.25 * self.t, term, trunc, info
+
     limit, steps = 8, 150
-    monkeypatch.setattr(reactor, "make_env", lambda env_id, seed, args, **k: make_minatar_env(
-        env_id, seed, max_episode_steps=limit))
+    monkeypatch.setattr(reactor, "make_env", lambda env_id, seed, args, **k: StepReward(make_minatar_env(
+        env_id, seed, max_episode_steps=limit)))
     args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16,
                         seed=5, actor_sync_every=1)
     probe = reactor.make_env(args.env_id, 0, args)
@@ -1032,7 +1045,7 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
         actor.join()
         torch.set_num_threads(threads)
 
-    env = make_minatar_env(args.env_id, args.seed, max_episode_steps=limit)  # the direct rollout
+    env = StepReward(make_minatar_env(args.env_id, args.seed, max_episode_steps=limit))  # the direct rollout
     net = reactor.make_network(args, A, shape)
     net.load_state_dict(shared.state_dict())
     rng, rows, ends = np.random.default_rng(args.seed), [], {"term": 0, "trunc": 0}
@@ -1056,6 +1069,7 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             obs, state, first = nxt, o.state, False
     assert ends["term"] >= 1 and ends["trunc"] >= 1
     n = int(replay.written[0])
+    assert len({row[2] for row in rows[:n]}) >= 8  # rewards that differ from step to step
     for k, name in enumerate(reactor.SequenceReplay.FIELDS):
         want = np.array([row[k] for row in rows[:n]])
         got = getattr(replay, name)[:n]
