@@ -631,6 +631,15 @@ def test_sequence_replay_keys_eviction_and_gathers():
         assert (times[:, 1:] - times[:, :-1] == 1).all()
         np.testing.assert_array_equal(batch.rewards.numpy(), times.numpy().astype(np.float32))
         assert batch.obs.shape == (4, T + 1, 1, 84, 84) and batch.weights.max() == 1.0
+    # every key known: P(k) = eps / n + (1 - eps) p_k / sum p (3.3), IS weights 1 / (n P(k)) over their batch maximum
+    valid = np.flatnonzero(rp.index.valid.get(np.arange(rp.capacity)))
+    prio = rng.uniform(0.1, 5.0, len(valid))
+    rp.update_priorities(valid, prio)
+    keys, batch = rp.sample(64, rng, "cpu")
+    p_key = dict(zip(valid.tolist(), (0.1 / len(valid) + 0.9 * prio / prio.sum()).tolist()))
+    w = np.array([1.0 / (len(valid) * p_key[k]) for k in keys.tolist()])
+    np.testing.assert_allclose(batch.weights.numpy(), w / w.max(), rtol=1e-6)
+    assert batch.weights.min() < 0.9
 
 
 def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
