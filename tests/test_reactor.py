@@ -860,6 +860,22 @@ def test_evaluation_resets_the_lstm_at_a_lost_life_as_training_does(float32, mon
     assert zero_state_at == [True, False, False, True, False, False, True]
 
 
+def test_training_env_ends_the_learning_episode_at_a_lost_life():
+    """The training side of the agreement above: the actors' env (`make_env`, not evaluation) terminates at each lost
+    life, so the actor starts a new sequence episode there (first = True, zero LSTM state: the wiring test below);
+    the evaluation env plays on through it."""
+    for evaluation in (False, True):
+        env = reactor.make_env("ALE/Breakout-v5", 0, reactor.Args(sticky_action_prob=0.0), evaluation=evaluation)
+        _, info = env.reset(seed=0)
+        lives, rng = info["lives"], np.random.default_rng(0)
+        for _ in range(2000):
+            _, _, terminated, truncated, info = env.step(int(rng.integers(env.action_space.n)))
+            if info["lives"] < lives or terminated or truncated:
+                break
+        assert info["lives"] == lives - 1 and terminated != evaluation, evaluation
+        env.close()
+
+
 def test_evaluate_plays_whole_games(float32):
     args = reactor.Args(env_id="ALE/Breakout-v5", lstm_size=16)
     net = reactor.ReactorNetwork(4, 51, 16)
