@@ -1104,7 +1104,8 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=name)
 
 
-def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_default):
+@pytest.mark.parametrize("distributional,policy_gradient", [(True, "beta-loo"), (False, "beta-loo"), (True, "tislr")])
+def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_default, distributional, policy_gradient):
     """reactor_loss through a stub network (parameters = the online Q logits and policy logits; a different target
     net) against a slow loop written from the paper: rho_t = pi(a_t|x_t) / mu(a_t|x_t), c_u = lambda min(1, rho_u)
     cut at episode starts and pads, gamma cut at terminations and pads (Eq. (4)); the distributional Retrace target
@@ -1112,14 +1113,16 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     with R(A) = scalar Retrace (Eq. (3)) on the target's expected Q; entropy bonus; each sequence's mean over its
     valid steps times its IS weight, averaged over the batch; priorities = mean total variation (3.3). Loss,
     gradients and priorities must agree (they do not if the bootstrap uses the online net, the IS weights are
-    dropped, or rho is shifted by one step)."""
+    dropped, or rho is shifted by one step). The ablations too: Reactor ND (scalar Q, Eq. (3) target, squared error,
+    priority mean |TD|) and TISLR (ACER's truncated IS with bias correction, c = 1 so that both terms act)."""
     rng = np.random.default_rng(11)
     B, T, A, K, gamma, lam, c_loo, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 0.01
     support = torch.linspace(-2.0, 2.0, K)
     args = reactor.Args(num_atoms=K, v_min=-2.0, v_max=2.0, gamma=gamma, retrace_lambda=lam, beta_loo_c=c_loo,
-                        entropy_coef=ent)
-    q_on, pl_on = rng.normal(size=(B, T + 1, A, K)), rng.normal(size=(B, T + 1, A))
-    q_tg = rng.normal(size=(B, T + 1, A, K))
+                        entropy_coef=ent, distributional=distributional, policy_gradient=policy_gradient, tislr_c=1.0)
+    q_shape = (B, T + 1, A, K) if distributional else (B, T + 1, A)
+    q_on, pl_on = rng.normal(size=q_shape), rng.normal(size=(B, T + 1, A))
+    q_tg = rng.normal(size=q_shape)
 
     class Stub(torch.nn.Module):
         def __init__(self, q, pl):
@@ -1156,22 +1159,37 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
             if not (first[b, u] or pad[b, u] or pad[b, u - 1]):
                 c[u] = lam * min(1.0, rho[u])
         disc = np.array([0.0 if term[b, t] or pad[b, t] else gamma for t in range(T)])
-        q_next = np.exp(q_tg[b]) / np.exp(q_tg[b]).sum(-1, keepdims=True)  # target net's return distributions
-        target_dist = textbook_distributional_retrace(rewards[b, :T], disc, c, pi_np, q_next, actions[b], z)
-        R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, (q_next * z).sum(-1), actions[b])
+        if distributional:
+            q_next = np.exp(q_tg[b]) / np.exp(q_tg[b]).sum(-1, keepdims=True)  # target net's return distributions
+            target_dist = textbook_distributional_retrace(rewards[b, :T], disc, c, pi_np, q_next, actions[b], z)
+            R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, (q_next * z).sum(-1), actions[b])
+        else:  # Reactor ND: the target net's scalar Q in Eq. (3)
+            R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, q_tg[b], actions[b])
         per_step, tv = [], []
         for t in range(T):
             if pad[b, t]:
                 continue
-            logq = torch.log_softmax(ref.q[b, t, actions[b, t]], -1)
-            value_loss = -(torch.tensor(target_dist[t]) * logq).sum()
-            Q = (torch.softmax(ref.q[b, t], -1) * torch.tensor(z)).sum(-1).detach()
-            beta = min(c_loo, 1.0 / mu[b, t, actions[b, t]])
             a = actions[b, t]
-            policy_loss = -(beta * (R[t] - Q[a]) * pi[t, a] + (Q * pi[t]).sum())
+            if distributional:
+                logq = torch.log_softmax(ref.q[b, t, a], -1)
+                value_loss = -(torch.tensor(target_dist[t]) * logq).sum()
+                Q = (torch.softmax(ref.q[b, t], -1) * torch.tensor(z)).sum(-1).detach()
+                tv.append(0.5 * np.abs(target_dist[t] - np.exp(logq.detach().numpy())).sum())
+            else:
+                value_loss = 0.5 * (R[t] - ref.q[b, t, a]) ** 2
+                Q = ref.q[b, t].detach()
+                tv.append(abs(R[t] - q_on[b, t, a]))
+            if policy_gradient == "beta-loo":
+                beta = min(c_loo, 1.0 / mu[b, t, a])
+                policy_loss = -(beta * (R[t] - Q[a]) * pi[t, a] + (Q * pi[t]).sum())
+            else:  # ACER's TISLR: min(c, rho_a)(R - V) log pi(a) + sum_b [rho_b - c]_+ mu_b (Q_b - V) log pi(b)
+                V = float((pi_np[t] * Q.numpy()).sum())
+                rho_all = pi_np[t] / mu[b, t]
+                policy_loss = -(min(1.0, rho_all[a]) * (R[t] - V) * torch.log(pi[t, a]))
+                for a2 in range(A):
+                    policy_loss = policy_loss - max(0.0, rho_all[a2] - 1.0) * mu[b, t, a2] * (Q[a2] - V) * torch.log(pi[t, a2])
             entropy = -(pi[t] * torch.log(pi[t])).sum()
             per_step.append(value_loss + policy_loss - ent * entropy)
-            tv.append(0.5 * np.abs(target_dist[t] - np.exp(logq.detach().numpy())).sum())
         total = total + weights[b] * torch.stack(per_step).mean()
         want_prios.append(np.mean(tv))
     want = total / B
