@@ -15,7 +15,7 @@
         [--skip replay acting learner]
 
 --baseline-script: an earlier reactor.py (e.g. `git show HEAD:reactor.py > /tmp/reactor_before.py`), timed beside
-this one in the replay and learner tables. Replay keys are all valid with 10% known priorities, as after a while of
+this one in the replay and learner tables (one from before MinAtar, e.g. b311819 with its LSTMCell loops: Atari only). Replay keys are all valid with 10% known priorities, as after a while of
 training; `SequenceReplay` adds a constant-cost frame copy per slot on top.
 """
 import argparse
@@ -237,22 +237,27 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
     """One learning step of `module`'s reactor.py as its main loop runs it, on a replay of random sequences."""
     args = module.Args(env_id=env_id)
     torch.manual_seed(seed)
+    old = not hasattr(module, "make_network")  # a script from before MinAtar (e.g. b311819): Atari constructors
+    make_network = (lambda a, n, shape: module.ReactorNetwork(n, a.num_atoms, a.lstm_size, a.crelu, a.distributional,
+                                                              a.policy_uniform_eps)) if old else module.make_network
     if hasattr(module, "make_learner"):
         net, target, opt = module.make_learner(args, 6, obs_shape, device)
     else:  # (the earlier script's __main__)
-        net = module.make_network(args, 6, obs_shape).to(device)
-        target = module.make_network(args, 6, obs_shape).to(device)
+        net = make_network(args, 6, obs_shape).to(device)
+        target = make_network(args, 6, obs_shape).to(device)
         target.load_state_dict(net.state_dict())
         opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                eps=args.adam_eps)
-    shared = module.make_network(args, 6, obs_shape)
+    shared = make_network(args, 6, obs_shape)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     size, m = 20_000, 2000
-    replay = module.SequenceReplay(size, 1, args.sequence_length, 6, args.lstm_size, obs_shape=obs_shape)
+    replay = module.SequenceReplay(size, 1, args.sequence_length, 6, args.lstm_size, **({} if old else
+                                                                                       {"obs_shape": obs_shape}))
     rng = np.random.default_rng(seed)
     high = 256 if obs_shape[0] == 1 else 2  # Atari frames 0..255, MinAtar 0/1
     for _ in range(0, size - m, m):
-        replay.add(0, {"obs": rng.integers(0, high, (m, *obs_shape), dtype=np.uint8), "action": rng.integers(0, 6, m),
+        frames = (m, *obs_shape[1:]) if old else (m, *obs_shape)  # (the old replay kept 84x84 frames)
+        replay.add(0, {"obs": rng.integers(0, high, frames, dtype=np.uint8), "action": rng.integers(0, 6, m),
                        "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01,
                        "pad": np.zeros(m, bool), "first": rng.random(m) < 0.01, "mu": np.full((m, 6), 1 / 6),
                        "state": np.zeros((m, 4, args.lstm_size))})
@@ -281,8 +286,9 @@ def bench_learner(seconds, rounds, baseline, threads):
     print(f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
           f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, env_id, obs_shape in LEARNER_CONFIGS:
-        steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in variants.items()}
-        wall, cpu = {v: [] for v in variants}, {v: [] for v in variants}
+        runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or hasattr(m, "make_network")}
+        steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in runs_here.items()}
+        wall, cpu = {v: [] for v in steps}, {v: [] for v in steps}
         for f in steps.values():
             f()
             f()  # warm-up
@@ -298,7 +304,7 @@ def bench_learner(seconds, rounds, baseline, threads):
                 cpu[v].append(n / (time.thread_time() - start_cpu))
         row = []
         for rates in (wall, cpu):
-            med = {v: float(np.median(r)) for v, r in rates.items()}
+            med = {v: float(np.median(r)) for v, r in rates.items()} | {v: np.nan for v in variants if v not in steps}
             row += [f"{med[v]:.2f}" for v in variants] + ([f"{med['ours'] / med['before']:.2f}"] if baseline else [])
         print(f"| {name} {'x'.join(map(str, obs_shape))} | " + " | ".join(row) + " |", flush=True)
         del steps
