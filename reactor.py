@@ -199,9 +199,9 @@ class NetOut(NamedTuple):
 class ReactorNetwork(nn.Module):
     """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
 
-    def __init__(self, num_actions: int, num_atoms: int = 51, lstm_size: int = 128, crelu: bool = True,
-                 distributional: bool = True, policy_uniform_eps: float = 0.01, obs_shape=(1, 84, 84),
-                 torso: str = "paper", obs_scale: float = 255.0):
+    def __init__(self, num_actions: int, obs_shape: tuple, num_atoms: int = 51, lstm_size: int = 128, crelu: bool = True,
+                 distributional: bool = True, policy_uniform_eps: float = 0.01, torso: str = "paper",
+                 obs_scale: float = 255.0):
         super().__init__()
         (act, m), c = ((CReLU, 2) if crelu else (nn.ReLU, 1)), obs_shape[0]
         self.num_actions, self.num_atoms, self.lstm_size, self.obs_shape = num_actions, num_atoms, lstm_size, tuple(obs_shape)
@@ -258,8 +258,8 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
     """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
     minatar = args.env_id in MINATAR_ENV_IDS
     torso = ("minatar" if minatar else "paper") if args.torso == "auto" else args.torso
-    return ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
-                          args.policy_uniform_eps, obs_shape, torso, obs_scale=1.0 if minatar else 255.0)
+    return ReactorNetwork(num_actions, obs_shape, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
+                          args.policy_uniform_eps, torso, obs_scale=1.0 if minatar else 255.0)
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
@@ -594,8 +594,8 @@ class SequenceReplay:
                 "term": (np.bool_, ()), "pad": (np.bool_, ()), "first": (np.bool_, ()),
                 "mu": (np.float32, (num_actions,)), "state": (np.float16, (4, lstm_size))}
 
-    def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int,
-                 uniform_eps: float = 0.1, prioritized: bool = True, obs_shape=(1, 84, 84)):
+    def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int, obs_shape: tuple,
+                 uniform_eps: float = 0.1, prioritized: bool = True):
         self.seg_cap = capacity // num_segments
         self.capacity = self.seg_cap * num_segments  # (whole segments)
         self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
@@ -605,7 +605,7 @@ class SequenceReplay:
         self.index = LazyPriorities(self.capacity, uniform_eps if prioritized else 1.0)
 
     @classmethod
-    def bytes_needed(cls, capacity: int, num_actions: int, lstm_size: int, obs_shape=(1, 84, 84)) -> int:
+    def bytes_needed(cls, capacity: int, num_actions: int, lstm_size: int, obs_shape: tuple) -> int:
         """The slot arrays, plus per key 3 sum trees (2 * 2^ceil(log2) 8-byte nodes) and LazyPriorities' 4 8-byte arrays."""
         fields = cls.slot_fields(num_actions, lstm_size, obs_shape).values()
         return capacity * (sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in fields) + 3 * 2 * 8 * 2 + 4 * 8)
@@ -770,7 +770,7 @@ if __name__ == "__main__":
     net, target_net, optimizer = make_learner(args, num_actions, obs_shape, device)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
-                            args.replay_uniform_eps, args.prioritized, obs_shape)
+                            obs_shape, args.replay_uniform_eps, args.prioritized)
     global_step, learn_steps, episodes_done = 0, 0, 0
     ratio_base = (args.learning_starts, 0)  # the acting:learning ratio counts from (env step, learning step)
     if ckpt:  # restore, then one line

@@ -29,6 +29,9 @@ from reactor import (  # noqa: E402
     tislr_policy_loss,
 )
 
+ATARI = (1, 84, 84)  # an Atari frame's shape
+
+
 @pytest.fixture(autouse=True)
 def float64_by_default():
     """Textbook comparisons run in float64; the default is restored so other test files keep float32."""
@@ -603,7 +606,7 @@ def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
 
 def test_sequence_replay_keys_eviction_and_gathers():
     T, seg = 4, 20
-    rp = SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=0.1)
+    rp = SequenceReplay(2 * seg, 2, T, 3, 4, ATARI, uniform_eps=0.1)
     rp.add(0, fill_chunk(0, 3))
     assert len(rp) == 0  # no complete sequence of T + 1 = 5 slots yet
     rp.add(0, fill_chunk(3, 3))
@@ -648,10 +651,10 @@ def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
     transition into it bootstraps from it (gamma, trace cut), the one out of it carries no loss; without the cut the
     old episode's last transition bootstrapped from the new episode's first frame."""
     T, seg = 4, 40
-    rp = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=1.0)
+    rp = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, ATARI, uniform_eps=1.0)
     for segment in (0, 1):
         rp.add(segment, fill_chunk(0, 10))  # an episode still running at the checkpoint
-    resumed = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, uniform_eps=1.0)
+    resumed = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, ATARI, uniform_eps=1.0)
     resumed.load_state_dict(rp.state_dict())
     resumed.cut_at_heads()
     for segment in (0, 1):
@@ -670,7 +673,7 @@ def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
 
 def test_sequence_replay_episode_boundaries_in_batches():
     T = 4
-    rp = SequenceReplay(40, 1, T, 3, 4, uniform_eps=1.0)
+    rp = SequenceReplay(40, 1, T, 3, 4, ATARI, uniform_eps=1.0)
     rp.add(0, fill_chunk(0, 12, first_at=(0, 6), term_at=(5,)))
     keys, batch = rp.sample(32, np.random.default_rng(1), "cpu")
     times = (batch.obs[:, :, 0, 0, 0].long()).numpy()
@@ -706,7 +709,7 @@ def float32(float64_by_default):
 
 def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
     A, K, H = 4, 11, 16
-    net = reactor.ReactorNetwork(A, K, H, crelu=True, policy_uniform_eps=0.1)
+    net = reactor.ReactorNetwork(A, ATARI, K, H, crelu=True, policy_uniform_eps=0.1)
     obs = torch.randint(0, 255, (2, 5, 84, 84), dtype=torch.uint8)
     first = torch.zeros(2, 5, dtype=torch.bool)
     out = net(obs, first, net.initial_state(2))
@@ -730,7 +733,7 @@ def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
     torch.testing.assert_close(full.q[:, 2:], tail.q)
     torch.testing.assert_close(full.pi[:, 2:], tail.pi)
     # ND head and plain ReLU
-    nd = reactor.ReactorNetwork(A, K, H, crelu=False, distributional=False)
+    nd = reactor.ReactorNetwork(A, ATARI, K, H, crelu=False, distributional=False)
     assert nd(obs, first, nd.initial_state(2)).q.shape == (2, 5, A)
 
 
@@ -744,7 +747,7 @@ def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
     got, want = reactor.CReLU()(x), torch.cat([torch.relu(x), torch.relu(-x)], 1)
     assert torch.equal(got, want)
     assert torch.equal(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
-    net = reactor.ReactorNetwork(4, 11, 16)
+    net = reactor.ReactorNetwork(4, ATARI, 11, 16)
     obs = torch.randint(0, 255, (2, 6, 84, 84), dtype=torch.uint8)
     first = torch.zeros(2, 6, dtype=torch.bool)
     first[0, 2] = first[1, 4] = True
@@ -760,7 +763,7 @@ def test_fused_lstm_equals_step_by_step_reset(float32):
     step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference)."""
     A, K, H, B, L = 3, 7, 8, 4, 9
     torch.manual_seed(0)
-    net = reactor.ReactorNetwork(A, K, H)
+    net = reactor.ReactorNetwork(A, ATARI, K, H)
     obs = torch.randint(0, 255, (B, L, 84, 84), dtype=torch.uint8)
     first = torch.zeros(B, L, dtype=torch.bool)
     first[0, 0] = first[1, 3] = first[1, 7] = first[2, 3] = first[3, 8] = True  # starts at 0, mid, shared, last
@@ -806,8 +809,8 @@ def test_fused_lstm_equals_step_by_step_reset(float32):
 def test_reactor_loss_runs_and_priorities(float32, distributional, pg):
     A, K, H, B, T = 3, 11, 16, 3, 6
     args = reactor.Args(distributional=distributional, policy_gradient=pg, num_atoms=K, lstm_size=H)
-    net = reactor.ReactorNetwork(A, K, H, distributional=distributional)
-    target = reactor.ReactorNetwork(A, K, H, distributional=distributional)
+    net = reactor.ReactorNetwork(A, ATARI, K, H, distributional=distributional)
+    target = reactor.ReactorNetwork(A, ATARI, K, H, distributional=distributional)
     batch = make_batch(B, T, A, H, np.random.default_rng(0), pad_at=2)
     support = torch.linspace(-10, 10, K)
     loss, prio, stats = reactor.reactor_loss(net, target, batch, support, args)
@@ -846,7 +849,7 @@ def test_evaluation_resets_the_lstm_at_a_lost_life_as_training_does(float32, mon
             pass
 
     monkeypatch.setattr(reactor, "make_env", lambda *a, **k: LivesEnv())
-    net = reactor.ReactorNetwork(3, 11, 8)
+    net = reactor.ReactorNetwork(3, ATARI, 11, 8)
     zero_state_at = []
     forward = net.forward
 
@@ -878,7 +881,7 @@ def test_training_env_ends_the_learning_episode_at_a_lost_life():
 
 def test_evaluate_plays_whole_games(float32):
     args = reactor.Args(env_id="ALE/Breakout-v5", lstm_size=16)
-    net = reactor.ReactorNetwork(4, 51, 16)
+    net = reactor.ReactorNetwork(4, ATARI, 51, 16)
     returns = reactor.evaluate(net, args, 1, "cpu", seed=3)
     assert len(returns) == 1 and returns[0] >= 0
 
@@ -927,7 +930,7 @@ def test_bad_input_fails_with_one_line():
     with pytest.raises(SystemExit, match="error: reactor.py is for Atari"):
         reactor.validate_args(reactor.Args(env_id="CartPole-v1"))
     with pytest.raises(SystemExit, match="error: the replay memory needs .* lower --replay-size"):  # start-up RAM check
-        check_memory(reactor.SequenceReplay.bytes_needed(10**10, 6, 128), "--replay-size", 0.8)  # as __main__ calls it
+        check_memory(reactor.SequenceReplay.bytes_needed(10**10, 6, 128, ATARI), "--replay-size", 0.8)  # as __main__ calls it
     with pytest.raises(SystemExit, match="error: --policy-gradient must be one of beta-loo, tislr"):
         check_args(reactor.Args(policy_gradient="ppo"), reactor.ARG_RULES)
     with pytest.raises(SystemExit, match="error: --torso paper needs 84x84 Atari frames"):
@@ -1004,8 +1007,8 @@ def test_learner_fits_a_fixed_batch(float32):
     torch.manual_seed(0)
     A, K, H, B, T = 3, 11, 16, 2, 5
     args = reactor.Args(num_atoms=K, lstm_size=H, v_min=-2.0, v_max=2.0)
-    net = reactor.ReactorNetwork(A, K, H)
-    target = reactor.ReactorNetwork(A, K, H)
+    net = reactor.ReactorNetwork(A, ATARI, K, H)
+    target = reactor.ReactorNetwork(A, ATARI, K, H)
     target.load_state_dict(net.state_dict())
     batch = make_batch(B, T, A, H, np.random.default_rng(1))
     support = torch.linspace(-2.0, 2.0, K)

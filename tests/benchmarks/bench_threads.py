@@ -65,8 +65,7 @@ def load_actor(script, i, steps, stop_event):
         args = reactor.Args()
         env = reactor.make_env(args.env_id, i, args)
         num_actions = int(env.action_space.n)
-        net = reactor.ReactorNetwork(num_actions, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
-                                     args.policy_uniform_eps)
+        net = reactor.make_network(args, num_actions, env.observation_space.shape)
         state = [net.initial_state(1)]
         obs, _ = env.reset(seed=i)
 
@@ -137,7 +136,7 @@ def setup(script, a, device):
         import bench_reactor
         import reactor
 
-        step = bench_reactor.learner_step(device)
+        step = bench_reactor.learner_step(reactor, "ALE/Pong-v5", (1, 84, 84), device)
         return DEFAULT_THREADS, reactor.Args().num_actors, timed_blocks(step, a.max_block_seconds)  # old: it set nothing
     if script == "vracer_refer":
         import bench_vracer_refer
