@@ -15,8 +15,9 @@
         [--skip replay acting learner]
 
 --baseline-script: an earlier reactor.py (e.g. `git show HEAD:reactor.py > /tmp/reactor_before.py`), timed beside
-this one in the replay and learner tables (one from before MinAtar, e.g. b311819 with its LSTMCell loops: Atari only). Replay keys are all valid with 10% known priorities, as after a while of
-training; `SequenceReplay` adds a constant-cost frame copy per slot on top.
+this one in the replay and learner tables (one from before MinAtar, e.g. b311819 with its LSTMCell loops: Atari
+only). Replay keys are all valid with 10% known priorities, as after a while of training; `SequenceReplay` adds a
+constant-cost frame copy per slot on top.
 """
 import argparse
 import importlib.util
@@ -233,11 +234,16 @@ def bench_acting(num_actors, seconds, rounds):
 LEARNER_CONFIGS = (("Atari", "ALE/Pong-v5", (1, 84, 84)), ("MinAtar", "MinAtar/Breakout-v0", (4, 10, 10)))
 
 
+def pre_minatar(module) -> bool:
+    """A reactor.py from before MinAtar (e.g. b311819): Atari-only constructors, 84x84 frames in its replay."""
+    return not hasattr(module, "make_network")
+
+
 def learner_step(module, env_id, obs_shape, device, seed=0):
     """One learning step of `module`'s reactor.py as its main loop runs it, on a replay of random sequences."""
     args = module.Args(env_id=env_id)
     torch.manual_seed(seed)
-    old = not hasattr(module, "make_network")  # a script from before MinAtar (e.g. b311819): Atari constructors
+    old = pre_minatar(module)
     make_network = (lambda a, n, shape: module.ReactorNetwork(n, a.num_atoms, a.lstm_size, a.crelu, a.distributional,
                                                               a.policy_uniform_eps)) if old else module.make_network
     if hasattr(module, "make_learner"):
@@ -286,7 +292,7 @@ def bench_learner(seconds, rounds, baseline, threads):
     print(f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
           f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, env_id, obs_shape in LEARNER_CONFIGS:
-        runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or hasattr(m, "make_network")}
+        runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or not pre_minatar(m)}
         steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in runs_here.items()}
         wall, cpu = {v: [] for v in steps}, {v: [] for v in steps}
         for f in steps.values():
