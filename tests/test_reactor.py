@@ -1119,10 +1119,10 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     dropped, or rho is shifted by one step). The ablations too: Reactor ND (scalar Q, Eq. (3) target, squared error,
     priority mean |TD|) and TISLR (ACER's truncated IS with bias correction, c = 1 so that both terms act)."""
     rng = np.random.default_rng(11)
-    B, T, A, K, gamma, lam, c_loo, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 0.01
+    B, T, A, K, gamma, lam, c_loo, c_tislr, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 1.0, 0.01
     support = torch.linspace(-2.0, 2.0, K)
     args = reactor.Args(num_atoms=K, v_min=-2.0, v_max=2.0, gamma=gamma, retrace_lambda=lam, beta_loo_c=c_loo,
-                        entropy_coef=ent, distributional=distributional, policy_gradient=policy_gradient, tislr_c=1.0)
+                        entropy_coef=ent, distributional=distributional, policy_gradient=policy_gradient, tislr_c=c_tislr)
     q_shape = (B, T + 1, A, K) if distributional else (B, T + 1, A)
     q_on, pl_on = rng.normal(size=q_shape), rng.normal(size=(B, T + 1, A))
     q_tg = rng.normal(size=q_shape)
@@ -1188,9 +1188,10 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
             else:  # ACER's TISLR: min(c, rho_a)(R - V) log pi(a) + sum_b [rho_b - c]_+ mu_b (Q_b - V) log pi(b)
                 V = float((pi_np[t] * Q.numpy()).sum())
                 rho_all = pi_np[t] / mu[b, t]
-                policy_loss = -(min(1.0, rho_all[a]) * (R[t] - V) * torch.log(pi[t, a]))
-                for a2 in range(A):
-                    policy_loss = policy_loss - max(0.0, rho_all[a2] - 1.0) * mu[b, t, a2] * (Q[a2] - V) * torch.log(pi[t, a2])
+                policy_loss = -(min(c_tislr, rho_all[a]) * (R[t] - V) * torch.log(pi[t, a]))
+                for b2 in range(A):
+                    correction = max(0.0, rho_all[b2] - c_tislr) * mu[b, t, b2] * (Q[b2] - V)
+                    policy_loss = policy_loss - correction * torch.log(pi[t, b2])
             entropy = -(pi[t] * torch.log(pi[t])).sum()
             per_step.append(value_loss + policy_loss - ent * entropy)
         total = total + weights[b] * torch.stack(per_step).mean()
