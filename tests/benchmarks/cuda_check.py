@@ -1,17 +1,18 @@
 """CUDA check of the four scripts, for a machine with a GPU (the CI and development machines have none):
 
 1. each script's tiny run (tests/test_lifecycle.py's TINY + SHORT flags, without --no-cuda) with the learner on CUDA,
-   then `--resume` of its checkpoint on CUDA and, from a copy, on the CPU (`--no-cuda`): all exit 0, and the main
-   process (the learner) allocated CUDA memory while the CPU resume allocated none;
-2. Reactor's fused LSTM on cuDNN against the same network on the CPU (outputs, final state, gradients) with episode
-   starts inside the sequences, and `reactor_loss` (loss, priorities) on CUDA against the CPU on one batch.
+   then `--resume` of its checkpoint on CUDA and, from a copy, on the CPU (`--no-cuda`): each completes past the
+   checkpoint's step; the learner's peak CUDA memory is above 32 MiB on CUDA (more than its weights, gradients and
+   Adam state could take) and 0 on the CPU;
+2. Reactor's learner as `make_learner` builds it (channels-last, fused LSTM on cuDNN) against the same weights on the
+   CPU: outputs, final state and gradients with episode starts inside the sequences; `reactor_loss` (loss,
+   priorities, gradients) for Reactor, ND and TISLR on one batch with unequal IS weights.
 
     python tests/benchmarks/cuda_check.py [--out DIR]   # needs requirements.txt's packages (any CUDA torch)
 
-Exits 1 on the first failed check; prints one line per check.
+Prints one line per check (ok or FAIL); exits 1 if any failed.
 """
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -26,96 +27,135 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-# imported by every Python process started with this folder on PYTHONPATH: the main process (the learner) writes the
-# CUDA memory it allocated to $CUDA_CHECK_FILE at exit (actors are child processes and write nothing)
+# imported by every Python process started with this folder on PYTHONPATH: the script's main process (the learner;
+# not the actors, not a forkserver, which runs with -c) writes the CUDA memory it allocated to $CUDA_CHECK_FILE at exit
 SITECUSTOMIZE = """
 import atexit, os, sys
 def _report():
     import multiprocessing
-    if multiprocessing.parent_process() is None and "torch" in sys.modules and os.environ.get("CUDA_CHECK_FILE"):
+    if (multiprocessing.parent_process() is None and sys.argv and sys.argv[0].endswith(".py")
+            and "torch" in sys.modules and os.environ.get("CUDA_CHECK_FILE")):
         import torch
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
         open(os.environ["CUDA_CHECK_FILE"], "w").write(str(peak))
 atexit.register(_report)
 """
+MIN_LEARNER_BYTES = 32 * 2**20  # tiny runs peaked at 65-86 MiB; weights, grads, Adam, target: at most 10 MiB
+GPU = torch.device("cuda")
+RESUME_TO = {"reactor.py": ["--total-timesteps", "700"]}  # past the replay refill (360 steps), so that it learns
 
 
 def run_script(script, flags, cwd, hook_dir, tag):
+    """Run a script in cwd; returns (error or None, peak CUDA bytes of its main process, its summary.json)."""
     peak_file = os.path.join(cwd, f"cuda_peak_{tag}")
     path = os.pathsep.join([hook_dir, ROOT, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_CHECK_FILE=peak_file)
     r = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=300)
     peak = int(open(peak_file).read()) if os.path.exists(peak_file) else -1
-    return r, peak
+    (run_dir,) = os.listdir(os.path.join(cwd, "runs")) if os.path.isdir(os.path.join(cwd, "runs")) else [None]
+    path = os.path.join(cwd, "runs", run_dir or "", "summary.json")
+    summary = json.load(open(path)) if os.path.exists(path) else {}
+    if r.returncode != 0 or summary.get("stop_reason") != "completed":
+        return f"rc {r.returncode}, stop_reason {summary.get('stop_reason')}\n{r.stderr[-2000:]}", peak, summary
+    return None, peak, summary
 
 
 def check_script(script, out, hook_dir):
-    from test_lifecycle import RESUME_TO, SHORT, TINY
-    tiny = [f for f in TINY[script] if f != "--no-cuda"]
+    """Run on CUDA, resume on CUDA, resume a copy of the first checkpoint on the CPU: each completes, goes past the
+    checkpoint's step, and (on CUDA) its learner allocates more CUDA memory than its weights could."""
+    from test_lifecycle import RESUME_TO as LIFECYCLE_RESUME_TO
+    from test_lifecycle import SHORT, TINY
+    tiny, resume_to = [f for f in TINY[script] if f != "--no-cuda"], RESUME_TO.get(script, LIFECYCLE_RESUME_TO[script])
     work = os.path.join(out, script.removesuffix(".py"))
     os.makedirs(work)
-    r, peak = run_script(script, [*tiny, *SHORT[script]], work, hook_dir, "first")
-    if r.returncode != 0 or peak <= 0:
-        return f"FAIL {script} first run on CUDA: rc {r.returncode}, CUDA bytes {peak}\n{r.stderr[-2000:]}"
+    error, peak, summary = run_script(script, [*tiny, *SHORT[script]], work, hook_dir, "first")
+    if error or peak < MIN_LEARNER_BYTES:
+        return f"FAIL {script} first run on CUDA: CUDA bytes {peak}; {error}"
     (run_dir,) = os.listdir(os.path.join(work, "runs"))
     ckpt = os.path.join(work, "runs", run_dir, "checkpoint.pt")
+    ckpt_step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
     cpu_copy = os.path.join(work, "cpu_resume.pt")
     shutil.copy(ckpt, cpu_copy)
-    r2, peak2 = run_script(script, ["--resume", ckpt, *RESUME_TO[script]], work, hook_dir, "resume_cuda")
-    r3, peak3 = run_script(script, ["--resume", cpu_copy, *RESUME_TO[script], "--no-cuda"], work, hook_dir,
-                           "resume_cpu")
-    if r2.returncode != 0 or peak2 <= 0:
-        return f"FAIL {script} resume on CUDA: rc {r2.returncode}, CUDA bytes {peak2}\n{r2.stderr[-2000:]}"
-    if r3.returncode != 0 or peak3 != 0:
-        return f"FAIL {script} resume of a CUDA checkpoint on the CPU: rc {r3.returncode}, CUDA bytes {peak3}\n" \
-               f"{r3.stderr[-2000:]}"
-    summary = json.load(open(os.path.join(work, "runs", run_dir, "summary.json")))
-    return f"ok   {script}: run, CUDA resume, CPU resume (learner peak CUDA memory {peak / 2**20:.1f} MiB; " \
-           f"summary keys {len(summary)})"
+    error, peak2, summary2 = run_script(script, ["--resume", ckpt, *resume_to], work, hook_dir, "resume_cuda")
+    if error or peak2 < MIN_LEARNER_BYTES or summary2["global_step"] <= ckpt_step:
+        return f"FAIL {script} resume on CUDA: CUDA bytes {peak2}, step {summary2.get('global_step')}; {error}"
+    error, peak3, summary3 = run_script(script, ["--resume", cpu_copy, *resume_to, "--no-cuda"], work, hook_dir,
+                                        "resume_cpu")
+    if error or peak3 != 0 or summary3["global_step"] <= ckpt_step:
+        return f"FAIL {script} resume of a CUDA checkpoint on the CPU: CUDA bytes {peak3}, " \
+               f"step {summary3.get('global_step')}; {error}"
+    return f"ok   {script}: run, CUDA resume, CPU resume, each completed (checkpoint at step {ckpt_step:,}, resumed " \
+           f"to {summary2['global_step']:,}); learner peak CUDA memory {peak / 2**20:.0f} / {peak2 / 2**20:.0f} MiB"
+
+
+def assert_same_gradients(net_cpu, net_gpu, what):
+    """Every parameter has a gradient on both devices, equal to 1e-4 of the largest entry of that parameter's."""
+    for (name, p), q in zip(net_cpu.named_parameters(), net_gpu.parameters()):
+        assert p.grad is not None and q.grad is not None, f"{what}: {name} has no gradient"
+        scale = p.grad.abs().max().clamp_min(1e-30)
+        torch.testing.assert_close(q.grad.cpu() / scale, p.grad / scale, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{what}, {name}: {m}")
 
 
 def check_reactor_cuda_vs_cpu():
+    """The learner as the main loop builds it (`make_learner`: channels-last, fused Adam) on CUDA and on the CPU with
+    the same weights: network outputs and gradients with episode starts inside the sequences; then reactor_loss
+    (loss, priorities, gradients) for Reactor, Reactor ND and TISLR on one batch with unequal IS weights."""
     import reactor
     from test_reactor import make_batch
-    lines = []
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
-    torch.manual_seed(0)
+    tol = dict(rtol=1e-4, atol=1e-5)
     A, K, H, B, L = 4, 51, 32, 3, 12
-    net_cpu = reactor.ReactorNetwork(A, (1, 84, 84), K, H)
-    net_gpu = copy.deepcopy(net_cpu).cuda()
+    cpu, gpu = torch.device("cpu"), GPU
+
+    def learners(args):
+        torch.manual_seed(0)
+        net_cpu, target_cpu, _ = reactor.make_learner(args, A, (1, 84, 84), cpu)
+        net_gpu, target_gpu, _ = reactor.make_learner(args, A, (1, 84, 84), gpu)
+        net_gpu.load_state_dict(net_cpu.state_dict())
+        target_gpu.load_state_dict(target_cpu.state_dict())
+        return net_cpu, target_cpu, net_gpu, target_gpu
+
+    net_cpu, _, net_gpu, _ = learners(reactor.Args(num_atoms=K, lstm_size=H))
     obs = torch.randint(0, 255, (B, L, 1, 84, 84), dtype=torch.uint8)
     first = torch.zeros(B, L, dtype=torch.bool)
     first[0, 0] = first[1, 5] = first[2, 11] = True
     state = tuple(torch.randn(B, H) for _ in range(4))
     out_cpu = net_cpu(obs, first, state)
-    out_gpu = net_gpu(obs.cuda(), first.cuda(), tuple(s.cuda() for s in state))
-    tol = dict(rtol=1e-4, atol=1e-5)
-    for name in out_cpu._fields:
-        a, b = getattr(out_cpu, name), getattr(out_gpu, name)
-        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
-            torch.testing.assert_close(y.cpu(), x, **tol)
+    out_gpu = net_gpu(obs.to(gpu), first.to(gpu), tuple(s.to(gpu) for s in state))
+    for x, y in zip((out_cpu.q, out_cpu.pi, *out_cpu.state), (out_gpu.q, out_gpu.pi, *out_gpu.state)):
+        torch.testing.assert_close(y.cpu(), x, **tol)
     for out in (out_cpu, out_gpu):  # gradients through both LSTMs (the policy's sees a detached torso)
         (out.q.square().mean() + out.pi.log().mean() + sum(s.sum() for s in out.state)).backward()
-    for (n, p), q in zip(net_cpu.named_parameters(), net_gpu.parameters()):
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    lines.append("ok   reactor network on cuDNN = CPU (outputs q and pi, LSTM states, gradients of every parameter)")
+    assert_same_gradients(net_cpu, net_gpu, "network")
+    lines = ["ok   reactor network on cuDNN = CPU (q, pi, LSTM states, every parameter's gradient; episode starts)"]
 
-    args = reactor.Args(num_atoms=K, lstm_size=H)
     batch = make_batch(B, 8, A, H, np.random.default_rng(0), pad_at=2)
-    batch = batch._replace(obs=batch.obs[:, :, None])
-    target_cpu = reactor.ReactorNetwork(A, (1, 84, 84), K, H)
-    target_gpu = copy.deepcopy(target_cpu).cuda()
-    support = torch.linspace(args.v_min, args.v_max, K)
-    loss_cpu, prio_cpu, _ = reactor.reactor_loss(net_cpu, target_cpu, batch, support, args)
-    to_gpu = batch._replace(**{f: (tuple(s.cuda() for s in v) if isinstance(v, tuple) else v.cuda())
-                               for f, v in batch._asdict().items()})
-    loss_gpu, prio_gpu, _ = reactor.reactor_loss(net_gpu, target_gpu, to_gpu, support.cuda(), args)
-    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, **tol)
-    torch.testing.assert_close(prio_gpu.cpu(), prio_cpu, **tol)
-    lines.append(f"ok   reactor_loss on CUDA = CPU (loss {loss_cpu.item():.5f}, priorities {prio_cpu.tolist()})")
+    batch = batch._replace(obs=batch.obs[:, :, None], weights=torch.tensor([1.0, 0.3, 0.7]))
+    batch_gpu = batch._replace(**{f: (tuple(s.to(gpu) for s in v) if isinstance(v, tuple) else v.to(gpu))
+                                  for f, v in batch._asdict().items()})
+    for distributional, pg in ((True, "beta-loo"), (False, "beta-loo"), (True, "tislr")):
+        args = reactor.Args(num_atoms=K, lstm_size=H, distributional=distributional, policy_gradient=pg)
+        net_cpu, target_cpu, net_gpu, target_gpu = learners(args)
+        support = torch.linspace(args.v_min, args.v_max, K)
+        loss_cpu, prio_cpu, _ = reactor.reactor_loss(net_cpu, target_cpu, batch, support, args)
+        loss_gpu, prio_gpu, _ = reactor.reactor_loss(net_gpu, target_gpu, batch_gpu, support.to(gpu), args)
+        torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, **tol)
+        torch.testing.assert_close(prio_gpu.cpu(), prio_cpu, **tol)
+        loss_cpu.backward()
+        loss_gpu.backward()
+        what = f"reactor_loss ({'distributional' if distributional else 'ND'}, {pg})"
+        assert_same_gradients(net_cpu, net_gpu, what)
+        lines.append(f"ok   {what} on CUDA = CPU: loss {loss_cpu.item():.5f}, priorities, gradients")
     return lines
+
+
+def guarded(check, *args):
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 (a timeout, a missing run folder: one FAIL line, the other checks go on)
+        return f"FAIL {args[0]}: {type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":
@@ -139,12 +179,12 @@ if __name__ == "__main__":
     try:
         for line in check_reactor_cuda_vs_cpu():
             print(line, flush=True)
-    except AssertionError as e:
-        print(f"FAIL reactor CUDA vs CPU: {e}", flush=True)
+    except Exception as e:  # noqa: BLE001 (a device mismatch raises RuntimeError)
+        print(f"FAIL reactor CUDA vs CPU: {type(e).__name__}: {e}", flush=True)
         failed = True
     scripts = ["clear_impala.py", "reactor.py", "plr_ppo.py", "vracer_refer.py"]
     with ThreadPoolExecutor(len(scripts)) as pool:  # the four scripts at once (a GPU machine has the cores)
-        for line in pool.map(lambda s: check_script(s, out, hook_dir), scripts):
+        for line in pool.map(lambda s: guarded(check_script, s, out, hook_dir), scripts):
             print(line, flush=True)
             failed |= line.startswith("FAIL")
     sys.exit(1 if failed else 0)
