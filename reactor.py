@@ -8,7 +8,7 @@ Paper parts, in file order
 - Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
   policy, CReLU `ReactorNetwork`.
 - C51 projection (C51 Eq. (7)) `categorical_projection`; Retrace (Eqs. (3)-(4), the scalar "ND" ablation)
-  `retrace_returns`; distributional Retrace, an alpha-mixture of n-step backups, KL loss (3.2, Eq. (12))
+  `retrace_returns`; distributional Retrace, an alpha-mixture of n-step backups, cross-entropy (3.2, Eq. (12))
   `distributional_retrace_target`, `reactor_loss`.
 - beta-LOO (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1) `tislr_policy_loss`.
 - Prioritized sequence replay, lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean |TD|
@@ -17,12 +17,12 @@ Paper parts, in file order
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
-is not): every other value is our choice (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c), named per flag.
+is not): other values (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c) are flags; fixed: layer sizes, Adam beta2/eps.
 
 Differences from the paper (long form: README.md, section reactor.py)
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
-- The appendix's Contextual Priority Tree -> three sum trees (keys, known priorities, cell masses) and a linked list
-  of the known keys with their cell sizes: an unknown key takes its and the neighbour cells' mean (3.3).
+- The appendix's Contextual Priority Tree (an AVL tree over time-ordered keys with subtree counts and mean estimates) ->
+  three sum trees and a list of known keys with cell sizes; same estimate (cells' size-weighted mean, 3.3), O(log n).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
 - Both networks unroll all 33 frames (paper: online 1-32, target 2-33); a truncation's last frame is stored, bootstrapped.
