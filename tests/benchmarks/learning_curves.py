@@ -18,6 +18,7 @@ Usage:
       [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
       [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
       [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
+      [--max-step 1000000]                                  (tables and plots leave out records past this step)
       [--eval-reactor 100]                                  (reactor.py runs with --save-model: greedy games)
       [--export tests/benchmarks/results/<experiment>]       (keep each run's returns and --with metrics as
                                                               <run>/metrics.jsonl.gz, with its summary.json, args.json,
@@ -178,10 +179,13 @@ def main():
                    "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration")
     p.add_argument("--hline", nargs="+", default=None, help="with --plot: VALUE [LABEL], a dashed reference line")
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
+    p.add_argument("--max-step", type=int, default=None, help="tables and plots leave out records past this env step "
+                   "(a run's last actor chunk can pass --total-timesteps by a few steps); --export keeps them")
     a = p.parse_args()
     runs_rows = [read_run(d) for d in a.runs]  # read each file once
+    shown = [[r for r in rows if a.max_step is None or r["global_step"] <= a.max_step] for rows in runs_rows]
     tables, lasts, names = [], [], []
-    for d, rows in zip(a.runs, runs_rows):
+    for d, rows in zip(a.runs, shown):
         t, _, vals = binned(rows, a.metric, a.bin)
         tables.append(t)
         lasts.append(float(vals[-a.last:].mean()) if len(vals) else float("nan"))
@@ -207,7 +211,7 @@ def main():
               + " | ".join(f"{c['return_mean']:.3g} ± {c['return_se']:.2g}" for c in cells) + " |")
     for d, rows in zip(a.runs, runs_rows) if a.export else ():  # after --eval-reactor: keeps its eval_greedy.json
         export_run(d, rows, [a.metric, *a.extra], a.export)
-    for rows, name in zip(runs_rows, names) if a.extra else ():
+    for rows, name in zip(shown, names) if a.extra else ():
         ret, count, _ = binned(rows, a.metric, a.bin)
         cols = [binned(rows, m, a.bin)[0] for m in a.extra]
         print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
@@ -229,8 +233,8 @@ def main():
             print(f"| **{g}** ({len(vals)} runs) | " + " | ".join(
                 f"{m:.4g} ± {sd:.2g}" for m, sd in zip(vals.mean(0), vals.std(0, ddof=1) if len(vals) > 1 else 0 * vals[0])) + " |")
     if a.plot and a.series:
-        tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in runs_rows]
-        plot_groups(tables, [m for m in a.series for _ in runs_rows], a.plot, a.ylabel or "value", a.bin, a.title)
+        tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in shown]
+        plot_groups(tables, [m for m in a.series for _ in shown], a.plot, a.ylabel or "value", a.bin, a.title)
     elif a.plot:
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
