@@ -48,14 +48,14 @@ RESUME_TO = {"reactor.py": ["--total-timesteps", "700"]}  # past the replay refi
 def run_script(script, flags, cwd, hook_dir, tag):
     """Run a script in cwd; returns (error or None, peak CUDA bytes of its main process, its summary.json)."""
     peak_file = os.path.join(cwd, f"cuda_peak_{tag}")
-    path = os.pathsep.join([hook_dir, ROOT, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_CHECK_FILE=peak_file)
+    pythonpath = os.pathsep.join([hook_dir, ROOT, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", CUDA_CHECK_FILE=peak_file)
     r = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=300)
     peak = int(open(peak_file).read()) if os.path.exists(peak_file) else -1
     (run_dir,) = os.listdir(os.path.join(cwd, "runs")) if os.path.isdir(os.path.join(cwd, "runs")) else [None]
-    path = os.path.join(cwd, "runs", run_dir or "", "summary.json")
-    summary = json.load(open(path)) if os.path.exists(path) else {}
+    summary_path = os.path.join(cwd, "runs", run_dir or "", "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     if r.returncode != 0 or summary.get("stop_reason") != "completed":
         return f"rc {r.returncode}, stop_reason {summary.get('stop_reason')}\n{r.stderr[-2000:]}", peak, summary
     return None, peak, summary
@@ -69,7 +69,7 @@ def check_script(script, out, hook_dir):
     tiny, resume_to = [f for f in TINY[script] if f != "--no-cuda"], RESUME_TO.get(script, LIFECYCLE_RESUME_TO[script])
     work = os.path.join(out, script.removesuffix(".py"))
     os.makedirs(work)
-    error, peak, summary = run_script(script, [*tiny, *SHORT[script]], work, hook_dir, "first")
+    error, peak, _ = run_script(script, [*tiny, *SHORT[script]], work, hook_dir, "first")
     if error or peak < MIN_LEARNER_BYTES:
         return f"FAIL {script} first run on CUDA: CUDA bytes {peak}; {error}"
     (run_dir,) = os.listdir(os.path.join(work, "runs"))
