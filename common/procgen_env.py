@@ -29,9 +29,6 @@ from typing import Callable, Sequence
 import gymnasium as gym
 import numpy as np
 
-with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
-    from procgen import ProcgenGym3Env
-
 PROCGEN_GAMES = (
     "bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot",
     "heist", "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot",
@@ -54,8 +51,17 @@ def procgen_normalized_return(game: str, distribution_mode: str, ret: float) -> 
     b = PROCGEN_RETURN_BOUNDS[game]
     lo, hi = (b[0], b[1]) if distribution_mode == "easy" else (b[2], b[3])
     return (ret - lo) / (hi - lo)
+
+
 # Each game ends an episode by itself after `timeout` steps (BasicAbstractGame: 1000; maze.cpp sets 500).
 PROCGEN_TIMEOUTS = {game: 500 if game == "maze" else 1000 for game in PROCGEN_GAMES}
+
+
+def _procgen_gym3_env():
+    """procgen's `ProcgenGym3Env`, imported on first use so that MiniGrid runs need no procgen install."""
+    with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
+        from procgen import ProcgenGym3Env
+    return ProcgenGym3Env
 
 
 class ProcgenVecEnv:
@@ -93,7 +99,7 @@ class ProcgenVecEnv:
         self._num_levels, self._start_level = int(num_levels), int(start_level)
         self._rng = np.random.default_rng(rand_seed)
         self._options = dict(env_name=env_name, distribution_mode=distribution_mode)  # gym3 wants plain ints/strs
-        self.env = ProcgenGym3Env(
+        self.env = _procgen_gym3_env()(
             num=num_envs,
             num_levels=int(num_levels),
             start_level=int(start_level),
@@ -122,7 +128,7 @@ class ProcgenVecEnv:
         if seed in self._cache:
             self._cache.move_to_end(seed)
             return self._cache[seed]
-        one = ProcgenGym3Env(num=1, start_level=seed, num_levels=1, num_threads=0, **self._options)
+        one = _procgen_gym3_env()(num=1, start_level=seed, num_levels=1, num_threads=0, **self._options)
         state = one.get_state()[0]
         one.close()
         self._cache[seed] = state

@@ -168,12 +168,6 @@ if __name__ == "__main__":
     hook_dir = os.path.join(out, "hook")
     os.makedirs(hook_dir, exist_ok=True)
     open(os.path.join(hook_dir, "sitecustomize.py"), "w").write(SITECUSTOMIZE)
-    try:
-        import procgen  # noqa: F401
-    except ImportError:  # procgen2 has cp311 wheels only; plr_ppo.py's MiniGrid run never calls it
-        os.makedirs(os.path.join(hook_dir, "procgen"), exist_ok=True)
-        open(os.path.join(hook_dir, "procgen", "__init__.py"), "w").write("ProcgenGym3Env = None  # stub\n")
-        print("procgen not installed: a stub module stands in (plr_ppo.py runs MiniGrid here)")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, numpy {np.__version__}, runs under {out}")
     failed = False
     try:
