@@ -57,13 +57,6 @@ def procgen_normalized_return(game: str, distribution_mode: str, ret: float) -> 
 PROCGEN_TIMEOUTS = {game: 500 if game == "maze" else 1000 for game in PROCGEN_GAMES}
 
 
-def _procgen_gym3_env():
-    """procgen's `ProcgenGym3Env`, imported on first use so that MiniGrid runs need no procgen install."""
-    with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
-        from procgen import ProcgenGym3Env
-    return ProcgenGym3Env
-
-
 class ProcgenVecEnv:
     """`num_envs` Procgen games stepped together; see the module docstring for the contract.
 
@@ -99,7 +92,10 @@ class ProcgenVecEnv:
         self._num_levels, self._start_level = int(num_levels), int(start_level)
         self._rng = np.random.default_rng(rand_seed)
         self._options = dict(env_name=env_name, distribution_mode=distribution_mode)  # gym3 wants plain ints/strs
-        self.env = _procgen_gym3_env()(
+        with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
+            from procgen import ProcgenGym3Env  # here, not at the top: MiniGrid runs need no procgen install
+        self._gym3_env = ProcgenGym3Env  # also builds each new level's start state (`_start_state`)
+        self.env = ProcgenGym3Env(
             num=num_envs,
             num_levels=int(num_levels),
             start_level=int(start_level),
@@ -128,7 +124,7 @@ class ProcgenVecEnv:
         if seed in self._cache:
             self._cache.move_to_end(seed)
             return self._cache[seed]
-        one = _procgen_gym3_env()(num=1, start_level=seed, num_levels=1, num_threads=0, **self._options)
+        one = self._gym3_env(num=1, start_level=seed, num_levels=1, num_threads=0, **self._options)
         state = one.get_state()[0]
         one.close()
         self._cache[seed] = state
