@@ -3,7 +3,8 @@
 
 Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
-  act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair until the learner reads it.
+  act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair until the learner has copied it
+  (`take_batch`).
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
@@ -481,11 +482,23 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
-def learner_loss(model, slots: dict, idx: list[int], which: torch.Tensor, args: Args, device):
-    """The learner's batch (CLEAR App. A.1: half `which[j]`, 1 = replay, of the pair in slot idx[j]) and its loss.
-    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the time-major batch on the device without frames)."""
-    idx_t = torch.tensor(idx)
-    batch = {k: v[idx_t, which].transpose(0, 1).contiguous() for k, v in slots.items()}  # [T+1, B, ...]
+def take_batch(slots: dict, idx: list[int], which: torch.Tensor, slot_free, global_step, unroll_length: int) -> dict:
+    """The learner's side of the slot hand-off (CLEAR App. A.1): copy half `which[j]` (1 = replay) of the pair in slot
+    idx[j] out of shared memory, count the batch's new frames, then free the slots. Returns the batch [T+1, B, ...].
+    Copy before freeing: an actor writes its next unroll into its slot the moment the slot is free.
+    Count before freeing: the actor's next unroll then starts at the updated step (the task switch, App. A.6)."""
+    slot_index = torch.tensor(idx)
+    batch = {k: v[slot_index, which].transpose(0, 1).contiguous() for k, v in slots.items()}
+    # frames of NEW experience: every pair carries one new unroll
+    global_step.value += len(idx) * unroll_length
+    for slot in idx:
+        slot_free[slot].release()
+    return batch
+
+
+def learner_loss(model, batch: dict, which: torch.Tensor, args: Args, device):
+    """The loss of one batch from `take_batch` (which[j] = 1: column j is a replay unroll).
+    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
     R, B = batch["action"].shape
     logits_all, values_all = model(batch["obs"].to(device).flatten(0, 1))
     logits_all, values_all = logits_all.view(R, B, -1), values_all.view(R, B)
@@ -753,13 +766,11 @@ if __name__ == "__main__":
             which = torch.from_numpy(select_pairs(m[:, 3].numpy().astype(bool), args.replay_ratio, rng))
             # every unroll must be on the task its start step designates (App. A.6)
             task_mismatch += sum(row[0] != task_for_actor(a_id, row[1], args) for a_id, row in zip(idx, m.tolist()))
-            global_step.value += B * T  # frames of NEW experience (every pair carries one new unroll)
-            for a_id in idx:  # release the slots only now, so the next unrolls start at the updated step
-                slot_free[a_id].release()
+            batch = take_batch(slots, idx, which, slot_free, global_step, T)
 
             # LEARN
             model, optimizer = models[net], optimizers[net]
-            loss, parts, logits_all, values_all, dev_batch = learner_loss(model, slots, idx, which, args, device)
+            loss, parts, logits_all, values_all, dev_batch = learner_loss(model, batch, which, args, device)
             optimizer.zero_grad()
             loss.backward()
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

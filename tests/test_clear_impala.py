@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -517,42 +518,68 @@ def run_actor_loops(args, obs_shape, num_actions, shared_model, unrolls, tmp_pat
 
 
 def slow_clear_loss(learner, half_per_column, which, args):
-    """CLEAR's loss written per element from the papers, for stored unrolls (row r = 1..T holds a_{r-1}, r_{r-1},
-    done_{r-1}, mu(.|x_{r-1}), V_mu(x_{r-1}); row r's frame is x_r): IMPALA Eq. (1) V-trace (`textbook_vtrace`) with
-    gamma cut at every episode end and a truncation bootstrapped through V_mu(final obs); L = pg + 0.5 value
-    + entropy_cost sum pi log pi, + on replay columns KL(mu || pi) and (V - V_mu)^2 (CLEAR Sec. 3)."""
+    """CLEAR's loss terms written per element from the papers, for stored unrolls (row r = 1..T holds a_{r-1}, r_{r-1},
+    done_{r-1}, mu(.|x_{r-1}), V_mu(x_{r-1}); row r's frame is x_r), as float64 tensors with autograd back to the
+    learner's parameters: IMPALA Eq. (1) V-trace targets (`textbook_vtrace`, constants: no gradient flows through v_s
+    or the advantage) with gamma cut at every episode end and a truncation bootstrapped through V_mu(final obs);
+    pg = -sum log pi(a_t|x_t) adv_t, value = 1/2 sum (v_t - V(x_t))^2, entropy = sum pi log pi, and on replay columns
+    KL(mu || pi) and (V - V_mu)^2 (CLEAR Sec. 3). Returns the unweighted terms and the weighted total."""
     T, B, g = args.unroll_length, len(half_per_column), args.gamma
     log_rhos, disc, rew, vals = (np.zeros((T, B)) for _ in range(4))
     boot = np.zeros(B)
-    pi, mu, act, vmu = {}, {}, {}, {}
+    log_pi, mu, act, vmu, value_of = {}, {}, {}, {}, {}
     for b, u in enumerate(half_per_column):
-        with torch.no_grad():
-            lg, v = learner(u["obs"])
+        lg, v = learner(u["obs"])
         for t in range(T + 1):
-            p = torch.softmax(lg[t].double(), -1).numpy()
             if t == T:
-                boot[b] = float(v[T])
+                boot[b] = v[T].item()
                 break
-            pi[t, b], mu[t, b] = p, torch.softmax(u["logits"][t + 1].double(), -1).numpy()
-            act[t, b], vmu[t, b], vals[t, b] = int(u["action"][t + 1]), float(u["baseline"][t + 1]), float(v[t])
-            log_rhos[t, b] = math.log(pi[t, b][act[t, b]]) - math.log(mu[t, b][act[t, b]])
+            log_pi[t, b] = torch.log_softmax(lg[t].double(), -1)
+            mu[t, b] = torch.softmax(u["logits"][t + 1].double(), -1)
+            act[t, b], vmu[t, b] = int(u["action"][t + 1]), float(u["baseline"][t + 1])
+            value_of[t, b] = v[t].double()
+            vals[t, b] = v[t].item()
+            log_rhos[t, b] = log_pi[t, b][act[t, b]].item() - math.log(mu[t, b][act[t, b]].item())
             done, trunc = bool(u["done"][t + 1]), bool(u["truncated"][t + 1])
             disc[t, b] = 0.0 if done else g
             rew[t, b] = float(u["reward"][t + 1]) + (g * float(u["final_value"][t + 1]) if trunc else 0.0)
     vs, adv = textbook_vtrace(log_rhos, disc, rew, vals, boot, args.clip_rho_threshold, args.clip_pg_rho_threshold)
-    pg = value = entropy = pc = vc = 0.0
+    pg = value = entropy = pc = vc = torch.zeros((), dtype=torch.float64)
     for b in range(B):
         for t in range(T):
-            pg -= math.log(pi[t, b][act[t, b]]) * adv[t, b]
-            value += 0.5 * (vs[t, b] - vals[t, b]) ** 2
-            entropy += float(np.sum(pi[t, b] * np.log(pi[t, b])))
+            pg = pg - log_pi[t, b][act[t, b]] * adv[t, b]
+            value = value + 0.5 * (vs[t, b] - value_of[t, b]) ** 2
+            entropy = entropy + (log_pi[t, b].exp() * log_pi[t, b]).sum()
             if which[b]:
-                pc += float(np.sum(mu[t, b] * (np.log(mu[t, b]) - np.log(pi[t, b]))))
-                vc += (vals[t, b] - vmu[t, b]) ** 2
+                pc = pc + (mu[t, b] * (mu[t, b].log() - log_pi[t, b])).sum()
+                vc = vc + (value_of[t, b] - vmu[t, b]) ** 2
     total = args.pg_cost * pg + args.baseline_cost * value + args.entropy_cost * entropy
-    total += args.policy_cloning_cost * pc + args.value_cloning_cost * vc if args.behavior_cloning else 0.0
+    if args.behavior_cloning:
+        total = total + args.policy_cloning_cost * pc + args.value_cloning_cost * vc
     return {"losses/pg_loss": pg, "losses/value_loss": value, "losses/policy_cloning_loss": pc,
-            "losses/value_cloning_loss": vc, "losses/total_loss": total}
+            "losses/value_cloning_loss": vc, "losses/total_loss": total, "entropy_sum": entropy}
+
+
+def gradients(model, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    zero = torch.zeros((), dtype=torch.float64)
+    return {name: zero if p.grad is None else p.grad.double().clone() for name, p in model.named_parameters()}
+
+
+class ReleaseCounter:
+    """A stand-in for a slot's semaphore on the learner's side: counts releases and nothing else."""
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+# each term alone through the real loss (its cost 1, every other 0), then the paper's weights
+ONE_TERM = {"losses/pg_loss": "pg_cost", "losses/value_loss": "baseline_cost", "entropy_sum": "entropy_cost",
+            "losses/policy_cloning_loss": "policy_cloning_cost", "losses/value_cloning_loss": "value_cloning_cost"}
 
 
 @pytest.mark.parametrize("envs_per_actor", [1, 3])
@@ -612,15 +639,67 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
             assert int(pair["meta"][3]) == 1
             assert any(all(torch.equal(rep[k], h[k]) for k in h) for h in earlier[i // E])
     assert ends["terminated"] > 0 and ends["truncated"] > 0, ends
-    # the learner: the real batch assembly and loss on the slots as the loop left them, a different network
+    # the learner: the real batch hand-off and loss on the slots as the loop left them, a different network
     torch.manual_seed(1)
     learner = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
     with torch.no_grad():
         learner.policy.weight.mul_(100.0)  # a policy far from the actors' near-uniform one: cloning terms matter
+    cpu = torch.device("cpu")
     for which in ([0, 1], [1, 0]):
-        _, parts, _, _, _ = ci.learner_loss(learner, slots, [0, 1], torch.tensor(which), args, torch.device("cpu"))
-        halves = [{k: slots[k][i, which[i]] for k in slots} for i in range(2)]
+        which = torch.tensor(which)
+        counter = SimpleNamespace(value=0)
+        batch = ci.take_batch(slots, [0, 1], which, [ReleaseCounter(), ReleaseCounter()], counter, T)
+        loss, parts, _, _, _ = ci.learner_loss(learner, batch, which, args, cpu)
+        halves = [{k: slots[k][i, int(which[i])] for k in slots} for i in range(2)]
         slow = slow_clear_loss(learner, halves, which, args)
         for k, v in slow.items():
-            assert float(parts[k]) == pytest.approx(v, rel=1e-4, abs=1e-5), k
-        assert slow["losses/policy_cloning_loss"] > 0.01 and slow["losses/value_cloning_loss"] > 1e-3
+            if k in parts:
+                assert float(parts[k]) == pytest.approx(v.item(), rel=1e-4, abs=1e-5), k
+        assert float(slow["losses/policy_cloning_loss"]) > 0.01 and float(slow["losses/value_cloning_loss"]) > 1e-3
+        # gradients, parameter by parameter: each term alone, then the weighted total
+        for term, cost in [*ONE_TERM.items(), ("losses/total_loss", None)]:
+            if cost is None:
+                term_args = args
+            else:
+                term_args = ci.Args(**{**vars(args), **{c: 0.0 for c in ONE_TERM.values()}, cost: 1.0})
+            real = gradients(learner, ci.learner_loss(learner, batch, which, term_args, cpu)[0])
+            slow_grads = gradients(learner, slow_clear_loss(learner, halves, which, args)[term])
+            assert any(g.abs().max() > 1e-6 for g in slow_grads.values()), term
+            for name, grad in slow_grads.items():
+                scale = float(grad.abs().max()) + 1e-6
+                error = float((real[name] - grad).abs().max()) / scale
+                assert error < 2e-4, (term, name, error)
+
+
+def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
+    """The learner's hand-off against an actor stand-in that rewrites its slot (both halves) the moment the learner
+    frees it: the batch must equal what the slots held when the learner took them, and the global step must already
+    count the batch's new frames when an actor sees its slot free (its next unroll starts at the updated step)."""
+    N, T, obs_shape, num_actions = 5, 4, (3, 3), 2
+    g = torch.Generator().manual_seed(0)
+    slots = {}
+    for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items():
+        values = torch.randint(0, 100, (N, 2, *shape), generator=g)
+        slots[k] = values.bool() if dtype == np.bool_ else values.to(torch.from_numpy(np.zeros(1, dtype)).dtype)
+    snapshot = {k: v.clone() for k, v in slots.items()}
+    global_step = SimpleNamespace(value=1000)
+
+    class ActorWritesOnRelease:
+        def __init__(self, slot):
+            self.slot = slot
+            self.step_seen = None
+
+        def release(self):
+            self.step_seen = global_step.value
+            for v in slots.values():
+                v[self.slot] = ~v[self.slot] if v.dtype == torch.bool else -1 - v[self.slot]
+
+    slot_free = [ActorWritesOnRelease(i) for i in range(N)]
+    idx, which = [3, 0, 4], torch.tensor([1, 0, 1])
+    batch = ci.take_batch(slots, idx, which, slot_free, global_step, T)
+    for k, v in batch.items():
+        for j, (slot, half) in enumerate(zip(idx, which.tolist())):
+            assert torch.equal(v[:, j], snapshot[k][slot, half]), (k, j)
+    assert global_step.value == 1000 + len(idx) * T
+    assert [slot_free[i].step_seen for i in idx] == [global_step.value] * len(idx)
+    assert slot_free[1].step_seen is None and slot_free[2].step_seen is None

@@ -24,7 +24,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -60,6 +62,9 @@ def bench_learner(cfg, B, T, iters, device, threads):
         buffer.add(new, 0)
 
     rho_sum = torch.zeros(1, device=device)
+    # the hand-off's counter and semaphores, as the learner has them
+    global_step = SimpleNamespace(value=0)
+    slot_free = [threading.Semaphore(0) for _ in range(N)]
 
     def learner_step(ratio):
         args = ci.Args(replay_ratio=ratio)
@@ -67,7 +72,8 @@ def bench_learner(cfg, B, T, iters, device, threads):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         which = torch.from_numpy(ci.select_pairs(np.ones(B, bool), ratio, rng))
-        loss, parts, logits_all, values_all, rest = ci.learner_loss(model, slots, list(range(B)), which, args, device)
+        batch = ci.take_batch(slots, list(range(B)), which, slot_free, global_step, T)
+        loss, parts, logits_all, values_all, rest = ci.learner_loss(model, batch, which, args, device)
         replay_mask = which.float().to(device)
         if ratio > 0:  # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
             rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
