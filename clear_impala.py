@@ -22,6 +22,8 @@ Defaults and their source
 Differences from the paper
 - Feed-forward networks (Nature DQN CNN, IMPALA's deep ResNet, MinAtar's network, a small MiniGrid CNN); the paper
   used IMPALA's network with an LSTM (App. A.2). MinAtar sequences stand in for Atari on CPU (channels padded).
+- Initialisation: CleanRL's orthogonal `layer_init`, except the ResNet's convolutions (PyTorch's default, as in
+  torchbeast's ResNet); IMPALA's own code used Sonnet's default initialisers.
 - A time limit bootstraps from the actor's V_mu of the final observation (Atari, MinAtar) or terminates (MiniGrid,
   whose limit is part of the task; `--bootstrap-truncation`); IMPALA terminates; `done` always cuts V-trace.
 - torch RMSprop (eps outside the sqrt) as torchbeast; test actors sample from pi (the paper: silent); `--resume`
@@ -201,7 +203,8 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
 
 
 def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
-    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit."""
+    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit.
+    Also resolves the per-family default of --bootstrap-truncation (see the flag)."""
     shapes, actions, kinds = set(), set(), set()
     for env_id in args.env_ids:
         try:
@@ -224,6 +227,9 @@ def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
         raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
     if args.capture_video and kind == "minatar":
         raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
+    if args.bootstrap_truncation is None:
+        # MiniGrid's step limit is part of the task: reaching it ends the episode
+        args.bootstrap_truncation = kind != "minigrid"
     return obs_shape, num_actions, kind
 
 
@@ -373,18 +379,22 @@ class ReservoirBuffer:
 
     def save(self, path: str) -> None:
         n, tmp = self.size, f"{path}.tmp.npz"
-        np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen,
+        # the keep/drop stream too: a resumed buffer continues it
+        rng_state = json.dumps(self.rng.bit_generator.state)
+        np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen, rng_state=rng_state,
                  **{k: v[:n] for k, v in self.data.items()})
         os.replace(tmp, path)
 
     def load(self, path: str) -> int:
-        """Restore a saved buffer (if smaller now: the rows with the largest keys, still uniform); returns its size."""
+        """Restore a saved buffer and its RNG (if smaller now: the rows with the largest keys, still uniform); returns
+        its size."""
         with np.load(path) as f:
             keep = np.argsort(-f["keys"])[: self.capacity]
             self.size, self.num_seen = len(keep), int(f["num_seen"])
             for k in self.data:
                 self.data[k][:self.size] = f[k][keep]
             self.task[:self.size], self.keys[:self.size] = f["task"][keep], f["keys"][keep]
+            self.rng.bit_generator.state = json.loads(str(f["rng_state"]))
         return self.size
 
 
@@ -549,6 +559,10 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
     Each env is an actor of the paper (CLEAR App. A.1): per unroll it adds its new unroll to the process's reservoir,
     samples a replay unroll, publishes the pair in its slot (actor_id * E + e) and waits until the learner read it."""
     E, T, seed = args.envs_per_actor, args.unroll_length, args.seed + 1000 * actor_id
+    if global_step.value > 0:
+        # a resumed run: new streams seeded by the step it resumes at, so the actions, keep/drop draws and env seeds of
+        # the first run are not repeated (a restored buffer brings back its own keep/drop stream)
+        seed = int(np.random.SeedSequence([seed, global_step.value]).generate_state(1)[0]) % 2**31
     capacity = buffer_capacity_per_actor(args)
     torch.manual_seed(seed)
     buffer = ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(seed)) if capacity > 0 else None
@@ -671,9 +685,7 @@ if __name__ == "__main__":
     args, ckpt, overridden = parse_run_args(Args, "clear_impala.py", ENV_FLAGS, FIXED_ON_RESUME)
     check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    obs_shape, num_actions, kind = probe_envs(args)  # and the torso
-    if args.bootstrap_truncation is None:  # per env family (see the flag)
-        args.bootstrap_truncation = kind != "minigrid"
+    obs_shape, num_actions, kind = probe_envs(args)  # and the torso, and --bootstrap-truncation's default
     torso, K, T, B = resolve_torso(args, obs_shape), len(args.env_ids), args.unroll_length, args.batch_size
     num_envs = args.num_actors * args.envs_per_actor  # the paper's actors: one (new, replay) pair each per batch
     num_nets, TOTAL = K if args.mode == "separate" else 1, total_steps(args)
@@ -735,6 +747,9 @@ if __name__ == "__main__":
     ckpt_request = ctx.Value("q", 0, lock=False)  # bumped at each checkpoint: actors then save their buffers
     stats_queue, eval_queue = ctx.Queue(), ctx.Queue()
     procs, rng = ProcessGroup(ctx), np.random.default_rng(args.seed)
+    if ckpt:
+        # the pair-selection stream continues where the checkpoint left it
+        rng.bit_generator.state = ckpt["pair_rng"]
     task_mismatch, error = 0, None
     names = [e.replace("/", "_") for e in args.env_ids]  # in metric names
     try:
@@ -833,7 +848,8 @@ if __name__ == "__main__":
                     "script": "clear_impala.py", "run_name": logger.run_name, "args": vars(args),
                     "models": [x.state_dict() for x in models], "optimizers": [o.state_dict() for o in optimizers],
                     "schedulers": [s.state_dict() for s in schedulers], "global_step": gs,
-                    "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state()})
+                    "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state(),
+                    "pair_rng": rng.bit_generator.state})
                 ckpt_request.value += 1
             procs.check()
     except (KeyboardInterrupt, ActorDied) as e:

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -477,44 +478,78 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     assert s2["global_step"] == 960 and s2["task_mismatch"] == 0 and s2["stop_reason"] == "completed"
     n1, n2 = sum(summary["num_eval_episodes"].values()), sum(s2["num_eval_episodes"].values())
     assert n2 >= n1  # the evaluation history continues
+    # the pair-selection stream continued across the resume: the seeded stream advanced once per learner step
+    # (every pair holds a replay half), the first run's steps included
+    ckpt2 = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    rng = np.random.default_rng(ckpt2["args"]["seed"])
+    for _ in range(sum(ckpt2["learner_steps"])):
+        ci.select_pairs(np.ones(2, dtype=bool), 0.5, rng)
+    assert ckpt2["learner_steps"] == [24] and ckpt2["pair_rng"] == rng.bit_generator.state
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Wiring: what the real actor loop writes, and the loss the real learner function computes on it
 # ----------------------------------------------------------------------------------------------------------------
-def run_actor_loops(args, obs_shape, num_actions, shared_model, unrolls, tmp_path):
+def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_path, start_step=0):
     """Run the real `actor_loop` of every actor process in a thread with the script's shared structures (a slot per
-    env, meta, one full queue, a semaphore per slot) and collect `unrolls` published pairs per slot:
-    {slot: [{field: [2, T+1, ...], "meta": [6]}, ...]}."""
+    env, meta, one full queue per network, a semaphore per slot) and collect `unrolls` published pairs per slot:
+    {slot: [{field: [2, T+1, ...], "meta": [6], "queue": the network whose queue it came through}, ...]}."""
     import queue
     import threading
-    from types import SimpleNamespace
 
     A, T, N = args.num_actors, args.unroll_length, args.num_actors * args.envs_per_actor
     slots = {k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
              for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()}
     meta = torch.zeros(N, 6, dtype=torch.int64)
-    full, stats = queue.SimpleQueue(), queue.SimpleQueue()
+    full_queues = [queue.SimpleQueue() for _ in shared_models]
+    stats = queue.SimpleQueue()
     slot_free = [threading.Semaphore(1) for _ in range(N)]
     stop = threading.Event()
-    counters = [SimpleNamespace(value=0) for _ in range(3)]  # global_step, policy_version, ckpt_request
+    global_step = SimpleNamespace(value=start_step)
+    policy_version = SimpleNamespace(value=0)
+    ckpt_request = SimpleNamespace(value=0)
     threads = [threading.Thread(target=ci.actor_loop, daemon=True, args=(
-        i, args, obs_shape, num_actions, [shared_model], slots, meta, [full], slot_free, counters[0], counters[1],
-        [0] * A, stop, stats, counters[2], str(tmp_path))) for i in range(A)]
+        i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free, global_step,
+        policy_version, [0] * A, stop, stats, ckpt_request, str(tmp_path))) for i in range(A)]
     for th in threads:
         th.start()
     pairs = {i: [] for i in range(N)}
-    while min(len(p) for p in pairs.values()) < unrolls:
-        i = full.get(timeout=60)
-        pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"meta": meta[i].clone()})
-        if len(pairs[i]) < unrolls:
+    deadline = time.time() + 60
+    try:
+        while min(len(p) for p in pairs.values()) < unrolls:
+            assert time.time() < deadline, "the actors published too few unrolls"
+            for net, full in enumerate(full_queues):
+                if full.empty():
+                    continue
+                i = full.get()
+                pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"meta": meta[i].clone(), "queue": net})
+                if len(pairs[i]) < unrolls:
+                    slot_free[i].release()
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        for i in range(N):
             slot_free[i].release()
-    stop.set()
-    for i in range(N):
-        slot_free[i].release()
-    for th in threads:
-        th.join(timeout=30)
+        for th in threads:
+            th.join(timeout=30)
     return pairs, slots
+
+
+def check_direct_rollout(env, obs, new, network, T):
+    """The new half of a published pair against a direct rollout of `env` from `obs` with the stored actions: each
+    frame, reward and end flag, and mu, V_mu of `network` at frame r - 1 in row r. Returns the env's last obs."""
+    with torch.no_grad():
+        logits, values = network(new["obs"][:T])
+    torch.testing.assert_close(new["logits"][1:], logits)
+    torch.testing.assert_close(new["baseline"][1:], values)
+    for r in range(1, T + 1):
+        obs, reward, term, trunc, _ = env.step(int(new["action"][r]))
+        assert float(new["reward"][r]) == pytest.approx(reward)
+        assert bool(new["done"][r]) == (term or trunc)
+        if term or trunc:
+            obs, _ = env.reset()
+        assert (new["obs"][r] == torch.from_numpy(obs)).all(), r
+    return obs
 
 
 def slow_clear_loss(learner, half_per_column, which, args):
@@ -596,7 +631,11 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     shared = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
-    pairs, slots = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=4, tmp_path=tmp_path)
+    with torch.no_grad():
+        # mostly "forward" (p 0.55): the agent walks into the lava (terminated) unless the gap is in its row (then the
+        # 6-step limit truncates), so both ends occur whatever the threads' shared torch stream draws
+        shared.policy.bias[2] += 2.0
+    pairs, slots = run_actor_loops(args, obs_shape, num_actions, [shared], unrolls=4, tmp_path=tmp_path)
     T, ends = args.unroll_length, {"terminated": 0, "truncated": 0}
     earlier = {p: [] for p in range(args.num_actors)}  # new halves of each process: its reservoir's content
     for i, published in pairs.items():
@@ -606,7 +645,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         obs, _ = env.reset(seed=seed + 1_000_003 * e)
         new_halves = earlier[p]
         for n, pair in enumerate(published):
-            new = {k: v[0] for k, v in pair.items() if k != "meta"}
+            new = {k: v[0] for k, v in pair.items() if k not in ("meta", "queue")}
             if n == 0:
                 assert (new["obs"][0] == torch.from_numpy(obs)).all()
             else:  # row 0 repeats the previous unroll's last row
@@ -635,7 +674,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
             prev = new
     for i, published in pairs.items():  # a replay half is an unroll of the same process, published no later
         for pair in published:
-            rep = {k: v[1] for k, v in pair.items() if k != "meta"}
+            rep = {k: v[1] for k, v in pair.items() if k not in ("meta", "queue")}
             assert int(pair["meta"][3]) == 1
             assert any(all(torch.equal(rep[k], h[k]) for k in h) for h in earlier[i // E])
     assert ends["terminated"] > 0 and ends["truncated"] > 0, ends
@@ -655,7 +694,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         for k, v in slow.items():
             if k in parts:
                 assert float(parts[k]) == pytest.approx(v.item(), rel=1e-4, abs=1e-5), k
-        assert float(slow["losses/policy_cloning_loss"]) > 0.01 and float(slow["losses/value_cloning_loss"]) > 1e-3
+        assert slow["losses/policy_cloning_loss"].item() > 0.01 and slow["losses/value_cloning_loss"].item() > 1e-3
         # gradients, parameter by parameter: each term alone, then the weighted total
         for term, cost in [*ONE_TERM.items(), ("losses/total_loss", None)]:
             if cost is None:
@@ -703,3 +742,147 @@ def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
     assert global_step.value == 1000 + len(idx) * T
     assert [slot_free[i].step_seen for i in idx] == [global_step.value] * len(idx)
     assert slot_free[1].step_seen is None and slot_free[2].step_seen is None
+
+
+@pytest.mark.parametrize("mode, envs_per_actor", [("simultaneous", 3), ("separate", 2)])
+def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode, envs_per_actor):
+    """simultaneous: env slot i plays task i mod K, so tasks mix within a process; separate: every env of process p
+    plays task p mod K with network p mod K and publishes through that network's queue. Each stored unroll must equal
+    a direct rollout of that task's env with mu and V_mu of that network (the two networks differ)."""
+    E, K = envs_per_actor, 2
+    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0", "MiniGrid-Empty-5x5-v0"], mode=mode, minigrid_max_steps=6,
+                   num_actors=2, envs_per_actor=E, batch_size=2, unroll_length=8, steps_per_task=10_000, seed=5)
+    obs_shape, num_actions, _ = ci.probe_envs(args)
+    torch.manual_seed(0)
+    networks = [ci.Agent(obs_shape, num_actions, "minigrid") for _ in range(K)]
+    shared = networks if mode == "separate" else networks[:1]
+    pairs, _ = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=2, tmp_path=tmp_path)
+    tasks_seen = set()
+    for i, published in pairs.items():
+        process, e = divmod(i, E)
+        task = i % K if mode == "simultaneous" else process % K
+        network = networks[task] if mode == "separate" else networks[0]
+        tasks_seen.add((process, task))
+        seed = args.seed + 1000 * process
+        env = ci.make_env(args.env_ids[task], seed + e, args)
+        obs, _ = env.reset(seed=seed + 1_000_003 * e)
+        for pair in published:
+            assert int(pair["meta"][0]) == task
+            assert pair["queue"] == (task if mode == "separate" else 0)
+            new = {k: v[0] for k, v in pair.items() if k not in ("meta", "queue")}
+            obs = check_direct_rollout(env, obs, new, network, args.unroll_length)
+    if mode == "simultaneous":
+        assert tasks_seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    else:
+        assert tasks_seen == {(0, 0), (1, 1)}
+
+
+def test_a_resumed_actor_does_not_replay_the_first_runs_streams(tmp_path):
+    """An actor started at a resumed step draws new actions and env seeds; one started at step 0 twice repeats
+    itself (one actor: the torch stream is not shared between threads)."""
+    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], num_actors=1, batch_size=1, unroll_length=10,
+                   steps_per_task=10_000, seed=2)
+    obs_shape, num_actions, _ = ci.probe_envs(args)
+    torch.manual_seed(0)
+    shared = ci.Agent(obs_shape, num_actions, "minigrid")
+    first_unrolls = []
+    for start_step in (0, 0, 480):
+        pairs, _ = run_actor_loops(args, obs_shape, num_actions, [shared], 1, tmp_path, start_step=start_step)
+        first_unrolls.append(pairs[0][0])
+    same = [all(torch.equal(first_unrolls[0][k], u[k]) for k in ci.UNROLL_FIELDS) for u in first_unrolls[1:]]
+    assert same == [True, False]
+
+
+def test_test_actors_refresh_the_network_of_their_task_during_the_run():
+    """A test actor reloads its task's shared network every unroll_length steps (the forgetting curves follow the
+    learner), and in separate mode only its own task's network."""
+    import queue
+    import threading
+
+    reads = [0, 0]
+
+    class CountingAgent(ci.Agent):
+        def __init__(self, index, *a):
+            super().__init__(*a)
+            self.index = index
+
+        def state_dict(self, *a, **kw):
+            reads[self.index] += 1
+            return super().state_dict(*a, **kw)
+
+    args = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"], mode="separate", minigrid_max_steps=5,
+                   num_actors=2, batch_size=1, unroll_length=4)
+    obs_shape, num_actions, _ = ci.probe_envs(args)
+    shared = [CountingAgent(k, obs_shape, num_actions, "minigrid") for k in range(2)]
+    reads[:] = [0, 0]
+    stop, eval_queue = threading.Event(), queue.SimpleQueue()
+    thread = threading.Thread(target=ci.test_actor_loop, daemon=True,
+                              args=(0, 1, args, obs_shape, num_actions, shared, stop, eval_queue))
+    thread.start()
+    episodes = []
+    try:
+        while len(episodes) < 3:
+            episodes.append(eval_queue.get(timeout=30))
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert all(task == 1 for task, _, _ in episodes)
+    # three episodes of <= 5 steps: at least 15 steps, a reload every 4
+    assert reads[0] == 0 and reads[1] >= 3, reads
+
+
+def test_reservoir_load_keeps_the_largest_keys_and_continues_its_stream(tmp_path):
+    T, obs_shape = 2, (2, 2)
+    original = ci.ReservoirBuffer(6, obs_shape, 2, T, np.random.default_rng(0))
+    for i in range(20):
+        original.add(unroll_with_id(i, T, obs_shape), task=i % 3)
+    path = str(tmp_path / "replay.npz")
+    original.save(path)
+    smaller = ci.ReservoirBuffer(4, obs_shape, 2, T, np.random.default_rng(99))
+    assert smaller.load(path) == 4 and smaller.num_seen == 20
+    largest = np.sort(original.keys)[-4:]
+    assert np.array_equal(np.sort(smaller.keys[:4]), largest)
+    for row in range(4):  # each kept row's unroll and task came with its key
+        source = int(np.flatnonzero(original.keys == smaller.keys[row])[0])
+        assert smaller.task[row] == original.task[source]
+        assert np.array_equal(smaller.data["obs"][row], original.data["obs"][source])
+    # same capacity: the restored buffer takes the same keep/drop decisions as the original would have
+    same = ci.ReservoirBuffer(6, obs_shape, 2, T, np.random.default_rng(99))
+    same.load(path)
+    for i in range(20, 40):
+        kept = same.add(unroll_with_id(i, T, obs_shape), 0) >= 0
+        assert kept == (original.add(unroll_with_id(i, T, obs_shape), 0) >= 0), i
+    assert np.array_equal(np.sort(same.keys), np.sort(original.keys))
+
+
+def test_separate_mode_trains_and_anneals_one_network_per_task(tmp_path):
+    """--mode separate: each network takes every other learner step from its own task's queue; each has its own
+    optimizer and linear lr schedule (stepped once per own step); the pair-selection stream in the checkpoint is the
+    seeded stream advanced once per learner step (every pair holds a replay half)."""
+    r = run_script(tmp_path, *TINY, "--mode", "separate", "--envs-per-actor", "2", "--num-cycles", "1",
+                   "--checkpoint-every", "240")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 480 and ckpt["learner_steps"] == [6, 6]
+    assert [s["last_epoch"] for s in ckpt["schedulers"]] == [6, 6]
+    updates_per_net = 480 // (20 * 2 * 2)
+    for scheduler, steps in zip(ckpt["schedulers"], ckpt["learner_steps"]):
+        assert scheduler["_last_lr"][0] == pytest.approx(6e-4 * max(0.0, 1 - steps / updates_per_net))
+    assert all(o["state"] for o in ckpt["optimizers"])
+    assert any(not torch.equal(ckpt["models"][0][k], ckpt["models"][1][k]) for k in ckpt["models"][0])
+    rng = np.random.default_rng(ckpt["args"]["seed"])
+    for _ in range(sum(ckpt["learner_steps"])):
+        ci.select_pairs(np.ones(2, dtype=bool), 0.5, rng)
+    assert ckpt["pair_rng"] == rng.bit_generator.state
+
+
+def test_probe_envs_resolves_bootstrap_truncation_per_env_family():
+    minatar = ci.Args(env_ids=["MinAtar/Breakout-v0"])
+    minigrid = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0"])
+    minigrid_asked = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0"], bootstrap_truncation=True)
+    for args in (minatar, minigrid, minigrid_asked):
+        ci.probe_envs(args)
+    assert minatar.bootstrap_truncation is True
+    assert minigrid.bootstrap_truncation is False
+    assert minigrid_asked.bootstrap_truncation is True
