@@ -19,7 +19,8 @@ Differences from the paper (long form: README.md, section vracer_refer.py)
 - The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
 - Prior steps are refreshed once per gradient step; Q^ret is recomputed at every reward-scale update (stored V keep
   their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
-- Eq. (13)'s t counts gradient steps; PER weights / batch max; a PER draw of a removed slot: uniform, weight of rank n//2.
+- Eq. (13)'s t counts gradient steps; PER weights / batch max; PER re-sorts every `stats_every` steps, and steps stored
+  since the last re-sort are drawn uniformly (probability 1/n each) until the next one.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
 - Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
 - Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
@@ -122,7 +123,8 @@ ENV_FLAGS = ("env_id", "total_timesteps")  # --help's environment group
 RULE2_RHO_MAX = 1e3  # the rule2 ablation clips rho at this in the policy gradient (Sec. 5.3)
 GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every this many gradient steps
 # the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
-FIXED_ON_RESUME = ("env_id", "seed", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per", "buffer_size")
+FIXED_ON_RESUME = ("env_id", "seed", "gamma", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per",
+                   "buffer_size")
 ARG_RULES = {
     "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
     "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0", "A": ">= 0",
@@ -319,18 +321,22 @@ class EpisodeReplay:
               "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
               "qret": (1, np.float64, 0), "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
               "ep_start": (1, np.int64, 0), "ep_last": (1, np.int64, 0), "valid": (1, bool, 0), "truncated_last": (1, bool, 0),
-              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0)}  # last step: V(s_L) (0 if terminal), s_L
+              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
+              "ranked": (1, bool, 0)}  # PER: the step was stored at the last re-sort (it has a rank)
+    NOT_SAVED = ("la", "ranked")  # derived: la from rho; ranked at the next re-sort (a loaded memory starts unsorted)
     SCALARS = ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio", "N", "cap")  # state_dict
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
         self.N, self.gamma, self.cap = N, gamma, N + 4 * max_episode_len
+        columns = {"obs": obs_dim, "act": act_dim}
         for name, (width, dtype, value) in self.ARRAYS.items():
-            width = {"obs": obs_dim, "act": act_dim}.get(width, width)
-            setattr(self, name, np.full((self.cap, width) if width != 1 else self.cap, value, dtype))
+            # s_t and u_t stay 2-D even with one action dimension (the actors hand over (L, act_dim) blocks)
+            shape = (self.cap, columns[width]) if width in columns else self.cap
+            setattr(self, name, np.full(shape, value, dtype))
         self.episodes: deque = deque()  # (start, length) oldest first
         self.size = self.head = self.hi = self.forced_removals = self.n_far = 0
         self.max_len, self.reward_scale, self.max_prio, self.cmax = 1, 1.0, 1.0, np.inf  # reward_scale = sigma_r + eps
-        self.per_order, self.per_alpha, self.per_p, self.per_cdf = None, 0.5, None, None  # rank-based PER
+        self.per_order, self.per_alpha, self.per_p, self.per_cdf, self.per_new = None, 0.5, None, None, None  # rank PER
 
     @staticmethod
     def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
@@ -363,7 +369,12 @@ class EpisodeReplay:
         self.obs[sl], self.act[sl], self.mu_mean[sl], self.mu_std[sl] = obs, act, mu_mean, mu_std
         self.rew[sl], self.rs[sl], self.val[sl] = rew, np.asarray(rew) / self.reward_scale, val
         self.rho[sl], self.la[sl] = 1.0, np.log(self.gamma)
+        # counted as `_remove_oldest` uncounts them: rho = 1 is far when c_max <= 1 (--refer none --C 0)
+        self.n_far += int(is_far_policy(self.rho[sl], self.cmax).sum())
         self.prio[sl] = self.max_prio  # PER: new samples get the maximal priority
+        # PER: the new steps have no rank until the next re-sort (a recycled slot does not keep its old occupant's)
+        self.ranked[sl] = False
+        self.per_cdf = None
         self.ep_start[sl], self.ep_last[sl], self.valid[sl] = lo, hi - 1, True
         self.vboot[hi - 1] = 0.0 if terminated else final_val  # App. C Alg. 2 remark 2
         self.truncated_last[hi - 1] = not terminated
@@ -394,21 +405,35 @@ class EpisodeReplay:
         idx = np.flatnonzero(self.valid[: self.hi])
         self.per_order = idx[np.argsort(-self.prio[idx], kind="stable")]
         self.per_p = np.arange(1, len(idx) + 1, dtype=np.float64) ** -self.per_alpha  # P(rank k) ~ k^-alpha
-        self.per_cdf = np.cumsum(self.per_p)
+        self.ranked[:] = False
+        self.ranked[idx] = True
+        self.per_cdf = None
 
     def sample_per(self, B: int, rng: np.random.Generator, alpha: float, beta_is: float):
-        """Rank-based PER (Schaul et al. 2015): P(rank k) ~ k^-alpha; returns (indices, normalised IS weights)."""
+        """Rank-based PER (Schaul et al. 2015) between two re-sorts: a step stored since the last re-sort has no rank and
+        is drawn with probability 1/n (n stored steps), as in uniform sampling; the others by rank, P(rank k) ~ k^-alpha,
+        scaled to the remaining probability (ranks whose step has been removed since are skipped).
+        Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement."""
         if self.per_order is None or alpha != self.per_alpha:
             self.per_alpha = alpha
             self.per_rebuild()
-        n, p, cdf = len(self.per_order), self.per_p, self.per_cdf
-        ranks = np.minimum(np.searchsorted(cdf, rng.uniform(0, cdf[-1], B)), n - 1)
-        idx = self.per_order[ranks]
-        stale = ~self.valid[idx]  # removed since the last re-sort: replace by uniform draws
-        if stale.any():
-            idx[stale] = self.sample(int(stale.sum()), rng)
-            ranks[stale] = n // 2
-        w = (n * (p[ranks] / cdf[-1])) ** -beta_is  # (n P(rank))^-beta
+        if self.per_cdf is None:  # the memory changed since the last draw: the ranks still stored, the new steps
+            still_stored = self.valid[self.per_order] & self.ranked[self.per_order]
+            self.per_cdf = np.cumsum(np.where(still_stored, self.per_p, 0.0))
+            self.per_new = np.flatnonzero(self.valid[: self.hi] & ~self.ranked[: self.hi])
+        n = self.size
+        new_share = len(self.per_new) / n
+        is_new = rng.uniform(size=B) < new_share
+        n_ranked = B - int(is_new.sum())
+        idx = np.empty(B, dtype=np.int64)
+        prob = np.empty(B)
+        idx[is_new] = self.per_new[rng.integers(0, len(self.per_new), B - n_ranked)]
+        prob[is_new] = 1.0 / n
+        # side="right": a removed step's rank (zero probability, a flat step of the cdf) is never chosen
+        ranks = np.searchsorted(self.per_cdf, rng.uniform(0.0, self.per_cdf[-1], n_ranked), side="right")
+        idx[~is_new] = self.per_order[ranks]
+        prob[~is_new] = (1.0 - new_share) * self.per_p[ranks] / self.per_cdf[-1]
+        w = (n * prob) ** -beta_is  # (n P)^-beta
         return idx, w / w.max()
 
     # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
@@ -509,14 +534,14 @@ class EpisodeReplay:
         self.recompute_all()
         return self.reward_scale
 
-    def state_dict(self) -> dict:  # la: derived from rho
-        return ({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k != "la"}
+    def state_dict(self) -> dict:
+        return ({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k not in self.NOT_SAVED}
                 | {k: getattr(self, k) for k in self.SCALARS} | {"episodes": list(self.episodes)})
 
     def load_state_dict(self, d: dict) -> None:
         if d["N"] != self.N or d["cap"] != self.cap:
             raise SystemExit(f"error: checkpoint replay has N={d['N']}, this run N={self.N}")
-        for k in self.ARRAYS.keys() - {"la"}:
+        for k in self.ARRAYS.keys() - set(self.NOT_SAVED):
             getattr(self, k)[: len(d[k])] = d[k]
         for k in self.SCALARS:
             setattr(self, k, d[k])
@@ -529,7 +554,7 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
                obs_mean: torch.Tensor, obs_std: torch.Tensor, bookkeeping: bool = True) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
     k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho]; a non-finite
-    loss raises FloatingPointError before the replay is touched (the NaN guard).
+    loss raises FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
     bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
     k = state["k"]
     rm.cmax = cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); --refer none: only to count far-policy samples
@@ -550,15 +575,17 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     B = args.batch_size
     loss, info = refer_loss(mean[:B], std[:B], value[:B], act, mu_mean, mu_std, qret, state["beta"], cmax,
                             args.refer, args.kl_direction, args.logrho_clip, weights)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
     # one device->host copy per step: per-sample rho, V, |err|, V(s_L) and the scalar stats
     stats = torch.stack([loss.detach(), info["policy_loss"], info["value_loss"], info["kl_mu_pi"].mean(),
                          info["far"].float().mean(), info["rho"].mean()])
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
-    if not np.isfinite(host[-6:-3]).all():  # NaN guard on the loss terms only (a masked or weight-0 D_KL may be inf)
+    # NaN guard before the step, so the weights and Adam's moments stay finite; on the loss terms only (a masked or
+    # weight-0 D_KL may be inf)
+    if not np.isfinite(host[-6:-3]).all():
         raise FloatingPointError(f"non-finite loss at gradient step {k}: loss, policy, value = {host[-6:-3]}")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
     nb = len(boot_idx)
     if bookkeeping:  # host = [rho (B) | V(s) (B) | V(s_L) (nb) | |err| (B) | stats (6)]
         rm.update_samples(idx, host[:B], host[B:2 * B], boot_idx, host[2 * B:2 * B + nb],
@@ -567,6 +594,29 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
         state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
     state["k"] = k + 1
     return torch.from_numpy(host[-6:])
+
+
+def learn(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
+          obs_mean: torch.Tensor, obs_std: torch.Tensor, steps_due: float, stats_sum: torch.Tensor, publish) -> int:
+    """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
+    at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
+    the new weights to the actors. Adds train_step's stats to `stats_sum`; moves obs_mean, obs_std in place (with
+    --state-stats-rate). Returns the number of gradient steps done."""
+    done = 0
+    while state["k"] < steps_due and done < GRAD_STEPS_PER_READ:
+        k = state["k"]
+        if k > 0 and k % args.stats_every == 0:  # App. B: every 1000 steps
+            rm.update_reward_scale()
+            rm.recount_far(refer_cmax(k, args.C, args.A))
+            if args.per == "rank":
+                rm.per_rebuild()
+            for current, target in zip((obs_mean, obs_std), rm.state_stats() if args.state_stats_rate else ()):
+                current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
+        stats_sum += train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
+        done += 1
+    if done:
+        publish()
+    return done
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
@@ -771,21 +821,12 @@ if __name__ == "__main__":
                 publish()
                 print(f"learning starts at env step {global_step} (replay holds {rm.size} samples)", flush=True)
 
-            # LEARN: keep k <= (t - t0)/F (App. C Alg. 1)
+            # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             did = 0
-            while started and state["k"] < (global_step - t0) / args.F and did < GRAD_STEPS_PER_READ:
-                k = state["k"]
-                if k > 0 and k % args.stats_every == 0:  # App. B: every 1000 steps
-                    rm.update_reward_scale()
-                    rm.recount_far(refer_cmax(k, args.C, args.A))
-                    if args.per == "rank":
-                        rm.per_rebuild()
-                    for current, target in zip((obs_mean, obs_std), rm.state_stats() if args.state_stats_rate else ()):
-                        current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
-                acc += train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
-                acc_n, did = acc_n + 1, did + 1
-            if did:
-                publish()
+            if started:
+                did = learn(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std, (global_step - t0) / args.F,
+                            acc, publish)
+                acc_n += did
             allow_steps()
 
             # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected

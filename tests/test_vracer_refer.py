@@ -364,6 +364,108 @@ def test_rank_per_prefers_high_priorities():
     assert np.all(np.diff(w[np.argsort(rm.prio[idx])]) <= 1e-12)  # higher priority -> smaller IS weight
 
 
+def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
+    """Between two re-sorts, the steps stored since the last one have no rank, also those written into the slots of
+    removed steps: each is drawn with probability 1/n (n stored steps) as under uniform sampling; the ranked steps
+    still stored share the rest by rank, P ~ rank^-alpha; IS weights (n P)^-beta over the batch maximum."""
+    rng = np.random.default_rng(21)
+    alpha, beta = 0.5, 0.6
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=10)
+    fill(rm, rng, 200, lmax=10)
+    rm.prio[rm.valid] = rng.uniform(size=rm.valid.sum())
+    rm.sample_per(1, rng, alpha, beta)  # sorts
+    rank_of = {int(slot): r for r, slot in enumerate(rm.per_order, start=1)}
+    valid_at_sort = rm.valid.copy()
+    fill(rm, rng, 20, lmax=10)
+    new = np.zeros(rm.cap, bool)
+    for start, length in list(rm.episodes)[-20:]:
+        new[start:start + length] = True
+    assert (new & valid_at_sort).sum() >= 20  # recycled slots: before, their new steps inherited the old ranks
+    # the textbook probabilities of the rule
+    n, n_new = rm.size, int(new.sum())
+    ranked = [slot for slot in rank_of if rm.valid[slot] and not new[slot]]
+    total = sum(rank_of[slot] ** -alpha for slot in ranked)
+    P = np.zeros(rm.cap)
+    P[new] = 1.0 / n
+    for slot in ranked:
+        P[slot] = (1.0 - n_new / n) * rank_of[slot] ** -alpha / total
+    assert P.sum() == pytest.approx(1.0)
+    draws = 400_000
+    idx, w = rm.sample_per(draws, rng, alpha, beta)
+    assert rm.valid[idx].all()
+    share_new = new[idx].mean()
+    assert abs(share_new - n_new / n) < 4 * np.sqrt(n_new / n / draws)  # binomial: 4 standard deviations
+    np.testing.assert_allclose(w, (n * P[idx]) ** -beta / ((n * P[idx]) ** -beta).max(), rtol=1e-9)
+    top = [slot for slot in ranked if rank_of[slot] <= 20]  # the most likely ranked steps, drawn as often as P says
+    counts = np.bincount(idx, minlength=rm.cap)
+    np.testing.assert_allclose(counts[top] / draws, P[top], rtol=0.1)
+    rm.per_rebuild()  # the next re-sort ranks the new steps too
+    assert rm.ranked[rm.valid].all() and not rm.ranked[~rm.valid].any()
+
+
+def test_episode_stored_after_a_reward_scale_update_is_scaled():
+    """Eq. (16): an episode stored after `update_reward_scale` holds r / scale, and its Q^ret is in that scale."""
+    rng = np.random.default_rng(22)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 20)
+    rm.rew[rm.valid] *= 5.0
+    scale = rm.update_reward_scale()
+    assert scale > 3.0
+    fill(rm, rng, 3)
+    for start, length in list(rm.episodes)[-3:]:
+        sl = slice(start, start + length)
+        np.testing.assert_allclose(rm.rs[sl], rm.rew[sl] / scale, rtol=1e-12)
+    check_qret_consistent(rm)
+
+
+def test_far_count_stays_exact_when_cmax_is_one():
+    """--refer none --C 0 gives c_max = 1: even the rho = 1 of a new step is far. Insertion counts it as removal
+    uncounts it, so n_far stays the exact count through insertions, FIFO removals and gradient steps (was negative)."""
+    rng = np.random.default_rng(23)
+    rm = vr.EpisodeReplay(200, 3, 2, 0.99, max_episode_len=40)
+    rm.recount_far(vr.refer_cmax(0, 0.0, 5e-7))
+    assert rm.cmax == 1.0
+    for _ in range(40):
+        fill(rm, rng, 1)
+        assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum()) == rm.size
+    args = vr.Args(batch_size=16, buffer_size=200, refer="none", C=0.0)
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
+    state = {"k": 0, "beta": 1.0}
+    for _ in range(10):
+        vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        fill(rm, rng, 1)
+        assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
+        assert 0.0 <= rm.far_fraction() <= 1.0
+
+
+def test_replay_and_train_step_with_one_action_dimension():
+    """1-D action tasks (InvertedPendulum): the actors hand over (L, 1) action blocks; the memory keeps them 2-D, and
+    sampling (uniform and rank PER), the loss, the write-back and a checkpoint round trip work as with several."""
+    rng = np.random.default_rng(24)
+    rm = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
+    act = rng.normal(size=(7, 1))
+    rm.add_episode(rng.normal(size=(7, 3)), act, np.zeros((7, 1)), np.ones((7, 1)), rng.normal(size=7),
+                   rng.normal(size=7), True)
+    assert rm.act.shape == rm.mu_mean.shape == rm.mu_std.shape == (rm.cap, 1)
+    np.testing.assert_array_equal(rm.act[:7], act.astype(np.float32))
+    fill(rm, rng, 30, act_dim=1)
+    rm.update_reward_scale()
+    agent = vr.Agent(3, 1)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    state = {"k": 0, "beta": 0.0}
+    for per in ("none", "rank"):
+        args = vr.Args(batch_size=16, buffer_size=300, per=per)
+        for _ in range(5):
+            stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+            assert torch.isfinite(stats).all()
+    check_qret_consistent(rm)
+    restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
+    restored.load_state_dict(rm.state_dict())
+    np.testing.assert_array_equal(restored.act, rm.act)
+    np.testing.assert_array_equal(restored.qret, rm.qret)
+
+
 def test_noise_and_action_scaling():
     rng = np.random.default_rng(12)
     z = vr.sample_noise(rng, (200_000,), "truncnorm")
@@ -442,6 +544,26 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     assert p3.stderr.strip().splitlines()[-1].endswith("(--learning-starts; the checkpoint has no replay memory)")
 
 
+def test_one_action_dimension_task_runs(tmp_path):
+    """InvertedPendulum-v5 has one action dimension: collection, storage, learning and the evaluation of the saved
+    model run (before, the first stored episode crashed)."""
+    p = run_script(tmp_path, "--env-id", "InvertedPendulum-v5", "--num-actors", "1", "--learning-starts", "64",
+                   "--buffer-size", "64", "--batch-size", "16", "--total-timesteps", "200", "--log-every", "20",
+                   "--stats-every", "50", "--save-model", "--eval-episodes", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "learning starts at env step" in p.stdout
+    summary = json.loads(next((tmp_path / "runs").iterdir()).joinpath("summary.json").read_text())
+    assert summary["stop_reason"] == "completed" and summary["global_step"] >= 200
+    assert summary["eval_return_mean"] >= 1.0
+
+
+def test_resume_refuses_another_gamma():
+    """gamma is in FIXED_ON_RESUME: the stored Q^ret and trace coefficients were computed with the old one."""
+    from common.args import resume_args
+    with pytest.raises(SystemExit, match="^error: --resume: --gamma "):
+        resume_args(vr.Args(gamma=0.99), ["--gamma", "0.99"], vars(vr.Args()), vr.FIXED_ON_RESUME)
+
+
 def test_bad_inputs_fail_with_one_line(tmp_path):
     p = run_script(tmp_path, "--env-id", "CartPole-v1", timeout=60)  # discrete-action env: refused at start-up
     assert p.returncode != 0
@@ -501,10 +623,17 @@ def test_train_step_nan_guard():
     rm.mu_std[rm.valid] = 1.0
     rm.qret[rm.valid] = np.nan
     rho_before = rm.rho.copy()
+    weights_before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
+    adam_before = [{name: v.clone() for name, v in s.items()} for s in opt.state.values()]
     with pytest.raises(FloatingPointError, match="non-finite loss at gradient step 1"):
         step(state, "full")
     np.testing.assert_array_equal(rm.rho, rho_before)
     assert state["k"] == 1
+    # the guard fires before the optimizer step: weights and Adam's moments are untouched (finite)
+    torch.testing.assert_close(torch.nn.utils.parameters_to_vector(agent.parameters()), weights_before)
+    for s, before in zip(opt.state.values(), adam_before):
+        for name, value in before.items():
+            torch.testing.assert_close(s[name], value)
 
 
 @pytest.mark.parametrize("refer,per", [("full", "none"), ("rule1", "none"), ("rule2", "none"), ("none", "none"),
@@ -525,6 +654,136 @@ def test_train_step_all_variants(refer, per):
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
     assert state["k"] == 30
     assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
+
+
+def test_train_step_anneals_learning_rate_and_cmax():
+    """Eq. (13) in train_step: gradient step k uses eta/(1 + A k) (a first Adam step moves each weight by about the
+    learning rate) and c_max = 1 + C/(1 + A k) (the replay's far-policy count uses it)."""
+    rng = np.random.default_rng(25)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 30)
+    args = vr.Args(batch_size=16, buffer_size=300, learning_rate=1e-3, A=0.1, C=2.0)
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-12)
+    state = {"k": 3, "beta": 0.5}
+    before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
+    vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    moved = (torch.nn.utils.parameters_to_vector(agent.parameters()).detach() - before).abs().max()
+    assert float(moved) == pytest.approx(vr.annealed_lr(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
+    for k in range(4, 8):
+        vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_lr(k, 1e-3, 0.1))
+        assert rm.cmax == pytest.approx(vr.refer_cmax(k, 2.0, 0.1))
+    assert state["k"] == 8
+
+
+def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
+    """--per rank in train_step: the loss is the one weighted by the batch's IS weights, and the sampled steps'
+    priorities become |rho-bar (Q^ret - V)| of this step (the next re-sort ranks by them)."""
+    import copy
+
+    rng = np.random.default_rng(26)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 40)
+    rm.update_reward_scale()
+    rm.prio[rm.valid] = rng.uniform(0.1, 2.0, rm.valid.sum())
+    rm.per_rebuild()
+    args = vr.Args(batch_size=32, buffer_size=400, per="rank", A=0.1)
+    torch.manual_seed(3)
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    state = {"k": 2, "beta": 0.5}
+    # the batch train_step will draw (the same generator state) and the loss it should minimise
+    beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * 2)
+    idx, w = rm.sample_per(args.batch_size, copy.deepcopy(rng), args.per_alpha, beta_is)
+    assert w.min() < 0.9  # weights that matter
+    act, mu_mean, mu_std = (torch.as_tensor(x[idx]) for x in (rm.act, rm.mu_mean, rm.mu_std))
+    qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32)
+    with torch.no_grad():
+        mean, std, value = agent(torch.as_tensor(rm.obs[idx]))
+    cmax = vr.refer_cmax(2, args.C, args.A)
+    weighted, info = vr.refer_loss(mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax,
+                                   weights=torch.as_tensor(w, dtype=torch.float32))
+    unweighted, _ = vr.refer_loss(mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax)
+    assert abs(float(weighted) - float(unweighted)) > 0.01 * abs(float(unweighted))
+    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    assert float(stats[0]) == pytest.approx(float(weighted), rel=1e-5)
+    np.testing.assert_allclose(rm.prio[idx], info["abs_err"].double().numpy(), rtol=1e-5)
+
+
+def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
+    """`learn`, the main loop's LEARN phase: gradient steps while k < (t - t0)/F (at most GRAD_STEPS_PER_READ); at
+    k = stats_every, first the reward scale (Eq. (16)), the PER re-sort and the state statistics (--state-stats-rate);
+    after the steps the new weights are published to the actors."""
+    rng = np.random.default_rng(27)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 40)
+    scale_before = rm.update_reward_scale()
+    rm.rew[rm.valid] *= 10.0  # the next reward-scale update must see this
+    args = vr.Args(batch_size=16, buffer_size=400, stats_every=5, state_stats_rate=0.5, per="rank")
+    agent = vr.Agent(3, 2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    state = {"k": 0, "beta": 0.0}
+    obs_mean, obs_std = torch.zeros(3), torch.ones(3)
+    stats_sum = torch.zeros(6, dtype=torch.float64)
+    published = []  # the weights each publish() hands to the actors
+
+    def weights():
+        return torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
+
+    def learn_until(steps_due):
+        return vr.learn(agent, opt, rm, state, args, torch.device("cpu"), rng, obs_mean, obs_std, steps_due, stats_sum,
+                        lambda: published.append(weights()))
+    initial = weights()
+    assert learn_until(5) == 5 and state["k"] == 5
+    assert rm.reward_scale == scale_before  # not yet: the update comes before gradient step k = stats_every
+    assert len(published) == 1 and not torch.equal(published[0], initial)
+    torch.testing.assert_close(published[0], weights())  # the weights after the steps
+    assert torch.isfinite(stats_sum).all() and stats_sum[0] != 0
+    fill(rm, rng, 2)  # new steps, unranked until the re-sort
+    assert learn_until(5.5) == 1 and state["k"] == 6 and len(published) == 2
+    torch.testing.assert_close(published[1], weights())
+    r = rm.rew[rm.valid]
+    assert rm.reward_scale == pytest.approx(np.sqrt(np.mean(r * r)) + 1e-7)
+    np.testing.assert_allclose(rm.rs[rm.valid], r / rm.reward_scale)
+    assert rm.ranked[rm.valid].all()  # re-sorted
+    target_mean, target_std = rm.state_stats()
+    torch.testing.assert_close(obs_mean, 0.5 * torch.as_tensor(target_mean, dtype=torch.float32))
+    torch.testing.assert_close(obs_std, 1.0 + 0.5 * (torch.as_tensor(target_std, dtype=torch.float32) - 1.0))
+    assert learn_until(6) == 0 and len(published) == 2  # nothing due: no step, nothing published
+    assert learn_until(1e9) == vr.GRAD_STEPS_PER_READ  # then the rings are read again
+
+
+def test_evaluate_standardises_the_state(monkeypatch):
+    """`evaluate` acts with the mean action of the standardised state (s - mean) / std (Eqs. (14)-(15)), as the
+    network was trained; the direct rollout here is written from that."""
+    from common.mujoco_env import make_mujoco_env
+
+    limit, seed = 30, 7
+    monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=limit))
+    torch.manual_seed(2)
+    agent = vr.Agent(11, 3)
+    with torch.no_grad():
+        agent.out.weight.mul_(30.0)  # actions that depend clearly on the state
+    rng = np.random.default_rng(28)
+    obs_mean = torch.tensor(rng.normal(size=11), dtype=torch.float32)
+    obs_std = torch.tensor(rng.uniform(0.2, 0.5, 11), dtype=torch.float32)
+    returns = vr.evaluate(agent, "Hopper-v5", seed, 2, obs_mean, obs_std, torch.device("cpu"))
+    env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
+    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    expected = []
+    for episode in range(2):
+        (obs, _), done, ret = env.reset(seed=seed + episode), False, 0.0
+        while not done:
+            standardised = (torch.as_tensor(obs, dtype=torch.float32) - obs_mean) / obs_std
+            with torch.no_grad():
+                action = agent(standardised[None])[0][0].numpy().astype(np.float64)
+            obs, r, term, trunc, _ = env.step(vr.to_env_action(action, low, high))
+            ret, done = ret + float(r), term or trunc
+        expected.append(ret)
+    np.testing.assert_allclose(returns, expected, rtol=1e-9)
+    raw = vr.evaluate(agent, "Hopper-v5", seed, 2, torch.zeros(11), torch.ones(11), torch.device("cpu"))
+    assert np.abs(np.array(raw) - expected).max() > 0.01  # the standardisation changes the returns here
 
 
 # ---------------------------------------------------------------- wiring: actor ring -> replay
@@ -552,18 +811,21 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     rings = torch.zeros(1, args.ring_size, vr.ring_width(obs_dim, act_dim), dtype=torch.float64)
     written, read, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), threading.Event()
     actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control,
-                                                         rings, written, read, seed, "test", stop))
+                                                         rings, written, read, seed, "test", stop), daemon=True)
     rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
     n_read = n_finished = 0
     actor.start()
-    for _ in range(6000):  # the main loop's COLLECT: drain the ring while the actor fills it
-        n, finished = vr.store_episodes(rings[0], written[0], read[0], partial, rm, obs_dim, act_dim)
-        n_read, n_finished = n_read + n, n_finished + len(finished)
-        if n_read >= steps:
-            break
-        threading.Event().wait(0.002)
-    stop.set()
-    actor.join()
+    try:
+        for _ in range(6000):  # the main loop's COLLECT: drain the ring while the actor fills it
+            n, finished = vr.store_episodes(rings[0], written[0], read[0], partial, rm, obs_dim, act_dim)
+            n_read, n_finished = n_read + n, n_finished + len(finished)
+            if n_read >= steps:
+                break
+            threading.Event().wait(0.002)
+    finally:
+        # whatever raised above, stop the actor: a thread left running keeps pytest from exiting
+        stop.set()
+        actor.join()
     assert n_read == steps == int(read[0]) and n_finished == len(rm.episodes)
 
     # the direct rollout (independent of the ring format): a ~ mu = N(mean, std) with the actor's noise stream
