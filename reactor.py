@@ -13,7 +13,8 @@ Paper parts, in file order
 - beta-LOO (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1) `tislr_policy_loss`.
 - Prioritized sequence replay, lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean |TD|
   (ND) or total variation (distributional) in `reactor_loss`.
-- Acting:learning ratio, target network, Adam (3.4, 4.1) `__main__`; no-op starts, whole games, real scores (4.1) `evaluate`.
+- Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the target
+  network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games, real scores (4.1) `evaluate`.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
@@ -136,8 +137,9 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
 ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max", "torso")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
-FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "distributional", "num_atoms",
-                   "v_min", "v_max", "policy_gradient", "prioritized", "num_actors", "replay_size", "sequence_length")
+FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "policy_uniform_eps",
+                   "distributional", "num_atoms", "v_min", "v_max", "gamma", "policy_gradient", "prioritized", "num_actors",
+                   "replay_size", "sequence_length")
 ARG_RULES = {"start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
     "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
     "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
@@ -721,6 +723,37 @@ def actor_loop(actor_id, args, run_name, shared_net, weights_version, actor_step
     env.close()
 
 
+# LEARNER STEPS (the loop in __main__ calls them)
+def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: tuple, args: Args) -> bool:
+    """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
+    both counted from ratio_base = (env step, learning step); and at least a batch of sequences in the replay."""
+    return (global_step >= ratio_base[0] and num_sequences >= args.batch_size
+            and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio)
+
+
+def learning_step(net, target_net, optimizer, replay: SequenceReplay, support, args: Args, rng, device) -> dict:
+    """One learning step: a prioritized batch, the Reactor loss, Adam, the batch's new priorities into the replay (3.3).
+    Returns the step's stats (0-d tensors on the device), the loss and the mean IS weight among them."""
+    keys, batch = replay.sample(args.batch_size, rng, device)
+    loss, priorities, stats = reactor_loss(net, target_net, batch, support, args)
+    optimizer.zero_grad()
+    loss.backward()
+    if args.max_grad_norm > 0:
+        nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
+    optimizer.step()
+    replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent)
+    return stats | {"losses/loss": loss.detach(), "replay/is_weight_mean": batch.weights.mean()}
+
+
+def publish_weights(net, target_net, shared_net, weights_version, learner_steps, learn_steps: int, args: Args) -> None:
+    """After learning step number `learn_steps`: the weights to the actors (shared tensors, then the version the actors
+    check and the count their ratio gate reads), and every target_update_period steps to the target network (4.1)."""
+    shared_net.load_state_dict(net.state_dict())  # (copies into the shared tensors)
+    weights_version.value = learner_steps.value = learn_steps
+    if learn_steps % args.target_update_period == 0:
+        target_net.load_state_dict(net.state_dict())
+
+
 def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = False):
     """Whole games, up to noop_max no-op starts, actions from pi (or argmax pi), real scores; a lost life resets the state."""
     env = make_env(args.env_id, seed, args, evaluation=True)
@@ -831,23 +864,12 @@ if __name__ == "__main__":
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_len})
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
-            can_learn = (global_step >= ratio_base[0] and len(replay) >= args.batch_size
-                         and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio)
+            can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
                 t0 = time.time()
-                keys, batch = replay.sample(args.batch_size, rng, device)
-                loss, priorities, stats = reactor_loss(net, target_net, batch, support, args)
-                optimizer.zero_grad()
-                loss.backward()
-                if args.max_grad_norm > 0:
-                    nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
-                optimizer.step()
-                replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent)
+                stats = learning_step(net, target_net, optimizer, replay, support, args, rng, device)
                 learn_steps += 1
-                shared_net.load_state_dict(net.state_dict())  # publish the weights to the actors
-                weights_version.value = learner_steps.value = learn_steps
-                if learn_steps % args.target_update_period == 0:
-                    target_net.load_state_dict(net.state_dict())
+                publish_weights(net, target_net, shared_net, weights_version, learner_steps, learn_steps, args)
                 stats_acc = {k: stats_acc.get(k, 0.0) + v.detach() for k, v in stats.items()}
                 learn_time += time.time() - t0
                 # LOG: the means since the last log line
@@ -855,14 +877,15 @@ if __name__ == "__main__":
                     n_logged, idx = learn_steps - last_log_step, replay.index
                     sps, lps = (global_step - start_step) / (time.time() - start_time), n_logged / max(learn_time, 1e-9)
                     known = idx.priority[idx.known.tree[idx.known.size:][:idx.capacity] > 0]  # the known priorities
-                    metrics = {k: v / n_logged for k, v in stats_acc.items()} | {
+                    # the stats summed on the device since the last log line (loss and IS weights too): one transfer
+                    means = (torch.stack(list(stats_acc.values())) / n_logged).tolist()
+                    metrics = dict(zip(stats_acc, means)) | {
                         "charts/SPS": sps, "charts/learning_steps": learn_steps, "charts/learner_steps_per_s": lps,
                         "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
-                        "losses/loss": loss.detach(), "replay/size": len(replay),
+                        "replay/size": len(replay),
                         "replay/known_fraction": idx.num_known / max(len(replay), 1),
                         "replay/priority_mean": float(known.mean()) if known.size else 0.0,
-                        "replay/priority_max": float(known.max()) if known.size else 0.0,
-                        "replay/is_weight_mean": batch.weights.mean()}
+                        "replay/priority_max": float(known.max()) if known.size else 0.0}
                     logger.log(global_step, metrics)
                     logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
                                     float(metrics["losses/value_loss"]),

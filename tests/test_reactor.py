@@ -3,9 +3,12 @@ paper's equations (Gruslys et al. 2018), property tests, edge cases, and short s
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import reactor  # noqa: E402
-from common.args import check_args  # noqa: E402
+from common.args import check_args, resume_args  # noqa: E402
 from common.processes import check_memory  # noqa: E402
 from common.sum_tree import SumTree  # noqa: E402
 from reactor import (  # noqa: E402
@@ -1202,3 +1205,295 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     torch.testing.assert_close(net.q.grad, ref.q.grad, rtol=1e-6, atol=1e-8)  # (rewards: float32)
     torch.testing.assert_close(net.pl.grad, ref.pl.grad, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(prios.detach().numpy(), want_prios, rtol=1e-8, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the loop's wiring: the learner's steps, the actor's gate and weight syncs, the replay's gathers, a real run
+MINATAR = (4, 10, 10)  # a MinAtar frame's shape
+
+
+def test_sequence_replay_sample_reads_state_and_mu_of_the_right_slots():
+    """Slots whose LSTM state and mu encode (segment, time) (elsewhere they hold constants, where any slot looks right):
+    a sampled sequence starts from the state stored with its first slot (its key), each of the 4 parts (h_q, c_q,
+    h_pi, c_pi) in its place, and its mu rows are those of its own T + 1 slots, across the wrap of a segment's ring."""
+    T, seg, A, H = 4, 20, 3, 4
+    rp = SequenceReplay(2 * seg, 2, T, A, H, ATARI, uniform_eps=1.0)
+
+    def encoded_chunk(segment, start, m):
+        chunk = fill_chunk(start, m, A, H)
+        t = np.arange(start, start + m)
+        # part i of the state = 512 i + 128 segment + time: integers < 2048, exact in float16
+        state = 512 * np.arange(4)[None, :, None] + 128 * segment + t[:, None, None]
+        chunk["state"] = np.broadcast_to(state, (m, 4, H)).astype(np.float16)
+        chunk["mu"] = (1000 * segment + 10 * t[:, None] + np.arange(A)).astype(np.float32)
+        return chunk
+
+    for start in range(0, 45, 5):  # segment 0 wraps twice (times 25..44 live)
+        rp.add(0, encoded_chunk(0, start, 5))
+    rp.add(1, encoded_chunk(1, 0, 13))
+    keys, batch = rp.sample(200, np.random.default_rng(0), "cpu")
+    segment = keys // seg
+    assert set(segment.tolist()) == {0, 1} and (keys % seg + T >= seg).any()  # both segments, sequences across the wrap
+    times = (batch.obs[:, :, 0, 0, 0].long() + 256 * batch.obs[:, :, 0, 0, 1].long()).numpy()
+    for i in range(4):
+        want = 512 * i + 128 * segment + times[:, 0]
+        np.testing.assert_array_equal(batch.state[i].numpy(), np.repeat(want[:, None], H, 1).astype(np.float32))
+    want_mu = 1000 * segment[:, None, None] + 10 * times[:, :, None] + np.arange(A)
+    np.testing.assert_array_equal(batch.mu.numpy(), want_mu.astype(np.float32))
+
+
+class EpisodeStub:
+    """A stand-in env with MinAtar's frame shape and 3 actions: pixels (0, 0, 0) and (0, 0, 1) of each frame hold the
+    episode and the step in it; episode e is cut by a time limit (truncated, never terminated) after
+    lengths[e % len(lengths)] steps; on_step(n) runs within the n-th step of the whole run (n = 1, 2, ...)."""
+
+    def __init__(self, lengths, on_step=lambda n: None):
+        self.observation_space, self.action_space = SimpleNamespace(shape=MINATAR), SimpleNamespace(n=3)
+        self.lengths, self.on_step, self.episode, self.t, self.steps = lengths, on_step, -1, 0, 0
+
+    def frame(self):
+        obs = np.zeros(MINATAR, np.uint8)
+        obs[0, 0, :2] = self.episode % 256, self.t
+        return obs
+
+    def reset(self, seed=None):
+        self.episode, self.t = self.episode + 1, 0
+        return self.frame(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.steps += 1
+        self.on_step(self.steps)
+        truncated = self.t == self.lengths[self.episode % len(self.lengths)]
+        return self.frame(), 0.0, False, truncated, {}
+
+    def close(self):
+        pass
+
+
+def run_actor_thread(monkeypatch, args, env, shared, weights_version, learner_steps, actor_steps, ratio_base, stop,
+                     slots_wanted=None):
+    """The real `actor_loop` (actor 0, in a thread, acting in `env`) and the learner's lines that store its chunks
+    (`SequenceReplay.add`), until `slots_wanted` slots are stored or `stop` is set. Returns the replay; an exception
+    of the actor is raised here."""
+    monkeypatch.setattr(reactor, "make_env", lambda *a, **k: env)
+    A, shape = env.action_space.n, env.observation_space.shape
+    channel = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape)
+    replay = SequenceReplay(args.replay_size, 1, args.sequence_length, A, args.lstm_size, shape)
+    errors, threads = [], torch.get_num_threads()
+
+    def actor():
+        try:
+            reactor.actor_loop(0, args, "test", shared, weights_version, actor_steps, learner_steps, ratio_base,
+                               channel, stop)
+        except Exception as e:
+            errors.append(e)
+            stop.set()
+
+    thread = threading.Thread(target=actor)
+    thread.start()
+    try:
+        while not stop.is_set() and (slots_wanted is None or replay.written[0] < slots_wanted):
+            try:
+                msg = channel.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg[0] == "chunk":
+                replay.add(*channel.read(msg))  # the main loop's lines
+                channel.release(msg)
+    finally:
+        stop.set()
+        thread.join()
+        torch.set_num_threads(threads)
+    if errors:
+        raise errors[0]
+    return replay
+
+
+def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_chunk_s_last_row(float32, monkeypatch):
+    """Episodes of 5, 6, 3 and 9 steps (actor_chunk = 5) put time-limit truncations on several rows of the chunks, a
+    chunk's last row among them: each pad slot (the true last frame) follows its episode, in the chunk's spare row
+    when needed. Within step 6 the learner publishes new weights (a policy that all but always picks action 2) and
+    bumps the version: the actor acts with the old weights up to its next sync point (step 8, actor_sync_every = 4)
+    and with the new ones from there on (the stored mu shows which)."""
+    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, sequence_length=4,
+                        replay_size=400, actor_chunk=5, actor_sync_every=4, seed=3)
+    torch.manual_seed(0)
+    shared, version = reactor.make_network(args, 3, MINATAR), SimpleNamespace(value=0)
+    new_mu = np.array([0.01 / 3, 0.01 / 3, 0.99 + 0.01 / 3])  # (1 - eps) softmax([0, 0, 30]) + eps / 3, eps = 0.01
+
+    def publish(n):
+        if n == 6:
+            with torch.no_grad():
+                shared.pi_logits.weight.zero_()
+                shared.pi_logits.bias.copy_(torch.tensor([0.0, 0.0, 30.0]))
+            version.value = 1
+
+    lengths = [5, 6, 3, 9] * 2
+    # each episode: its steps (frames 0 .. n - 1), then its pad slot holding frame n, the true last frame
+    episode_rows = np.concatenate([np.full(n + 1, e) for e, n in enumerate(lengths)])
+    step_in_episode = np.concatenate([np.arange(n + 1) for n in lengths])
+    is_pad = np.concatenate([np.arange(n + 1) == n for n in lengths])
+    rows = len(episode_rows)
+    replay = run_actor_thread(monkeypatch, args, EpisodeStub(lengths, publish), shared, version,
+                              SimpleNamespace(value=0), [0], (10**12, 0), threading.Event(), slots_wanted=rows)
+    np.testing.assert_array_equal(replay.obs[:rows, 0, 0, 0], episode_rows)
+    np.testing.assert_array_equal(replay.obs[:rows, 0, 0, 1], step_in_episode)
+    np.testing.assert_array_equal(replay.pad[:rows], is_pad)
+    np.testing.assert_array_equal(replay.first[:rows], step_in_episode == 0)
+    assert not replay.term[:rows].any()
+    np.testing.assert_allclose(replay.mu[:rows][is_pad], 1 / 3)
+    mu = replay.mu[:rows][~is_pad]  # one row per env step
+    assert (mu[:8, 2] < 0.9).all()
+    np.testing.assert_allclose(mu[8:], np.broadcast_to(new_mu, mu[8:].shape), rtol=1e-5)
+
+
+def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
+    """The actors' side of the acting:learning ratio: an actor acts while the env steps of all actors, counted from
+    ratio_base[0], are at most replay_ratio x (learning steps - ratio_base[1]) + ratio_slack, and waits as soon as one
+    more step would pass that bound. The real `actor_loop` in a thread; another actor's 5 steps count too; the learner
+    is simulated by the actor's wait (each wait: one more learning step), so that nothing depends on timing."""
+    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=2, lstm_size=8, num_atoms=11, sequence_length=4,
+                        replay_size=4000, actor_chunk=4, replay_ratio=2.5, ratio_slack=6)
+    base, stop = (20, 3), threading.Event()
+    learner_steps, actor_steps = SimpleNamespace(value=base[1]), [0, 5]  # (actor 1: 5 steps, then no more)
+    acted, waited = [], []  # (env steps since base[0], learning steps since base[1]) at each step, at each wait
+
+    def on_step(n):
+        acted.append((sum(actor_steps) - base[0], learner_steps.value - base[1]))
+        # (reached only without the gate)
+        if n == 300:
+            stop.set()
+
+    def wait(seconds):
+        waited.append((sum(actor_steps) - base[0], learner_steps.value - base[1]))
+        learner_steps.value += 1
+        if learner_steps.value - base[1] == 12:
+            stop.set()
+
+    monkeypatch.setattr(reactor, "time", SimpleNamespace(sleep=wait))  # actor_loop's wait
+    run_actor_thread(monkeypatch, args, EpisodeStub([7], on_step), reactor.make_network(args, 3, MINATAR),
+                     SimpleNamespace(value=0), learner_steps, actor_steps, base, stop)
+    assert all(ahead <= 2.5 * learned + 6 for ahead, learned in acted)
+    assert acted[0][0] == -15  # before learning_starts (base[0]) too
+    # it waits right at the bound: one step more would pass it
+    assert waited == [(math.floor(2.5 * learned + 6) + 1, learned) for learned in range(12)]
+    assert len(acted) == waited[-1][0] + 15
+
+
+def test_learner_may_learn_keeps_learning_steps_at_the_acting_ratio():
+    """The learner's side: env steps arrive one at a time and the learner takes every step it may; its learning
+    steps since ratio_base[1] stay exactly ceil((env steps - ratio_base[0]) / replay_ratio) (none before ratio_base[0],
+    e.g. learning_starts), and none while the replay holds less than a batch."""
+    args = reactor.Args(replay_ratio=2.5, batch_size=4)
+    base, learn_steps = (100, 7), 7
+    for global_step in range(0, 160):
+        assert not reactor.learner_may_learn(global_step, learn_steps, 3, base, args)  # (3 sequences < a batch)
+        # (at most 10 tries: a broken gate fails here rather than looping for ever)
+        for _ in range(10):
+            if not reactor.learner_may_learn(global_step, learn_steps, 4, base, args):
+                break
+            learn_steps += 1
+        assert learn_steps - base[1] == max(0, math.ceil((global_step - base[0]) / 2.5)), global_step
+
+
+def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_the_target(float32, monkeypatch):
+    """The learner's step on a real network, optimizer and replay: each step writes the batch's new priorities
+    (mean total variation + 1e-6, to the power priority_exponent) back for its keys; `publish_weights` then copies
+    the weights to the actors' shared network, sets the version and the learner count the actors read, and copies
+    the weights to the target network every target_update_period steps (and only then). The step's stats carry its
+    loss and mean IS weight (the log line's means over the steps since the last line)."""
+    args = reactor.Args(env_id="MinAtar/Breakout-v0", lstm_size=8, num_atoms=11, sequence_length=4, batch_size=3,
+                        target_update_period=3, priority_exponent=0.5, learning_rate=1e-3)
+    A, T, rng = 3, args.sequence_length, np.random.default_rng(0)
+    torch.manual_seed(0)
+    net, target_net, optimizer = reactor.make_learner(args, A, MINATAR, "cpu")
+    shared = reactor.make_network(args, A, MINATAR)
+    shared.load_state_dict(net.state_dict())
+    replay = SequenceReplay(200, 1, T, A, args.lstm_size, MINATAR, args.replay_uniform_eps)
+    m = 40
+    replay.add(0, {"obs": rng.integers(0, 2, (m, *MINATAR)).astype(np.uint8), "action": rng.integers(0, A, m),
+                   "reward": rng.normal(size=m), "term": np.zeros(m, bool), "pad": np.zeros(m, bool),
+                   "first": np.arange(m) % 13 == 0, "mu": rng.dirichlet(np.ones(A), m),
+                   "state": np.zeros((m, 4, args.lstm_size))})
+    support = torch.linspace(args.v_min, args.v_max, args.num_atoms)
+    seen = {}
+
+    def spy_sample(*a, **k):
+        seen["keys"], seen["batch"] = replay_sample(*a, **k)
+        return seen["keys"], seen["batch"]
+
+    def spy_loss(*a, **k):
+        seen["loss"], seen["priorities"], stats = loss_fn(*a, **k)
+        return seen["loss"], seen["priorities"], stats
+
+    replay_sample, loss_fn = replay.sample, reactor.reactor_loss
+    monkeypatch.setattr(replay, "sample", spy_sample)
+    monkeypatch.setattr(reactor, "reactor_loss", spy_loss)
+    version, learner_steps = SimpleNamespace(value=0), SimpleNamespace(value=0)
+
+    def weights(model):
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    target_weights = weights(target_net)
+    for learn_steps in range(1, 8):
+        before = weights(net)
+        stats = reactor.learning_step(net, target_net, optimizer, replay, support, args, rng, "cpu")
+        assert not same(weights(net), before)  # the step changed the weights (so the equalities below mean something)
+        new = dict(zip(seen["keys"].tolist(), seen["priorities"].detach().double().numpy().tolist()))  # (last of a key)
+        for key, priority in new.items():
+            assert replay.index.known.get(np.array([key]))[0] == 1
+            np.testing.assert_allclose(replay.index.priority[key], (priority + 1e-6) ** 0.5, rtol=1e-12)
+        assert stats["losses/loss"] == seen["loss"] and stats["replay/is_weight_mean"] == seen["batch"].weights.mean()
+        reactor.publish_weights(net, target_net, shared, version, learner_steps, learn_steps, args)
+        assert same(weights(shared), weights(net)) and version.value == learner_steps.value == learn_steps
+        refreshed = learn_steps % 3 == 0
+        if refreshed:
+            target_weights = weights(net)
+        assert same(weights(target_net), target_weights) and same(weights(target_net), weights(net)) == refreshed
+    assert replay.index.num_known > 3
+
+
+def test_resume_may_not_change_gamma_or_the_policy_s_uniform_mix():
+    """gamma and the uniform mix of the policy (part of the network's output) change the experiment: a resume refuses
+    them, as every flag of FIXED_ON_RESUME; a flag outside it (the learning rate) may change."""
+    saved = vars(reactor.Args())  # a checkpoint's flags
+    for name, value in (("gamma", 0.9), ("policy_uniform_eps", 0.05)):
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(SystemExit, match=f"error: --resume: {flag} {value} differs from the checkpoint's"):
+            resume_args(reactor.Args(**{name: value}), [flag, str(value)], saved, reactor.FIXED_ON_RESUME)
+    args, given = resume_args(reactor.Args(learning_rate=1e-4), ["--learning-rate", "1e-4"], saved, reactor.FIXED_ON_RESUME)
+    assert given == ["learning_rate"] and args.learning_rate == 1e-4
+
+
+def test_run_writes_priorities_back_refreshes_the_target_and_keeps_the_ratio(tmp_path):
+    """A real run (1 actor, MinAtar) with --target-update-period 1: its checkpoint's target network equals its model,
+    its replay has known keys with priorities (written back by the learner), and each log line keeps
+    (env steps - learning_starts) / replay_ratio within [learning steps - 1, learning steps + ratio_slack / replay_ratio]
+    (the learner's gate and the actor's gate; the actor may take one step past its check)."""
+    r = run_script(tmp_path, "--env-id", "MinAtar/Breakout-v0", "--num-actors", "1", "--replay-size", "600",
+                   "--learning-starts", "100", "--replay-ratio", "20", "--ratio-slack", "16", "--lstm-size", "16",
+                   "--num-atoms", "11", "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "0",
+                   "--total-timesteps", "300", "--target-update-period", "1", "--log-every", "1",
+                   "--checkpoint-every", "100000", "--checkpoint-replay", "--start-method", "forkserver",
+                   "--no-progress", "--no-cuda")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run,) = list((tmp_path / "runs").iterdir())
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["learn_steps"] >= 5
+    for name, tensor in ckpt["model"].items():
+        assert torch.equal(ckpt["target_model"][name], tensor), name
+    index = ckpt["replay"]["index"]
+    capacity = len(index["priority"])
+    known = index["known"][len(index["known"]) // 2:][:capacity] > 0  # the sum tree's leaves
+    assert known.sum() >= 2 and (index["priority"][known] > 0).all()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [(r["global_step"], r["charts/learning_steps"]) for r in records if "charts/learning_steps" in r]
+    assert len(lines) >= ckpt["learn_steps"]
+    for step, learned in lines:
+        assert learned - 1 < (step - 100) / 20 <= learned + (16 + 1) / 20, (step, learned)
+    logged = [r for r in records if "losses/loss" in r]
+    assert len(logged) == ckpt["learn_steps"] and all(0 < r["replay/is_weight_mean"] <= 1 for r in logged)
