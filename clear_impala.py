@@ -47,7 +47,7 @@ from common.args import CommonArgs, check_args, parse_run_args
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
-from common.processes import ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads, stop_on_signals
+from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads, stop_on_signals
 from common.video import check_video_support
 
 @dataclass
@@ -852,7 +852,7 @@ if __name__ == "__main__":
                     "pair_rng": rng.bit_generator.state})
                 ckpt_request.value += 1
             procs.check()
-    except (KeyboardInterrupt, ActorDied) as e:
+    except (KeyboardInterrupt, StopRun) as e:
         error = e
     finally:  # actors with a buffer to save for the last checkpoint get time for it (a large .npz takes seconds)
         procs.stop(timeout=120.0 if args.checkpoint_replay and ckpt_request.value else 5.0)

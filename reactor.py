@@ -48,7 +48,7 @@ from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
                                set_rng_state, state_dicts)
 from common.logger import start_run
-from common.processes import (ActorDied, ChunkChannel, ProcessGroup, check_memory, finish_run,
+from common.processes import (ChunkChannel, ProcessGroup, StopRun, check_memory, check_stop, finish_run,
                               set_learner_threads, stop_on_signals)
 from common.sum_tree import SumTree
 from common.video import check_video_support
@@ -759,6 +759,8 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
     env = make_env(args.env_id, seed, args, evaluation=True)
     rng, returns = np.random.default_rng(seed), []
     for ep in range(episodes):
+        # a stop signal ends the evaluation between games
+        check_stop()
         obs, info = env.reset(seed=seed + ep)
         state, lives = net.initial_state(1, device), info.get("lives")
         while True:
@@ -896,7 +898,7 @@ if __name__ == "__main__":
                 make_checkpoint()
                 next_checkpoint += args.checkpoint_every
             procs.check()  # a dead actor stops the run with its reason
-    except (KeyboardInterrupt, ActorDied) as e:
+    except (KeyboardInterrupt, StopRun) as e:
         error = e
     finally:
         procs.stop()

@@ -44,7 +44,8 @@ from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, see
                                set_rng_state, state_dicts)
 from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import ActorDied, ProcessGroup, check_memory, finish_run, set_learner_threads, stop_on_signals
+from common.processes import (ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads,
+                              stop_on_signals)
 from common.video import check_video_support
 
 
@@ -647,7 +648,7 @@ def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
 
 def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_weights: torch.Tensor,
                shared_norm: torch.Tensor, control: torch.Tensor, rings: torch.Tensor, written: torch.Tensor,
-               read: torch.Tensor, seed: int, run_name: str, stop_event, parent_pid: int | None = None) -> None:
+               read: torch.Tensor, seed: int, run_name: str, stop_event) -> None:
     """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
     control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i."""
     env = make_env(args.env_id, seed, args.capture_video and actor_id == 0, run_name)
@@ -661,8 +662,6 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_wei
     while not stop_event.is_set():
         n = int(written_np[actor_id])
         if n - int(read_np[actor_id]) >= R or int(written_np.sum()) >= int(control_np[0]):  # ring full or F gate
-            if parent_pid is not None and os.getppid() != parent_pid:
-                break  # the learner was killed without stopping us: do not linger as an orphan
             time.sleep(0.002)  # gated by the learner: a 2 ms nap costs nothing against >= 32 steps of slack
             continue
         if int(control_np[1]) != version:  # latest weights and state statistics (shared memory)
@@ -712,6 +711,8 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
     low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
     returns = []
     for ep in range(episodes):
+        # a stop signal ends the evaluation between episodes
+        check_stop()
         (obs, _), done, ret = env.reset(seed=seed + ep), False, 0.0
         while not done:
             x = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
@@ -801,7 +802,7 @@ if __name__ == "__main__":
         for i in range(args.num_actors):
             actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
             procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
-                                     read, actor_seed, run_name, procs.stop_event, os.getpid()), name=f"actor-{i}")
+                                     read, actor_seed, run_name, procs.stop_event), name=f"actor-{i}")
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
@@ -867,7 +868,7 @@ if __name__ == "__main__":
             procs.check()  # every iteration: a dead actor stops the run with its reason
             if not did:
                 time.sleep(0.0005)
-    except (KeyboardInterrupt, ActorDied, FloatingPointError) as e:  # FloatingPointError: train_step's NaN guard
+    except (KeyboardInterrupt, StopRun, FloatingPointError) as e:  # FloatingPointError: train_step's NaN guard
         error = e
     finally:
         procs.stop()

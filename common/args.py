@@ -21,8 +21,10 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
+import io
 import operator
 import sys
 from typing import Annotated, Any, Iterable
@@ -95,10 +97,35 @@ def cli(args_class: type, env_flags: Iterable[str]) -> Any:
                  else dataclasses.field(default_factory=f.default_factory)) for f in members]
         sub = dataclasses.make_dataclass(group, spec)
         nested.append((group, Annotated[sub, tyro.conf.OmitArgPrefixes], dataclasses.field(default_factory=sub)))
-    parsed = tyro.cli(dataclasses.make_dataclass(args_class.__name__, nested),
-                      description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0])
+    captured = io.StringIO()
+    try:
+        # tyro draws its errors in a box: read it, print one line instead
+        with contextlib.redirect_stderr(captured):
+            parsed = tyro.cli(dataclasses.make_dataclass(args_class.__name__, nested),
+                              description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0])
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        raise SystemExit(one_line_error(captured.getvalue())) from None
     return args_class(**{f.name: getattr(getattr(parsed, group), f.name) for group, members in groups.items()
                          for f in members})
+
+
+def one_line_error(box: str) -> str:
+    """tyro's error box as one line: `error: <its message> (did you mean --x?) (see --help)`. The box's first
+    section is the message (wrapped at the terminal's width); a "Perhaps you meant:" line is followed by a flag."""
+    sections = [[]]
+    for line in box.splitlines():
+        text = line.strip().strip("│").strip()
+        if text.startswith("─"):
+            sections.append([])
+        elif text and not text.startswith(("╭", "╰")):
+            sections[-1].append(text)
+    message = " ".join(sections[0]) or "could not parse the command line"
+    lines = [text for section in sections for text in section]
+    suggestions = [lines[i + 1].split()[0] for i, text in enumerate(lines[:-1]) if text == "Perhaps you meant:"]
+    hint = f" (did you mean {', '.join(suggestions)}?)" if suggestions else ""
+    return f"error: {message}{hint} (see --help)"
 
 
 def flag(name: str) -> str:
@@ -168,6 +195,9 @@ def parse_run_args(args_class: type, script: str, env_flags: Iterable[str], fixe
     `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied."""
     args = cli(args_class, env_flags)
     args.exp_name = args.exp_name or script[: -len(".py")]
+    # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
+    if not 0 <= args.seed < 2**31:
+        raise SystemExit(f"error: --seed must be in [0, 2**31), got {args.seed}")
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)

@@ -20,8 +20,6 @@ Use: `obs, info = env.reset(seed=seed)` (a seeded reset always starts a new game
 """
 from __future__ import annotations
 
-import multiprocessing
-
 import ale_py
 import gymnasium as gym
 import numpy as np
@@ -30,6 +28,8 @@ from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, Record
 from common.video import check_video_support
 
 gym.register_envs(ale_py)
+# no ALE banner on stderr (it came before a script's one-line start-up errors); ALE's errors are still printed
+ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 ATARI_ENV_IDS = tuple(sorted(k for k in gym.registry if k.startswith("ALE/") or k.endswith("NoFrameskip-v4")))
 
@@ -136,8 +136,6 @@ def make_atari_env(
         raise ValueError("capture_video needs a video_folder")
     if capture_video:
         check_video_support()
-    if multiprocessing.parent_process() is not None:  # actor processes: the ALE banner is printed once, by the main one
-        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
     env = gym.make(
         env_id,
         frameskip=1,

@@ -54,16 +54,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
-    """Atomically write `obj` with torch.save: temporary file + fsync + os.replace."""
+    """Atomically write `obj` with torch.save: temporary file + fsync + os.replace. A folder that cannot be written
+    (permissions, a full disk) raises `CheckpointFailed` with one line; the previous checkpoint stays intact."""
+    from common.processes import CheckpointFailed
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointFailed(f"checkpoint not written: {e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -72,6 +77,8 @@ def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint written by `save_checkpoint`; raises a one-line error if it is missing or unreadable."""
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is a directory: give the checkpoint file in it, e.g. {str(path / 'checkpoint.pt')!r}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:

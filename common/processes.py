@@ -4,6 +4,9 @@
 `multiprocessing.get_context("spawn" | "forkserver")`; never `fork` once a learner may hold a CUDA context).
 In each child, SIGINT is ignored (Ctrl-C reaches the whole process group; the parent alone handles it and stops the
 children), torch uses one thread, and an exception's traceback is sent back to the parent through a queue.
+Each child also holds the read end of a `Lifeline`, a pipe whose write end only the parent holds: when the parent
+dies, even by SIGKILL (out of memory, pre-emption), the kernel closes that end and a thread in the child reads
+end-of-file and ends the child. `os.getppid()` cannot tell: under forkserver the parent is the fork server.
 Actors receive `group.stop_event` (a lock-free `StopFlag`) and return when it is set. `check()` raises `ActorDied`
 naming the process, its exit code and its traceback; `stop()` sets the flag, then joins, terminates and kills; it is
 safe to call twice.
@@ -12,11 +15,15 @@ No lock is shared between the parent and the actors for supervision: a child kil
 out-of-memory) would leave it held forever, and the parent would hang on its next acquire. So the stop signal is one
 shared byte (single writer: the parent), and counters written by actors are unlocked shared values, one writer each.
 
-Signals and stop reasons, the same in every script: `stop_on_signals()` makes SIGINT (Ctrl-C, also when the run was
-started with SIGINT ignored, as a background job) and SIGTERM raise `Interrupted` in the main process; the script's
-main loop catches it (and `ActorDied`), stops its processes in `finally`, and `stop_reason(error)` gives summary.json's
-`stop_reason` ("completed", "interrupted by SIGTERM", "actor-1 died (exit code -9): ...") and the exit code (0,
-128 + signal, 1); `finish_run` is the end of every script (model, final evaluation, summary.json, exit code).
+Signals and stop reasons, the same in every script: after `stop_on_signals()`, SIGINT (Ctrl-C, also when the run
+was started with SIGINT ignored, as a background job) and SIGTERM are only recorded; `check_stop()`, called by the
+main loops and their waits (and by `ProcessGroup.check()`), raises `Interrupted` there, at a safe point. A handler
+that raised could break off any line, TensorBoard's writer queue included (a lost wake-up or a lock left held, and
+`close()` then waits 120 s or forever). The script's main loop catches `Interrupted` and `StopRun` (a dead actor:
+`ActorDied`; an unwritable run folder: `CheckpointFailed`), stops its processes in `finally`, and
+`stop_reason(error)` gives summary.json's `stop_reason` ("completed", "interrupted by SIGTERM", "actor-1 died (exit
+code -9): ...") and the exit code (0, 128 + signal, 1); `finish_run` is the end of every script (model, final
+evaluation, summary.json, exit code).
 `check_memory(need, flag)` refuses at start-up a replay memory that does not fit in RAM. `ChunkChannel` carries
 fixed-layout rows from actors to the learner through shared memory (only buffer indices cross the queue).
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -84,20 +92,32 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
+# the signals received since `stop_on_signals()`, in order (written by the handler only)
+_received_signals: list[int] = []
+
+
 def stop_on_signals() -> None:
-    """SIGINT and SIGTERM raise `Interrupted` in the main process, so the run stops its actors, writes summary.json
-    and exits 130 / 143. Installed explicitly, so a run started in the background with SIGINT ignored still stops.
-    Only the first signal raises: a second one must not break off the shutdown it started (which is bounded:
-    `ProcessGroup.stop` kills what does not stop in time)."""
-    received = []
+    """From now on SIGINT and SIGTERM request a stop: the handler records the signal and returns, and the next
+    `check_stop()` raises `Interrupted`, so the run stops its actors, writes summary.json and exits 130 / 143.
+    Installed explicitly, so a run started in the background with SIGINT ignored still stops."""
+    _received_signals.clear()
 
     def handler(signum, frame):
-        if not received:
-            received.append(signum)
-            raise Interrupted(signum)
+        _received_signals.append(signum)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def stop_requested() -> bool:
+    """True once SIGINT or SIGTERM arrived (after `stop_on_signals()`)."""
+    return bool(_received_signals)
+
+
+def check_stop() -> None:
+    """Raise `Interrupted` for the first signal received, if any: call it where the main process may stop."""
+    if _received_signals:
+        raise Interrupted(_received_signals[0])
 
 
 def stop_reason(error: BaseException | None) -> tuple[str, int]:
@@ -109,7 +129,7 @@ def stop_reason(error: BaseException | None) -> tuple[str, int]:
         return f"interrupted by {error}", error.exit_code
     if isinstance(error, KeyboardInterrupt):
         return "interrupted", 130
-    if isinstance(error, ActorDied):
+    if isinstance(error, StopRun):
         return str(error), 1
     return f"error: {type(error).__name__}: {error}", 1
 
@@ -128,20 +148,36 @@ def finish_run(logger, error: BaseException | None, summary: dict, save_model: C
     summary["stop_reason"] = reason
     if not exit_code:
         try:
+            check_stop()
             if save_model is not None:
                 print(f"model saved to {save_model()}", flush=True)
             if final_eval is not None:
                 summary.update(final_eval())
+            check_stop()
         except KeyboardInterrupt as e:
             reason, exit_code = stop_reason(e)
             summary["stop_reason"] = f"{reason} during the final evaluation"
-    logger.summary(summary)
+            print(f"stopped: {summary['stop_reason']}", flush=True)
+    try:
+        logger.summary(summary)
+    except OSError as e:
+        # an unwritable run folder: say so in one line, keep the stop's exit code (or 1)
+        print(f"error: summary.json not written: {e}", flush=True)
+        exit_code = exit_code or 1
     logger.close()
     if exit_code:
         raise SystemExit(exit_code)
 
 
-class ActorDied(RuntimeError):
+class StopRun(RuntimeError):
+    """A reason to stop the run early other than a signal; its message is summary.json's `stop_reason`."""
+
+
+class CheckpointFailed(StopRun):
+    """The run folder can no longer be written (`save_checkpoint`): the run stops rather than lose its progress."""
+
+
+class ActorDied(StopRun):
     """A child process ended while the run was going; `.traceback` holds the child's traceback if it sent one."""
 
     def __init__(self, message: str, traceback_text: str = ""):
@@ -149,9 +185,32 @@ class ActorDied(RuntimeError):
         self.traceback = traceback_text
 
 
-def _guarded(target: Callable, args: tuple, name: str, error_queue) -> None:
-    """Child entry point: one thread, parent handles Ctrl-C, tracebacks go back to the parent."""
+class Lifeline:
+    """A pipe whose write end only the parent holds; each child gets the read end (`reader`, a `Process` argument) and
+    calls `exit_with_parent(reader)`. Nothing is ever written: the child's read returns only when the parent died."""
+
+    def __init__(self, ctx):
+        self.reader, self._writer = ctx.Pipe(duplex=False)
+
+
+def exit_with_parent(reader) -> None:
+    """Child side: a daemon thread that ends this process as soon as the parent's end of the lifeline closes."""
+
+    def watch():
+        try:
+            reader.recv()
+        except (EOFError, OSError):
+            pass
+        # the parent is gone: nobody reads our results, and nothing else would stop us
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _guarded(target: Callable, args: tuple, name: str, error_queue, lifeline_reader) -> None:
+    """Child entry point: one thread, parent handles Ctrl-C, tracebacks go back to the parent, exit with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(lifeline_reader)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -191,20 +250,26 @@ class ProcessGroup:
         self.stop_event = StopFlag(ctx)  # pass to actors: they return when it is set
         self.stopping = False
         self._tracebacks: dict[str, str] = {}
+        self.lifeline = Lifeline(ctx)
 
     def start(self, target: Callable, args: tuple, name: str):
         """Start `target(*args)` (a module-level function) in a child process called `name`."""
-        proc = self.ctx.Process(target=_guarded, args=(target, args, name, self.errors), name=name, daemon=True)
+        child_args = (target, args, name, self.errors, self.lifeline.reader)
+        proc = self.ctx.Process(target=_guarded, args=child_args, name=name, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
 
     def check(self) -> None:
-        """Raise ActorDied if any child has exited (while the run is not stopping)."""
+        """Raise `Interrupted` if a stop signal arrived, ActorDied if any child has exited (while the run is not
+        stopping)."""
         if self.stopping:
             return
+        check_stop()
         for proc in self.procs:
             if proc.exitcode is not None:
+                if not fork_server_alive(self.ctx):
+                    raise ActorDied(f"the fork server died (its children {proc.name} and others with it)")
                 try:
                     while True:
                         name, text = self.errors.get(timeout=0.2)
@@ -232,6 +297,23 @@ class ProcessGroup:
             from multiprocessing import forkserver
 
             forkserver._forkserver._stop()
+
+
+def fork_server_alive(ctx) -> bool:
+    """False when `ctx` is forkserver's and its server process has died (True for other start methods)."""
+    if ctx.get_start_method() != "forkserver":
+        return True
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 class ChunkChannel:

@@ -68,13 +68,13 @@ def read_run(run_dir: str) -> list[dict]:
 
 def export_run(run_dir: str, rows: list[dict], metrics: list[str], out_dir: str) -> None:
     """Keep `metrics` and eval/ records (global_step and those keys) as out_dir/<run>/metrics.jsonl.gz, and the run's
-    summary.json, args.json and eval_greedy.json."""
+    summary.json, args.json, eval_greedy.json and eval_records.json (clear_impala.py's test-actor records)."""
     dest = os.path.join(out_dir, os.path.basename(os.path.normpath(run_dir)))
     os.makedirs(dest, exist_ok=True)
     kept = [{k: v for k, v in r.items() if k == "global_step" or k in metrics or k.startswith("eval/")} for r in rows]
     with gzip.open(os.path.join(dest, "metrics.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in kept if len(r) > 1)
-    for name in ("summary.json", "args.json", "eval_greedy.json"):
+    for name in ("summary.json", "args.json", "eval_greedy.json", "eval_records.json"):
         if os.path.exists(os.path.join(run_dir, name)):
             shutil.copy(os.path.join(run_dir, name), dest)
     print(f"export: {dest}")
