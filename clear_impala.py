@@ -30,6 +30,7 @@ Differences from the paper
   restores replay only with `--checkpoint-replay`. Actors reset their own envs (no autoreset: true final obs).
 Copying this file: it needs common/{atari_env,minatar_env,minigrid_env,logger,checkpoint,args,processes,video}.py.
 """
+
 import collections
 import json
 import os
@@ -49,6 +50,7 @@ from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
 from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads, stop_on_signals
 from common.video import check_video_support
+
 
 @dataclass
 class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
@@ -121,16 +123,49 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
 # --help's environment group; the flags a resumed run may not change (replay and tasks are per actor); range rules
 ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames", "minigrid_max_steps")
-FIXED_ON_RESUME = ("env_ids", "seed", "mode", "torso", "num_actors", "envs_per_actor", "unroll_length", "replay_ratio",
-                   "behavior_cloning")
-ARG_RULES = {"mode": ("sequential", "simultaneous", "separate"), "start_method": ("spawn", "forkserver"),
-    "torso": ("auto", "nature", "resnet", "minigrid", "minatar"), "steps_per_task": ">= 1", "num_cycles": ">= 1",
-    "num_actors": ">= 1", "envs_per_actor": ">= 1", "num_test_actors": ">= 0", "batch_size": ">= 1", "unroll_length": ">= 1",
-    "replay_ratio": "[0, 1]", "buffer_frames": ">= -1", "policy_cloning_cost": ">= 0", "value_cloning_cost": ">= 0",
-    "gamma": "[0, 1]", "pg_cost": ">= 0", "baseline_cost": ">= 0", "entropy_cost": ">= 0", "clip_rho_threshold": "> 0",
-    "clip_pg_rho_threshold": "> 0", "learning_rate": "> 0", "rmsprop_alpha": "[0, 1]", "rmsprop_eps": ">= 0",
-    "max_grad_norm": "> 0", "sticky_action_prob": "[0, 1]", "max_episode_frames": ">= 1",
-    "minigrid_max_steps": ">= 1", "test_actor_max_sps": ">= 0", "log_every_seconds": ">= 0", "checkpoint_every": ">= 0"}
+FIXED_ON_RESUME = (
+    "env_ids",
+    "seed",
+    "mode",
+    "torso",
+    "num_actors",
+    "envs_per_actor",
+    "unroll_length",
+    "replay_ratio",
+    "behavior_cloning",
+)
+ARG_RULES = {
+    "mode": ("sequential", "simultaneous", "separate"),
+    "start_method": ("spawn", "forkserver"),
+    "torso": ("auto", "nature", "resnet", "minigrid", "minatar"),
+    "steps_per_task": ">= 1",
+    "num_cycles": ">= 1",
+    "num_actors": ">= 1",
+    "envs_per_actor": ">= 1",
+    "num_test_actors": ">= 0",
+    "batch_size": ">= 1",
+    "unroll_length": ">= 1",
+    "replay_ratio": "[0, 1]",
+    "buffer_frames": ">= -1",
+    "policy_cloning_cost": ">= 0",
+    "value_cloning_cost": ">= 0",
+    "gamma": "[0, 1]",
+    "pg_cost": ">= 0",
+    "baseline_cost": ">= 0",
+    "entropy_cost": ">= 0",
+    "clip_rho_threshold": "> 0",
+    "clip_pg_rho_threshold": "> 0",
+    "learning_rate": "> 0",
+    "rmsprop_alpha": "[0, 1]",
+    "rmsprop_eps": ">= 0",
+    "max_grad_norm": "> 0",
+    "sticky_action_prob": "[0, 1]",
+    "max_episode_frames": ">= 1",
+    "minigrid_max_steps": ">= 1",
+    "test_actor_max_sps": ">= 0",
+    "log_every_seconds": ">= 0",
+    "checkpoint_every": ">= 0",
+}
 
 
 def validate_args(args: Args) -> None:
@@ -138,17 +173,29 @@ def validate_args(args: Args) -> None:
     k, E, B, n = max(1, len(args.env_ids)), args.envs_per_actor, args.batch_size, args.num_actors
     for bad, msg in (
         (not args.env_ids, "--env-ids needs at least one task"),
-        (args.mode == "separate" and (n // k) * E < B, f"--mode separate needs (--num-actors // tasks) x "
-         f"--envs-per-actor >= --batch-size ({B}): each network's batch comes from its own task's envs, one pair each"),
-        (args.mode != "separate" and n * E < B, f"--num-actors x --envs-per-actor ({n * E}) must be >= --batch-size "
-         f"({B}): each env contributes at most one pair to a batch (CLEAR App. A.1)"),
-        (args.mode == "simultaneous" and (n * E) % k, f"--mode simultaneous needs --num-actors x --envs-per-actor a "
-         f"multiple of the number of tasks ({k}): env i plays task i mod {k}, so any other count unbalances the tasks"),
+        (
+            args.mode == "separate" and (n // k) * E < B,
+            f"--mode separate needs (--num-actors // tasks) x "
+            f"--envs-per-actor >= --batch-size ({B}): each network's batch comes from its own task's envs, one pair each",
+        ),
+        (
+            args.mode != "separate" and n * E < B,
+            f"--num-actors x --envs-per-actor ({n * E}) must be >= --batch-size "
+            f"({B}): each env contributes at most one pair to a batch (CLEAR App. A.1)",
+        ),
+        (
+            args.mode == "simultaneous" and (n * E) % k,
+            f"--mode simultaneous needs --num-actors x --envs-per-actor a "
+            f"multiple of the number of tasks ({k}): env i plays task i mod {k}, so any other count unbalances the tasks",
+        ),
         (args.mode == "separate" and n % k, f"--mode separate needs --num-actors a multiple of the task count ({k})"),
         (args.buffer_frames == 0 and args.replay_ratio > 0, "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0"),
-        (0 < args.buffer_frames < n * args.unroll_length, f"--buffer-frames {args.buffer_frames} is less than one "
-         f"unroll per actor ({n} actors x {args.unroll_length} steps)"),
-    ):  # fmt: skip
+        (
+            0 < args.buffer_frames < n * args.unroll_length,
+            f"--buffer-frames {args.buffer_frames} is less than one "
+            f"unroll per actor ({n} actors x {args.unroll_length} steps)",
+        ),
+    ):
         if bad:
             raise SystemExit(f"error: {msg}")
 
@@ -168,33 +215,49 @@ def buffer_capacity_per_actor(args: Args) -> int:
 # ENVIRONMENTS
 def env_kind(env_id: str) -> str:
     from common.atari_env import ATARI_ENV_IDS
+
     if env_id in ATARI_ENV_IDS or env_id in MINATAR_ENV_IDS:
         return "atari" if env_id in ATARI_ENV_IDS else "minatar"
     from common.minigrid_env import resolve_minigrid_id
+
     try:
         resolve_minigrid_id(env_id)
         return "minigrid"
     except ValueError:
-        raise ValueError(f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5), MinAtar ids (e.g. "
-                         f"MinAtar/Breakout-v0) or MiniGrid ids (e.g. MiniGrid-DoorKey-5x5-v0)") from None
+        raise ValueError(
+            f"unknown env id {env_id!r}: use ALE Atari ids (e.g. ALE/Pong-v5), MinAtar ids (e.g. "
+            f"MinAtar/Breakout-v0) or MiniGrid ids (e.g. MiniGrid-DoorKey-5x5-v0)"
+        ) from None
 
 
 def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, video_folder: str | None = None):
     """One gymnasium env; info["episode"]["r"] holds the real return on the step an episode (Atari: game) ends."""
     import gymnasium as gym
+
     kind = env_kind(env_id)
     if kind == "atari":  # full 18-action space so one policy head serves every game (IMPALA multi-task, CLEAR Sec.
         # 4.6); a lost life ends the learning episode but not the game (IMPALA Table G.1, notes P8)
         from common.atari_env import make_atari_env
-        return make_atari_env(env_id, seed, full_action_space=True, terminal_on_life_loss=True, clip_rewards=True,
-                              sticky_action_prob=args.sticky_action_prob or 0.0, capture_video=capture_video,
-                              max_episode_frames=args.max_episode_frames, video_folder=video_folder)
+
+        return make_atari_env(
+            env_id,
+            seed,
+            full_action_space=True,
+            terminal_on_life_loss=True,
+            clip_rewards=True,
+            sticky_action_prob=args.sticky_action_prob or 0.0,
+            capture_video=capture_video,
+            max_episode_frames=args.max_episode_frames,
+            video_folder=video_folder,
+        )
     if kind == "minatar":  # channels padded to 10: one network reads every game (CLEAR Sec. 4.6 analogue)
         sticky = 0.1 if args.sticky_action_prob is None else args.sticky_action_prob
         return make_minatar_env(env_id, seed, pad_channels=MINATAR_MAX_CHANNELS, sticky_action_prob=sticky)
     from common.minigrid_env import make_minigrid_env
-    env = make_minigrid_env(env_id, fully_observable=False, max_steps=args.minigrid_max_steps,
-                            render_mode="rgb_array" if capture_video else None)
+
+    env = make_minigrid_env(
+        env_id, fully_observable=False, max_steps=args.minigrid_max_steps, render_mode="rgb_array" if capture_video else None
+    )
     if capture_video:
         env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda i: i % 20 == 0)
     env = gym.wrappers.RecordEpisodeStatistics(env)  # info["episode"]["r"] on terminated or truncated
@@ -251,26 +314,50 @@ class ResidualBlock(nn.Module):
 
 def conv_sequence(in_channels, out_channels) -> nn.Sequential:
     """IMPALA ResNet stage: conv 3x3, max-pool 3x3/2, two residual blocks (IMPALA Fig. 3 right)."""
-    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1),
-                         ResidualBlock(out_channels), ResidualBlock(out_channels))
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        ResidualBlock(out_channels),
+        ResidualBlock(out_channels),
+    )
 
 
 def make_torso(torso: str, obs_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
     in_shape = (obs_shape[-1], *obs_shape[:-1]) if torso == "minigrid" else obs_shape  # MiniGrid: HWC -> CHW
     c = in_shape[0]
     if torso == "nature":  # the Nature DQN CNN (Mnih et al. 2015) as monobeast's AtariNet, without its LSTM
-        net, hidden = nn.Sequential(
-            layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(), layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten()), 512
+        net, hidden = (
+            nn.Sequential(
+                layer_init(nn.Conv2d(c, 32, 8, stride=4)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+                nn.ReLU(),
+                nn.Flatten(),
+            ),
+            512,
+        )
     elif torso == "resnet":  # IMPALA "deep": channels 16/32/32, FC 256
-        net, hidden = nn.Sequential(conv_sequence(c, 16), conv_sequence(16, 32), conv_sequence(32, 32), nn.Flatten(),
-                                    nn.ReLU()), 256
+        net, hidden = (
+            nn.Sequential(conv_sequence(c, 16), conv_sequence(16, 32), conv_sequence(32, 32), nn.Flatten(), nn.ReLU()),
+            256,
+        )
     elif torso == "minatar":  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels, 128 units
         net, hidden = nn.Sequential(layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), nn.Flatten()), 128
     else:  # minigrid: the 7x7x3 egocentric view (object, colour, state indices), our choice
-        net, hidden = nn.Sequential(
-            layer_init(nn.Conv2d(c, 16, 2)), nn.ReLU(), layer_init(nn.Conv2d(16, 32, 2)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 2)), nn.ReLU(), nn.Flatten()), 256
+        net, hidden = (
+            nn.Sequential(
+                layer_init(nn.Conv2d(c, 16, 2)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(16, 32, 2)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 2)),
+                nn.ReLU(),
+                nn.Flatten(),
+            ),
+            256,
+        )
     with torch.no_grad():
         n_flat = net(torch.zeros(1, *in_shape)).shape[1]
     return nn.Sequential(net, layer_init(nn.Linear(n_flat, hidden)), nn.ReLU()), hidden
@@ -302,14 +389,16 @@ VTraceReturns = collections.namedtuple("VTraceReturns", ["vs", "pg_advantages"])
 
 
 @torch.no_grad()
-def vtrace_from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
-                                   clip_pg_rho_threshold=1.0) -> VTraceReturns:
+def vtrace_from_importance_weights(
+    log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_pg_rho_threshold=1.0
+) -> VTraceReturns:
     """V-trace targets v_s and policy-gradient advantages, time-major [T, B] (IMPALA Eq. (1), CLEAR Sec. 3).
     log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t); discounts[t] = gamma * (1 - done_t) (0 cuts the trace at an
     episode end); values[t] = V(x_t); bootstrap_value = V(x_T); a None clip threshold means no clipping."""
     if bootstrap_value.shape != values.shape[1:]:
-        raise ValueError(f"bootstrap_value shape {tuple(bootstrap_value.shape)} must be values.shape[1:] "
-                         f"{tuple(values.shape[1:])}")
+        raise ValueError(
+            f"bootstrap_value shape {tuple(bootstrap_value.shape)} must be values.shape[1:] {tuple(values.shape[1:])}"
+        )
     rhos = torch.exp(log_rhos)
     clipped_rhos = rhos if clip_rho_threshold is None else torch.clamp(rhos, max=clip_rho_threshold)  # rho_t
     cs = torch.clamp(rhos, max=1.0)  # c_i = min(c_bar, pi/mu), c_bar = 1 (IMPALA Sec. 4.1, torchbeast)
@@ -336,9 +425,16 @@ def unroll_specs(obs_shape, num_actions, T) -> dict[str, tuple[tuple[int, ...], 
     V_mu(final obs of a truncated episode), mu(.|x_{r-1}) logits, V_mu(x_{r-1})); row 0 repeats the previous unroll's
     row T (monobeast's layout). Frames are uint8."""
     R = T + 1
-    return {"obs": ((R, *obs_shape), np.uint8), "action": ((R,), np.int64), "reward": ((R,), np.float32),
-            "done": ((R,), np.bool_), "truncated": ((R,), np.bool_), "final_value": ((R,), np.float32),
-            "logits": ((R, num_actions), np.float32), "baseline": ((R,), np.float32)}
+    return {
+        "obs": ((R, *obs_shape), np.uint8),
+        "action": ((R,), np.int64),
+        "reward": ((R,), np.float32),
+        "done": ((R,), np.bool_),
+        "truncated": ((R,), np.bool_),
+        "final_value": ((R,), np.float32),
+        "logits": ((R, num_actions), np.float32),
+        "baseline": ((R,), np.float32),
+    }
 
 
 class ReservoirBuffer:
@@ -348,8 +444,10 @@ class ReservoirBuffer:
 
     def __init__(self, capacity, obs_shape, num_actions, T, rng: np.random.Generator):
         self.capacity, self.rng, self.size, self.num_seen = capacity, rng, 0, 0
-        self.data = {k: np.zeros((capacity, *shape), dtype=np.int16 if k == "action" else dtype)  # lazily committed
-                     for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()}  # by the OS as it fills
+        self.data = {
+            k: np.zeros((capacity, *shape), dtype=np.int16 if k == "action" else dtype)  # lazily committed
+            for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()
+        }  # by the OS as it fills
         self.task, self.keys = np.zeros(capacity, dtype=np.int16), np.full(capacity, -1.0)  # key -1: empty row
 
     @staticmethod
@@ -381,8 +479,14 @@ class ReservoirBuffer:
         n, tmp = self.size, f"{path}.tmp.npz"
         # the keep/drop stream too: a resumed buffer continues it
         rng_state = json.dumps(self.rng.bit_generator.state)
-        np.savez(tmp, keys=self.keys[:n], task=self.task[:n], num_seen=self.num_seen, rng_state=rng_state,
-                 **{k: v[:n] for k, v in self.data.items()})
+        np.savez(
+            tmp,
+            keys=self.keys[:n],
+            task=self.task[:n],
+            num_seen=self.num_seen,
+            rng_state=rng_state,
+            **{k: v[:n] for k, v in self.data.items()},
+        )
         os.replace(tmp, path)
 
     def load(self, path: str) -> int:
@@ -392,8 +496,8 @@ class ReservoirBuffer:
             keep = np.argsort(-f["keys"])[: self.capacity]
             self.size, self.num_seen = len(keep), int(f["num_seen"])
             for k in self.data:
-                self.data[k][:self.size] = f[k][keep]
-            self.task[:self.size], self.keys[:self.size] = f["task"][keep], f["keys"][keep]
+                self.data[k][: self.size] = f[k][keep]
+            self.task[: self.size], self.keys[: self.size] = f["task"][keep], f["keys"][keep]
             self.rng.bit_generator.state = json.loads(str(f["rng_state"]))
         return self.size
 
@@ -413,16 +517,17 @@ def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.G
 
 class AlignedUnroll(NamedTuple):
     """Learner outputs and stored data lined up on the same time index t = 0..T-1 (the state x_t)."""
+
     target_logits: torch.Tensor  # pi(.|x_t)           [T, B, A]
-    values: torch.Tensor         # V_theta(x_t)        [T, B]
+    values: torch.Tensor  # V_theta(x_t)        [T, B]
     bootstrap_value: torch.Tensor  # V_theta(x_T)      [B]
     behaviour_logits: torch.Tensor  # mu(.|x_t)        [T, B, A]
     behaviour_values: torch.Tensor  # V_mu(x_t)        [T, B]
-    actions: torch.Tensor        # a_t
-    rewards: torch.Tensor        # r_t
-    done: torch.Tensor           # episode ended by a_t (terminated or truncated)
-    truncated: torch.Tensor      # ended by a time limit
-    final_value: torch.Tensor    # V_mu(x_final) of a truncated episode
+    actions: torch.Tensor  # a_t
+    rewards: torch.Tensor  # r_t
+    done: torch.Tensor  # episode ended by a_t (terminated or truncated)
+    truncated: torch.Tensor  # ended by a time limit
+    final_value: torch.Tensor  # V_mu(x_final) of a truncated episode
 
 
 def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
@@ -430,10 +535,17 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
     V_mu(x_t), so BOTH V-trace and behavioural cloning compare the learner's outputs at row t with the stored behaviour
     at row t+1 (continual_rl compares row t with row t and is one step off, notes P1)."""
     return AlignedUnroll(
-        target_logits=logits_all[:-1], values=values_all[:-1], bootstrap_value=values_all[-1],
-        behaviour_logits=batch["logits"][1:], behaviour_values=batch["baseline"][1:], actions=batch["action"][1:],
-        rewards=batch["reward"][1:], done=batch["done"][1:], truncated=batch["truncated"][1:],
-        final_value=batch["final_value"][1:])
+        target_logits=logits_all[:-1],
+        values=values_all[:-1],
+        bootstrap_value=values_all[-1],
+        behaviour_logits=batch["logits"][1:],
+        behaviour_values=batch["baseline"][1:],
+        actions=batch["action"][1:],
+        rewards=batch["reward"][1:],
+        done=batch["done"][1:],
+        truncated=batch["truncated"][1:],
+        final_value=batch["final_value"][1:],
+    )
 
 
 @torch.no_grad()
@@ -468,8 +580,15 @@ def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_thres
     discounts = gamma * (~u.done).float()  # an episode end (either kind) cuts the trace
     # a truncation bootstraps from V_mu of the true last obs (unless bootstrap_truncation=False)
     rewards = u.rewards + gamma * u.truncated.float() * u.final_value if bootstrap_truncation else u.rewards
-    vt = vtrace_from_importance_weights((target_logp - behaviour_logp).detach(), discounts, rewards, u.values.detach(),
-                                        u.bootstrap_value.detach(), clip_rho_threshold, clip_pg_rho_threshold)
+    vt = vtrace_from_importance_weights(
+        (target_logp - behaviour_logp).detach(),
+        discounts,
+        rewards,
+        u.values.detach(),
+        u.bootstrap_value.detach(),
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+    )
     pg_loss = -(target_logp * vt.pg_advantages).sum()  # L_policy-gradient = -rho_s log pi(a_s|h_s)(r_s + g v_{s+1} - V)
     value_loss = 0.5 * ((vt.vs - u.values) ** 2).sum()  # L_value = (V_theta(h_s) - v_s)^2 (x 1/2 as scalable_agent)
     entropy_loss = (log_pi.exp() * log_pi).sum()  # L_entropy = sum_a pi log pi (minimising it raises the entropy)
@@ -479,16 +598,23 @@ def impala_losses(u: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_thres
 def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     """(loss, detached parts) of one batch: V-trace losses on all unrolls, cloning on the replay unrolls only."""
     u = align_unroll(logits_all, values_all, batch)
-    pg_loss, value_loss, entropy_loss, _ = impala_losses(u, args.gamma, args.clip_rho_threshold,
-                                                         args.clip_pg_rho_threshold, args.bootstrap_truncation)
+    pg_loss, value_loss, entropy_loss, _ = impala_losses(
+        u, args.gamma, args.clip_rho_threshold, args.clip_pg_rho_threshold, args.bootstrap_truncation
+    )
     pc_loss = policy_cloning_loss(u.target_logits, u.behaviour_logits, replay_mask)
     vc_loss = value_cloning_loss(u.values, u.behaviour_values, replay_mask)
     loss = args.pg_cost * pg_loss + args.baseline_cost * value_loss + args.entropy_cost * entropy_loss
     if args.behavior_cloning:
         loss = loss + args.policy_cloning_cost * pc_loss + args.value_cloning_cost * vc_loss
     mean_entropy = -entropy_loss / u.actions.numel()
-    parts = {"losses/pg_loss": pg_loss, "losses/value_loss": value_loss, "losses/entropy": mean_entropy,
-             "losses/policy_cloning_loss": pc_loss, "losses/value_cloning_loss": vc_loss, "losses/total_loss": loss}
+    parts = {
+        "losses/pg_loss": pg_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": mean_entropy,
+        "losses/policy_cloning_loss": pc_loss,
+        "losses/value_cloning_loss": vc_loss,
+        "losses/total_loss": loss,
+    }
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
@@ -544,8 +670,9 @@ def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple
     return edges[1:][last_filled >= 0], means[last_filled[last_filled >= 0]]
 
 
-def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, total: int,
-                       num_bins: int = 100) -> dict[int, float]:
+def cumulative_returns(
+    records: list[tuple[int, int, float]], num_tasks: int, total: int, num_bins: int = 100
+) -> dict[int, float]:
     """Final cumulative reward per task (CLEAR App. C, Figs. 8 and 13): (1/t) sum_{s<t} r_s at the end of training, i.e.
     the time average of the task's test return over the run (on the `binned_returns` grid)."""
     vals = [binned_returns(records, task, total, num_bins)[1] for task in range(num_tasks)]
@@ -553,8 +680,24 @@ def cumulative_returns(records: list[tuple[int, int, float]], num_tasks: int, to
 
 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
-def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
-               global_step, policy_version, frames_done, stop, stats_queue, ckpt_request, run_dir):
+def actor_loop(
+    actor_id,
+    args: Args,
+    obs_shape,
+    num_actions,
+    shared_models,
+    slots,
+    meta,
+    full_queues,
+    slot_free,
+    global_step,
+    policy_version,
+    frames_done,
+    stop,
+    stats_queue,
+    ckpt_request,
+    run_dir,
+):
     """One actor process: E = --envs-per-actor envs stepped in lock-step, one batched forward of the latest weights.
     Each env is an actor of the paper (CLEAR App. A.1): per unroll it adds its new unroll to the process's reservoir,
     samples a replay unroll, publishes the pair in its slot (actor_id * E + e) and waits until the learner read it."""
@@ -572,8 +715,8 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
         print(f"actor-{actor_id} restored {buffer.load(restore)} replay unrolls from {restore}", flush=True)
     saved_request, model = ckpt_request.value, Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
     ids, run_name = list(range(actor_id * E, (actor_id + 1) * E)), os.path.basename(run_dir)  # our slots, the run
-    new = {k: slots[k][ids[0]:ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
-    rep = {k: slots[k][ids[0]:ids[-1] + 1, 1].numpy() for k in UNROLL_FIELDS}
+    new = {k: slots[k][ids[0] : ids[-1] + 1, 0].numpy() for k in UNROLL_FIELDS}  # views into shared memory [E, T+1, ..]
+    rep = {k: slots[k][ids[0] : ids[-1] + 1, 1].numpy() for k in UNROLL_FIELDS}
     tasks, envs, episode, acquired = [-1] * E, [None] * E, 0, 0
     while not stop.is_set():
         if acquired < E:  # the learner has not read all our last pairs yet
@@ -627,8 +770,19 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, shared_models, slot
             for k in UNROLL_FIELDS:
                 rep[k][:] = buffer.data[k][rows]
             replay_valid[:], replay_task[:] = 1, buffer.task[rows]
-        meta[ids[0]:ids[-1] + 1] = torch.from_numpy(np.stack([np.array(tasks), np.full(E, start_step), np.full(
-            E, version), replay_valid, replay_task, np.full(E, buffer.size if buffer else 0)], 1))
+        meta[ids[0] : ids[-1] + 1] = torch.from_numpy(
+            np.stack(
+                [
+                    np.array(tasks),
+                    np.full(E, start_step),
+                    np.full(E, version),
+                    replay_valid,
+                    replay_task,
+                    np.full(E, buffer.size if buffer else 0),
+                ],
+                1,
+            )
+        )
         frames_done[actor_id] += T * E  # our own counter: no lock a killed actor could leave held
         for e, i in enumerate(ids):
             full_queues[net_for_task(tasks[e], args)].put(i)
@@ -690,13 +844,17 @@ if __name__ == "__main__":
     num_envs = args.num_actors * args.envs_per_actor  # the paper's actors: one (new, replay) pair each per batch
     num_nets, TOTAL = K if args.mode == "separate" else 1, total_steps(args)
     if ckpt and ckpt["global_step"] >= TOTAL:
-        raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
-                         f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles")
+        raise SystemExit(
+            f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}, the run ends at {TOTAL:,} "
+            f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles"
+        )
 
     # MEMORY: bytes per stored frame, refuse what cannot fit
     capacity, per_unroll = buffer_capacity_per_actor(args), ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
-    print(f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
-          f"{per_unroll / T:.0f} B per stored frame (frame {int(np.prod(obs_shape))} B + the unroll's other fields)")
+    print(
+        f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
+        f"{per_unroll / T:.0f} B per stored frame (frame {int(np.prod(obs_shape))} B + the unroll's other fields)"
+    )
     check_memory((capacity * args.num_actors + 2 * num_envs) * per_unroll, "--buffer-frames")
 
     logger = start_run(args, ckpt, "+".join(e.replace("ALE/", "") for e in args.env_ids) if K <= 3 else f"{K}tasks")
@@ -710,8 +868,10 @@ if __name__ == "__main__":
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
     shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
     updates_per_net = max(1, TOTAL // (T * B * num_nets))
-    optimizers = [torch.optim.RMSprop(m.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                      eps=args.rmsprop_eps) for m in models]  # momentum 0 (IMPALA Table G.1)
+    optimizers = [
+        torch.optim.RMSprop(m.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+        for m in models
+    ]  # momentum 0 (IMPALA Table G.1)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: max(0.0, 1.0 - n / updates_per_net)) for o in optimizers]
     global_step_value, learner_steps, eval_records = 0, [0] * num_nets, []  # eval_records: (global_step, task, return)
     if ckpt:  # restore, then one line
@@ -721,12 +881,21 @@ if __name__ == "__main__":
         global_step_value, learner_steps = ckpt["global_step"], ckpt["learner_steps"]
         eval_records = [tuple(r) for r in ckpt["eval_records"]]
         set_rng_state(ckpt["rng"])
-        restored = sum(os.path.exists(os.path.join(os.path.dirname(args.resume), f"replay_actor{i}.npz"))
-                       for i in range(args.num_actors)) if args.checkpoint_replay and capacity else 0  # actors load them
-        print(f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), lr schedule, RNG, task "
-              f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
-              f"{restored}/{args.num_actors} actors (others start empty); flags from this command line: "
-              f"{', '.join(overridden) or 'none'}; runs to step {TOTAL:,}", flush=True)
+        restored = (
+            sum(
+                os.path.exists(os.path.join(os.path.dirname(args.resume), f"replay_actor{i}.npz"))
+                for i in range(args.num_actors)
+            )
+            if args.checkpoint_replay and capacity
+            else 0
+        )  # actors load them
+        print(
+            f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), lr schedule, RNG, task "
+            f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
+            f"{restored}/{args.num_actors} actors (others start empty); flags from this command line: "
+            f"{', '.join(overridden) or 'none'}; runs to step {TOTAL:,}",
+            flush=True,
+        )
     for m, s in zip(models, shared_models):  # the actors' copies: CPU, shared memory
         s.load_state_dict(m.state_dict())
         s.share_memory()
@@ -735,8 +904,10 @@ if __name__ == "__main__":
     ctx = torch.multiprocessing.get_context(args.start_method)
     if args.start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "gymnasium", "common.minigrid_env", "common.minatar_env", "common.atari_env"])
-    slots = {k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
-             for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()}
+    slots = {
+        k: torch.from_numpy(np.zeros((num_envs, 2, *shape), dtype=dtype)).share_memory_()
+        for k, (shape, dtype) in unroll_specs(obs_shape, num_actions, T).items()
+    }
     meta = torch.zeros(num_envs, 6, dtype=torch.int64).share_memory_()  # task, step, version, replay valid/task, fill
     full_queues = [ctx.SimpleQueue() for _ in range(num_nets)]
     # one semaphore per slot (1 = free), not an Event: Event.set() hangs on an actor killed inside Event.wait()
@@ -754,13 +925,44 @@ if __name__ == "__main__":
     names = [e.replace("/", "_") for e in args.env_ids]  # in metric names
     try:
         for i in range(args.num_actors):
-            procs.start(actor_loop, (i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free,
-                                     global_step, policy_version, frames_done, procs.stop_event, stats_queue,
-                                     ckpt_request, str(logger.dir)), name=f"actor-{i}")
+            procs.start(
+                actor_loop,
+                (
+                    i,
+                    args,
+                    obs_shape,
+                    num_actions,
+                    shared_models,
+                    slots,
+                    meta,
+                    full_queues,
+                    slot_free,
+                    global_step,
+                    policy_version,
+                    frames_done,
+                    procs.stop_event,
+                    stats_queue,
+                    ckpt_request,
+                    str(logger.dir),
+                ),
+                name=f"actor-{i}",
+            )
         for task in range(K):
             for j in range(args.num_test_actors):
-                procs.start(test_actor_loop, (task * args.num_test_actors + j, task, args, obs_shape, num_actions,
-                                              shared_models, procs.stop_event, eval_queue), name=f"test-{task}-{j}")
+                procs.start(
+                    test_actor_loop,
+                    (
+                        task * args.num_test_actors + j,
+                        task,
+                        args,
+                        obs_shape,
+                        num_actions,
+                        shared_models,
+                        procs.stop_event,
+                        eval_queue,
+                    ),
+                    name=f"test-{task}-{j}",
+                )
         start_time, start_step = time.time(), global_step_value
         last_log, last_log_step, last_frames, last_ckpt = start_time, global_step_value, 0, global_step_value
         train_returns = collections.deque(maxlen=100)
@@ -815,41 +1017,70 @@ if __name__ == "__main__":
             gs = global_step.value
             for task, ret, length in drain(stats_queue):
                 train_returns.append(ret)
-                logger.log(gs, {"charts/episodic_return": ret, "charts/episodic_length": length,
-                                f"train/{names[task]}/episodic_return": ret})
+                logger.log(
+                    gs,
+                    {
+                        "charts/episodic_return": ret,
+                        "charts/episodic_length": length,
+                        f"train/{names[task]}/episodic_return": ret,
+                    },
+                )
             for task, ret, length in drain(eval_queue):
                 eval_records.append((gs, task, ret))
                 window[task].append(ret)
                 logger.log(gs, {f"eval/{names[task]}/episodic_return": ret, f"eval/{names[task]}/episodic_length": length})
             if (now := time.time()) - last_log >= args.log_every_seconds or gs >= TOTAL:
                 frames = sum(frames_done)
-                out = {**{k: float(v) / n_acc for k, v in metrics_acc.items()},
-                       "charts/SPS": int((gs - start_step) / (now - start_time)),
-                       "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
-                       "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
-                       "charts/learning_rate": schedulers[net].get_last_lr()[0],
-                       "charts/task": task_for_actor(0, gs, args), "charts/task_mismatch": task_mismatch}
-                out.update({f"replay/{names[k]}/importance_weight": rho / count
-                            for k, (rho, count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist())) if count > 0})
+                out = {
+                    **{k: float(v) / n_acc for k, v in metrics_acc.items()},
+                    "charts/SPS": int((gs - start_step) / (now - start_time)),
+                    "charts/learner_SPS": int((gs - last_log_step) / max(1e-9, learn_time)),
+                    "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
+                    "charts/learning_rate": schedulers[net].get_last_lr()[0],
+                    "charts/task": task_for_actor(0, gs, args),
+                    "charts/task_mismatch": task_mismatch,
+                }
+                out.update(
+                    {
+                        f"replay/{names[k]}/importance_weight": rho / count
+                        for k, (rho, count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist()))
+                        if count > 0
+                    }
+                )
                 rho_sum.zero_()
                 rho_count.zero_()
                 logger.log(gs, out)
                 evals = " ".join(f"{np.mean(window[k]):.2f}" if window[k] else "-" for k in range(K))
-                logger.progress(gs, out["charts/SPS"], np.mean(train_returns) if train_returns else None, "total_loss",
-                                out["losses/total_loss"], f"task {out['charts/task']} replay "
-                                f"{out['charts/replay_fraction']:.2f} eval [{evals}]")
+                logger.progress(
+                    gs,
+                    out["charts/SPS"],
+                    np.mean(train_returns) if train_returns else None,
+                    "total_loss",
+                    out["losses/total_loss"],
+                    f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{evals}]",
+                )
                 metrics_acc.clear()
                 n_acc, learn_time, last_log, last_log_step, last_frames = 0, 0.0, now, gs, frames
 
             # CHECKPOINT
             if args.checkpoint_every and (gs - last_ckpt >= args.checkpoint_every or gs >= TOTAL):
                 last_ckpt = gs
-                save_checkpoint(logger.dir / "checkpoint.pt", {
-                    "script": "clear_impala.py", "run_name": logger.run_name, "args": vars(args),
-                    "models": [x.state_dict() for x in models], "optimizers": [o.state_dict() for o in optimizers],
-                    "schedulers": [s.state_dict() for s in schedulers], "global_step": gs,
-                    "learner_steps": learner_steps, "eval_records": eval_records, "rng": rng_state(),
-                    "pair_rng": rng.bit_generator.state})
+                save_checkpoint(
+                    logger.dir / "checkpoint.pt",
+                    {
+                        "script": "clear_impala.py",
+                        "run_name": logger.run_name,
+                        "args": vars(args),
+                        "models": [x.state_dict() for x in models],
+                        "optimizers": [o.state_dict() for o in optimizers],
+                        "schedulers": [s.state_dict() for s in schedulers],
+                        "global_step": gs,
+                        "learner_steps": learner_steps,
+                        "eval_records": eval_records,
+                        "rng": rng_state(),
+                        "pair_rng": rng.bit_generator.state,
+                    },
+                )
                 ckpt_request.value += 1
             procs.check()
     except (KeyboardInterrupt, StopRun) as e:
@@ -862,16 +1093,23 @@ if __name__ == "__main__":
     (logger.dir / "eval_records.json").write_text(json.dumps(eval_records))  # clear_forgetting_table.py plots them
     cum = cumulative_returns(eval_records, K, global_step.value)
     returns = {e: [r for _, t, r in eval_records if t == k] for k, e in enumerate(args.env_ids)}
-    summary = {"global_step": global_step.value, "mode": args.mode, "replay_ratio": args.replay_ratio,
-               "behavior_cloning": args.behavior_cloning, "env_ids": args.env_ids,
-               "final_cumulative_return": {e: cum[k] for k, e in enumerate(args.env_ids)},
-               "final_return_last20": {e: float(np.mean(r[-20:])) if r else float("nan") for e, r in returns.items()},
-               "num_eval_episodes": {e: len(r) for e, r in returns.items()}, "task_mismatch": task_mismatch}
+    summary = {
+        "global_step": global_step.value,
+        "mode": args.mode,
+        "replay_ratio": args.replay_ratio,
+        "behavior_cloning": args.behavior_cloning,
+        "env_ids": args.env_ids,
+        "final_cumulative_return": {e: cum[k] for k, e in enumerate(args.env_ids)},
+        "final_return_last20": {e: float(np.mean(r[-20:])) if r else float("nan") for e, r in returns.items()},
+        "num_eval_episodes": {e: len(r) for e, r in returns.items()},
+        "task_mismatch": task_mismatch,
+    }
     print(json.dumps({k: summary[k] for k in ("global_step", "final_cumulative_return", "task_mismatch")}))
 
     def save_model():
-        torch.save({"models": [x.state_dict() for x in models], "args": vars(args)},
-                   path := logger.dir / f"{args.exp_name}.model")
+        torch.save(
+            {"models": [x.state_dict() for x in models], "args": vars(args)}, path := logger.dir / f"{args.exp_name}.model"
+        )
         return path
 
     finish_run(logger, error, summary, save_model if args.save_model else None)

@@ -27,6 +27,7 @@ Differences from the paper (long form: README.md, section vracer_refer.py)
 Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
 exactly; actors restart their episodes, re-seeded. Needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
 """
+
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: actors' 1-row matvecs must not spin BLAS threads
@@ -40,12 +41,18 @@ import torch
 import torch.nn as nn
 
 from common.args import CommonArgs, check_args, parse_run_args
-from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
-                               set_rng_state, state_dicts)
+from common.checkpoint import (
+    load_state_dicts,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    select_device,
+    set_rng_state,
+    state_dicts,
+)
 from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import (ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads,
-                              stop_on_signals)
+from common.processes import ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads, stop_on_signals
 from common.video import check_video_support
 
 
@@ -124,14 +131,46 @@ ENV_FLAGS = ("env_id", "total_timesteps")  # --help's environment group
 RULE2_RHO_MAX = 1e3  # the rule2 ablation clips rho at this in the policy gradient (Sec. 5.3)
 GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every this many gradient steps
 # the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
-FIXED_ON_RESUME = ("env_id", "seed", "gamma", "hidden_size", "residual", "std_map", "refer", "kl_direction", "per",
-                   "buffer_size")
+FIXED_ON_RESUME = (
+    "env_id",
+    "seed",
+    "gamma",
+    "hidden_size",
+    "residual",
+    "std_map",
+    "refer",
+    "kl_direction",
+    "per",
+    "buffer_size",
+)
 ARG_RULES = {
-    "start_method": ("spawn", "forkserver"), "total_timesteps": "> 0", "learning_starts": ">= 1", "buffer_size": ">= 1",
-    "batch_size": ">= 1", "gamma": "(0, 1]", "learning_rate": "> 0", "adam_eps": "> 0", "F": "> 0", "C": ">= 0", "A": ">= 0",
-    "D": "(0, 1)", "beta_init": "[0, 1]", "beta_lr": "(0, 1)", "logrho_clip": "> 0", "per_alpha": ">= 0",
-    "per_beta0": "[0, 1]", "init_std": "> 0", "hidden_size": ">= 1", "stats_every": ">= 1", "state_stats_rate": "[0, 1]",
-    "num_actors": ">= 1", "ring_size": ">= 2", "log_every": ">= 1", "checkpoint_every": ">= 0", "eval_episodes": ">= 0"}
+    "start_method": ("spawn", "forkserver"),
+    "total_timesteps": "> 0",
+    "learning_starts": ">= 1",
+    "buffer_size": ">= 1",
+    "batch_size": ">= 1",
+    "gamma": "(0, 1]",
+    "learning_rate": "> 0",
+    "adam_eps": "> 0",
+    "F": "> 0",
+    "C": ">= 0",
+    "A": ">= 0",
+    "D": "(0, 1)",
+    "beta_init": "[0, 1]",
+    "beta_lr": "(0, 1)",
+    "logrho_clip": "> 0",
+    "per_alpha": ">= 0",
+    "per_beta0": "[0, 1]",
+    "init_std": "> 0",
+    "hidden_size": ">= 1",
+    "stats_every": ">= 1",
+    "state_stats_rate": "[0, 1]",
+    "num_actors": ">= 1",
+    "ring_size": ">= 2",
+    "log_every": ">= 1",
+    "checkpoint_every": ">= 0",
+    "eval_episodes": ">= 0",
+}
 
 
 def validate_args(args: Args) -> None:
@@ -142,20 +181,26 @@ def validate_args(args: Args) -> None:
             check_video_support()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    for bad, msg in ((args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
-                     (args.learning_starts > args.buffer_size,
-                      "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)"),
-                     (args.learning_starts < args.batch_size,
-                      "--learning-starts must be >= --batch-size (the first batch needs that many samples)"),
-                     (args.C <= 0 and args.refer != "none",
-                      "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")):  # fmt: skip
+    for bad, msg in (
+        (args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
+        (
+            args.learning_starts > args.buffer_size,
+            "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)",
+        ),
+        (
+            args.learning_starts < args.batch_size,
+            "--learning-starts must be >= --batch-size (the first batch needs that many samples)",
+        ),
+        (args.C <= 0 and args.refer != "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)"),
+    ):
         if bad:
             raise SystemExit(f"error: {msg}")
 
 
 def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
-    return make_mujoco_env(env_id, seed, capture_video=capture_video,
-                           video_folder=f"videos/{run_name}" if capture_video else None)
+    return make_mujoco_env(
+        env_id, seed, capture_video=capture_video, video_folder=f"videos/{run_name}" if capture_video else None
+    )
 
 
 # NETWORK
@@ -172,8 +217,15 @@ def std_param_init(std: float, std_map: str) -> float:
 class Agent(nn.Module):
     """V-RACER's single MLP: s -> (mean m(s), sigma, V(s)); sigma is state independent (App. A)."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: int = 128, init_std: float = 0.2**0.5,
-                 std_map: str = "softplus", residual: bool = False):
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        hidden: int = 128,
+        init_std: float = 0.2**0.5,
+        std_map: str = "softplus",
+        residual: bool = False,
+    ):
         super().__init__()
         self.l1, self.l2 = nn.Linear(obs_dim, hidden), nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, 1 + act_dim)  # [V, mean]
@@ -254,8 +306,21 @@ def gaussian_logprob(act, mean, std):
     return (-0.5 * z * z - torch.log(std) - 0.5 * float(np.log(2.0 * np.pi))).sum(-1)
 
 
-def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: float, refer: str = "full",
-               kl_direction: str = "mu_pi", logrho_clip: float = 7.0, weights=None):
+def refer_loss(
+    mean,
+    std,
+    value,
+    act,
+    mu_mean,
+    mu_std,
+    qret,
+    beta: float,
+    cmax: float,
+    refer: str = "full",
+    kl_direction: str = "mu_pi",
+    logrho_clip: float = 7.0,
+    weights=None,
+):
     """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10), App. C Alg. 3).
 
     Per sample: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL
@@ -284,9 +349,15 @@ def refer_loss(mean, std, value, act, mu_mean, mu_std, qret, beta: float, cmax: 
     w = 1.0 if weights is None else weights  # PER importance weights
     per_sample = w * beta_eff * (pg_loss + v_loss)  # Eq. (10); the KL term only where its weight 1 - beta is not 0
     per_sample = per_sample + (1.0 - beta_eff) * kl if beta_eff < 1.0 else per_sample
-    return per_sample.sum() / B, {"rho": rho, "far": far, "kl_mu_pi": kl_mu_pi.detach(), "abs_err": (cbar * adv).abs(),
-                                  "policy_loss": pg_loss.detach().sum() / B, "value_loss": v_loss.detach().sum() / B,
-                                  "kl_loss": kl.detach().mean()}
+    return per_sample.sum() / B, {
+        "rho": rho,
+        "far": far,
+        "kl_mu_pi": kl_mu_pi.detach(),
+        "abs_err": (cbar * adv).abs(),
+        "policy_loss": pg_loss.detach().sum() / B,
+        "value_loss": v_loss.detach().sum() / B,
+        "kl_loss": kl.detach().mean(),
+    }
 
 
 def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
@@ -315,15 +386,26 @@ class EpisodeReplay:
     oldest whole episodes are removed while the memory would still hold >= N samples without them (FIFO)."""
 
     # per-slot arrays: name -> (width: "obs" | "act" | 1, dtype, initial value)
-    ARRAYS = {"obs": ("obs", np.float32, 0), "act": ("act", np.float32, 0),  # s_t, u_t (normalised action space)
-              "mu_mean": ("act", np.float32, 0), "mu_std": ("act", np.float32, 1),  # mu_t
-              "rew": (1, np.float64, 0), "rs": (1, np.float64, 0),  # raw r_{t+1}; scaled r / (sigma_r + eps) (App. B)
-              "val": (1, np.float64, 0), "rho": (1, np.float64, 1),  # most recent V(s_t) and rho_t
-              "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
-              "qret": (1, np.float64, 0), "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
-              "ep_start": (1, np.int64, 0), "ep_last": (1, np.int64, 0), "valid": (1, bool, 0), "truncated_last": (1, bool, 0),
-              "vboot": (1, np.float64, 0), "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
-              "ranked": (1, bool, 0)}  # PER: the step was stored at the last re-sort (it has a rank)
+    ARRAYS = {
+        "obs": ("obs", np.float32, 0),
+        "act": ("act", np.float32, 0),  # s_t, u_t (normalised action space)
+        "mu_mean": ("act", np.float32, 0),
+        "mu_std": ("act", np.float32, 1),  # mu_t
+        "rew": (1, np.float64, 0),
+        "rs": (1, np.float64, 0),  # raw r_{t+1}; scaled r / (sigma_r + eps) (App. B)
+        "val": (1, np.float64, 0),
+        "rho": (1, np.float64, 1),  # most recent V(s_t) and rho_t
+        "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
+        "qret": (1, np.float64, 0),
+        "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
+        "ep_start": (1, np.int64, 0),
+        "ep_last": (1, np.int64, 0),
+        "valid": (1, bool, 0),
+        "truncated_last": (1, bool, 0),
+        "vboot": (1, np.float64, 0),
+        "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
+        "ranked": (1, bool, 0),
+    }  # PER: the step was stored at the last re-sort (it has a rank)
     NOT_SAVED = ("la", "ranked")  # derived: la from rho; ranked at the next re-sort (a loaded memory starts unsorted)
     SCALARS = ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio", "N", "cap")  # state_dict
 
@@ -342,8 +424,9 @@ class EpisodeReplay:
     @staticmethod
     def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
         """RAM of the arrays in ARRAYS, computed before allocating them."""
-        return (N + 4 * max_episode_len) * sum({"obs": obs_dim, "act": act_dim}.get(w, w) * np.dtype(t).itemsize
-                                               for w, t, _ in EpisodeReplay.ARRAYS.values())
+        return (N + 4 * max_episode_len) * sum(
+            {"obs": obs_dim, "act": act_dim}.get(w, w) * np.dtype(t).itemsize for w, t, _ in EpisodeReplay.ARRAYS.values()
+        )
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
@@ -353,8 +436,9 @@ class EpisodeReplay:
         self.valid[sl] = self.truncated_last[sl] = False
         self.size -= length
 
-    def add_episode(self, obs, act, mu_mean, mu_std, rew, val, terminated: bool, final_val: float = 0.0,
-                    final_obs=None) -> None:
+    def add_episode(
+        self, obs, act, mu_mean, mu_std, rew, val, terminated: bool, final_val: float = 0.0, final_obs=None
+    ) -> None:
         """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's."""
         L = len(rew)
         if L == 0:
@@ -438,8 +522,9 @@ class EpisodeReplay:
         return idx, w / w.max()
 
     # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
-    def update_samples(self, idx: np.ndarray, rho: np.ndarray, val: np.ndarray, boot_idx=None, boot_val=None,
-                       prio=None) -> None:
+    def update_samples(
+        self, idx: np.ndarray, rho: np.ndarray, val: np.ndarray, boot_idx=None, boot_val=None, prio=None
+    ) -> None:
         """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8))."""
         idx, rho, val = np.asarray(idx), np.asarray(rho, np.float64), np.asarray(val, np.float64)
         if len(np.unique(idx)) < len(idx):  # (PER draws with replacement) keep the last value of each slot
@@ -536,8 +621,11 @@ class EpisodeReplay:
         return self.reward_scale
 
     def state_dict(self) -> dict:
-        return ({k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k not in self.NOT_SAVED}
-                | {k: getattr(self, k) for k in self.SCALARS} | {"episodes": list(self.episodes)})
+        return (
+            {k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k not in self.NOT_SAVED}
+            | {k: getattr(self, k) for k in self.SCALARS}
+            | {"episodes": list(self.episodes)}
+        )
 
     def load_state_dict(self, d: dict) -> None:
         if d["N"] != self.N or d["cap"] != self.cap:
@@ -551,8 +639,18 @@ class EpisodeReplay:
 
 
 # LEARNER STEP (App. C Alg. 3)
-def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
-               obs_mean: torch.Tensor, obs_std: torch.Tensor, bookkeeping: bool = True) -> torch.Tensor:
+def train_step(
+    agent,
+    optimizer,
+    rm: EpisodeReplay,
+    state: dict,
+    args: Args,
+    device,
+    rng: np.random.Generator,
+    obs_mean: torch.Tensor,
+    obs_std: torch.Tensor,
+    bookkeeping: bool = True,
+) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
     k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho]; a non-finite
     loss raises FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
@@ -574,11 +672,32 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32, device=device)
     mean, std, value = agent(obs_t)
     B = args.batch_size
-    loss, info = refer_loss(mean[:B], std[:B], value[:B], act, mu_mean, mu_std, qret, state["beta"], cmax,
-                            args.refer, args.kl_direction, args.logrho_clip, weights)
+    loss, info = refer_loss(
+        mean[:B],
+        std[:B],
+        value[:B],
+        act,
+        mu_mean,
+        mu_std,
+        qret,
+        state["beta"],
+        cmax,
+        args.refer,
+        args.kl_direction,
+        args.logrho_clip,
+        weights,
+    )
     # one device->host copy per step: per-sample rho, V, |err|, V(s_L) and the scalar stats
-    stats = torch.stack([loss.detach(), info["policy_loss"], info["value_loss"], info["kl_mu_pi"].mean(),
-                         info["far"].float().mean(), info["rho"].mean()])
+    stats = torch.stack(
+        [
+            loss.detach(),
+            info["policy_loss"],
+            info["value_loss"],
+            info["kl_mu_pi"].mean(),
+            info["far"].float().mean(),
+            info["rho"].mean(),
+        ]
+    )
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
     # NaN guard before the step, so the weights and Adam's moments stay finite; on the loss terms only (a masked or
     # weight-0 D_KL may be inf)
@@ -589,16 +708,34 @@ def train_step(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, dev
     optimizer.step()
     nb = len(boot_idx)
     if bookkeeping:  # host = [rho (B) | V(s) (B) | V(s_L) (nb) | |err| (B) | stats (6)]
-        rm.update_samples(idx, host[:B], host[B:2 * B], boot_idx, host[2 * B:2 * B + nb],
-                          prio=host[2 * B + nb:3 * B + nb] if args.per == "rank" else None)
+        rm.update_samples(
+            idx,
+            host[:B],
+            host[B : 2 * B],
+            boot_idx,
+            host[2 * B : 2 * B + nb],
+            prio=host[2 * B + nb : 3 * B + nb] if args.per == "rank" else None,
+        )
     if args.refer != "none":  # Eq. (12), far fraction from each stored step's most recent rho
         state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
     state["k"] = k + 1
     return torch.from_numpy(host[-6:])
 
 
-def learn(agent, optimizer, rm: EpisodeReplay, state: dict, args: Args, device, rng: np.random.Generator,
-          obs_mean: torch.Tensor, obs_std: torch.Tensor, steps_due: float, stats_sum: torch.Tensor, publish) -> int:
+def learn(
+    agent,
+    optimizer,
+    rm: EpisodeReplay,
+    state: dict,
+    args: Args,
+    device,
+    rng: np.random.Generator,
+    obs_mean: torch.Tensor,
+    obs_std: torch.Tensor,
+    steps_due: float,
+    stats_sum: torch.Tensor,
+    publish,
+) -> int:
     """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
     at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
     the new weights to the actors. Adds train_step's stats to `stats_sum`; moves obs_mean, obs_std in place (with
@@ -646,9 +783,21 @@ def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
     return out[1:], net["std"], float(out[0])
 
 
-def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared_weights: torch.Tensor,
-               shared_norm: torch.Tensor, control: torch.Tensor, rings: torch.Tensor, written: torch.Tensor,
-               read: torch.Tensor, seed: int, run_name: str, stop_event) -> None:
+def actor_loop(
+    actor_id: int,
+    args: Args,
+    obs_dim: int,
+    act_dim: int,
+    shared_weights: torch.Tensor,
+    shared_norm: torch.Tensor,
+    control: torch.Tensor,
+    rings: torch.Tensor,
+    written: torch.Tensor,
+    read: torch.Tensor,
+    seed: int,
+    run_name: str,
+    stop_event,
+) -> None:
     """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
     control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i."""
     env = make_env(args.env_id, seed, args.capture_video and actor_id == 0, run_name)
@@ -692,12 +841,20 @@ def store_episodes(ring, written, read, partial: list, rm: EpisodeReplay, obs_di
     p, q = obs_dim, obs_dim + 3 * act_dim
     finished, prev = [], 0
     for e in np.flatnonzero(rows[:, q + 2] + rows[:, q + 3] > 0):  # terminated or truncated at row e
-        ep = np.concatenate(partial + [rows[prev:e + 1]])
+        ep = np.concatenate(partial + [rows[prev : e + 1]])
         partial.clear()
         prev, last = e + 1, ep[-1]
-        rm.add_episode(ep[:, :p], ep[:, p:p + act_dim], ep[:, p + act_dim:p + 2 * act_dim], ep[:, p + 2 * act_dim:q],
-                       ep[:, q + 1], ep[:, q], bool(last[q + 2]), final_val=float(last[q + 4 + obs_dim]),
-                       final_obs=last[q + 4:q + 4 + obs_dim])
+        rm.add_episode(
+            ep[:, :p],
+            ep[:, p : p + act_dim],
+            ep[:, p + act_dim : p + 2 * act_dim],
+            ep[:, p + 2 * act_dim : q],
+            ep[:, q + 1],
+            ep[:, q],
+            bool(last[q + 2]),
+            final_val=float(last[q + 4 + obs_dim]),
+            final_obs=last[q + 4 : q + 4 + obs_dim],
+        )
         finished.append((float(last[-2]), int(last[-1])))
     if prev < len(rows):
         partial.append(rows[prev:])
@@ -733,9 +890,11 @@ if __name__ == "__main__":
     left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
     refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts  # env steps before a gradient step
     if left <= refill:  # a run, resumed or not, that would end before it learns
-        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves {left:,} env steps, not more than the "
-                         f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
-                         f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})")
+        raise SystemExit(
+            f"error: --total-timesteps {args.total_timesteps:,} leaves {left:,} env steps, not more than the "
+            f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
+            f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})"
+        )
 
     # MEMORY: the replay's RAM, refused at start-up when it cannot fit
     probe = make_env(args.env_id, args.seed)
@@ -764,15 +923,20 @@ if __name__ == "__main__":
         started = ckpt["replay"] is not None
         load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=rm if started else None)
         state, global_step, t0, stats_ready, rng, rm.reward_scale = (
-            ckpt[k] for k in ("state", "global_step", "t0", "stats_ready", "np_rng", "reward_scale"))
+            ckpt[k] for k in ("state", "global_step", "t0", "stats_ready", "np_rng", "reward_scale")
+        )
         obs_mean, obs_std = ckpt["obs_mean"].to(device), ckpt["obs_std"].to(device)
         set_rng_state(ckpt["rng"])
         replay = f"replay memory ({rm.size:,} samples)" if started else f"no replay memory (refilled in {refill:,}+ steps)"
-        print(f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, statistics, RNGs, "
-              f"{replay}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
-              f"{args.total_timesteps:,}", flush=True)
+        print(
+            f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, statistics, RNGs, "
+            f"{replay}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
+            f"{args.total_timesteps:,}",
+            flush=True,
+        )
 
     procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
+
     def shared(*shape, dtype=torch.float32) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype).share_memory_()
 
@@ -801,8 +965,25 @@ if __name__ == "__main__":
     try:
         for i in range(args.num_actors):
             actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
-            procs.start(actor_loop, (i, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written,
-                                     read, actor_seed, run_name, procs.stop_event), name=f"actor-{i}")
+            procs.start(
+                actor_loop,
+                (
+                    i,
+                    args,
+                    obs_dim,
+                    act_dim,
+                    shared_weights,
+                    shared_norm,
+                    control,
+                    rings,
+                    written,
+                    read,
+                    actor_seed,
+                    run_name,
+                    procs.stop_event,
+                ),
+                name=f"actor-{i}",
+            )
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
@@ -825,8 +1006,20 @@ if __name__ == "__main__":
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             did = 0
             if started:
-                did = learn(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std, (global_step - t0) / args.F,
-                            acc, publish)
+                did = learn(
+                    agent,
+                    optimizer,
+                    rm,
+                    state,
+                    args,
+                    device,
+                    rng,
+                    obs_mean,
+                    obs_std,
+                    (global_step - t0) / args.F,
+                    acc,
+                    publish,
+                )
                 acc_n += did
             allow_steps()
 
@@ -839,28 +1032,57 @@ if __name__ == "__main__":
                 if started:
                     a = (acc / acc_n).tolist()
                     sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
-                    logger.log(global_step, {
-                        "charts/SPS": sps, "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
-                        "charts/grad_steps": k, "losses/loss": a[0], "losses/policy_loss": a[1],
-                        "losses/value_loss": a[2], "refer/kl": a[3], "refer/far_policy_frac": rm.far_fraction(),
-                        "refer/far_batch_frac": a[4], "refer/avg_rho": a[5], "refer/beta": state["beta"],
-                        "refer/c_max": refer_cmax(k, args.C, args.A), "stats/reward_scale": rm.reward_scale,
-                        "stats/sigma_mean": sigma, "stats/replay_size": rm.size})
+                    logger.log(
+                        global_step,
+                        {
+                            "charts/SPS": sps,
+                            "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
+                            "charts/grad_steps": k,
+                            "losses/loss": a[0],
+                            "losses/policy_loss": a[1],
+                            "losses/value_loss": a[2],
+                            "refer/kl": a[3],
+                            "refer/far_policy_frac": rm.far_fraction(),
+                            "refer/far_batch_frac": a[4],
+                            "refer/avg_rho": a[5],
+                            "refer/beta": state["beta"],
+                            "refer/c_max": refer_cmax(k, args.C, args.A),
+                            "stats/reward_scale": rm.reward_scale,
+                            "stats/sigma_mean": sigma,
+                            "stats/replay_size": rm.size,
+                        },
+                    )
                     loss, extra = a[2], f"beta {state['beta']:.3f} far {rm.far_fraction():.3f} kl {a[3]:.3g}"
                     acc.zero_()
                     acc_n, last_log_k = 0, k
-                logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
-                                loss, extra)
+                logger.progress(
+                    global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss", loss, extra
+                )
                 last_time, last_step = now, global_step
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
-                save_checkpoint(logger.dir / "checkpoint.pt", {
-                    "script": "vracer_refer.py", "run_name": run_name, "args": vars(args), "dims": (obs_dim, act_dim),
-                    "state": dict(state), "global_step": global_step, "t0": t0, "stats_ready": stats_ready,
-                    "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu(), "reward_scale": rm.reward_scale, "np_rng": rng,
-                    "rng": rng_state(), **state_dicts(model=agent, optimizer=optimizer,
-                                                      replay=rm if args.checkpoint_replay and started else None)})
+                save_checkpoint(
+                    logger.dir / "checkpoint.pt",
+                    {
+                        "script": "vracer_refer.py",
+                        "run_name": run_name,
+                        "args": vars(args),
+                        "dims": (obs_dim, act_dim),
+                        "state": dict(state),
+                        "global_step": global_step,
+                        "t0": t0,
+                        "stats_ready": stats_ready,
+                        "obs_mean": obs_mean.cpu(),
+                        "obs_std": obs_std.cpu(),
+                        "reward_scale": rm.reward_scale,
+                        "np_rng": rng,
+                        "rng": rng_state(),
+                        **state_dicts(
+                            model=agent, optimizer=optimizer, replay=rm if args.checkpoint_replay and started else None
+                        ),
+                    },
+                )
                 last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
@@ -875,18 +1097,30 @@ if __name__ == "__main__":
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     def save_model():
-        torch.save({"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(),
-                    "obs_std": obs_std.cpu()}, path := logger.dir / f"{args.exp_name}.model")
+        torch.save(
+            {"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu()},
+            path := logger.dir / f"{args.exp_name}.model",
+        )
         return path
 
     def final_eval() -> dict:
-        returns = evaluate(agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device,
-                           args.clip_actions)
+        returns = evaluate(
+            agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device, args.clip_actions
+        )
         for r in returns:
             logger.log(global_step, {"eval/episodic_return": r})
         return {"eval_return_mean": float(np.mean(returns))}
 
-    finish_run(logger, error, {"global_step": global_step, "grad_steps": state["k"], "beta": state["beta"],
-                               "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
-                               "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time)},
-               save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)
+    finish_run(
+        logger,
+        error,
+        {
+            "global_step": global_step,
+            "grad_steps": state["k"],
+            "beta": state["beta"],
+            "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+            "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time),
+        },
+        save_model if args.save_model else None,
+        final_eval if args.save_model and args.eval_episodes else None,
+    )

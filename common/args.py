@@ -18,6 +18,7 @@
   resumed run writes into the checkpoint's run directory (`RunLogger(..., resume_step=...)` drops what was logged
   after the checkpoint, so metrics never go backwards).
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,15 +28,31 @@ import inspect
 import io
 import operator
 import sys
-from typing import Annotated, Any, Iterable
+from collections.abc import Iterable
+from typing import Annotated, Any
 
 import tyro
 
 from common.checkpoint import load_run_checkpoint
 
-COMMON_FLAGS = ("exp_name", "seed", "torch_deterministic", "cuda", "track", "wandb_project_name", "wandb_entity",
-                "capture_video", "save_model", "checkpoint_every", "checkpoint_replay", "resume", "progress",
-                "start_method", "log_every", "log_every_seconds")
+COMMON_FLAGS = (
+    "exp_name",
+    "seed",
+    "torch_deterministic",
+    "cuda",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "capture_video",
+    "save_model",
+    "checkpoint_every",
+    "checkpoint_replay",
+    "resume",
+    "progress",
+    "start_method",
+    "log_every",
+    "log_every_seconds",
+)
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
@@ -71,14 +88,18 @@ class CommonArgs:
     """multiprocessing start method for actor processes: spawn | forkserver"""
 
 
-
 def _field_docs(cls) -> dict[str, str]:
     """{field: the docstring under it} from the source of the class and its dataclass bases (tyro's help texts)."""
     docs = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         body = ast.parse(inspect.getsource(klass)).body[0].body
-        docs.update({a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(body, body[1:])
-                     if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)})
+        docs.update(
+            {
+                a.target.id: inspect.cleandoc(b.value.value)
+                for a, b in zip(body, body[1:])
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+            }
+        )
     return docs
 
 
@@ -87,28 +108,40 @@ def cli(args_class: type, env_flags: Iterable[str]) -> Any:
     (`COMMON_FLAGS`), "environment options" (`env_flags`) and "method options" (the rest), in field order."""
     docs, env_flags = _field_docs(args_class), set(env_flags)
     fields = dataclasses.fields(args_class)
-    groups = {"common": [f for f in fields if f.name in COMMON_FLAGS],
-              "environment": [f for f in fields if f.name in env_flags],
-              "method": [f for f in fields if f.name not in COMMON_FLAGS and f.name not in env_flags]}
+    groups = {
+        "common": [f for f in fields if f.name in COMMON_FLAGS],
+        "environment": [f for f in fields if f.name in env_flags],
+        "method": [f for f in fields if f.name not in COMMON_FLAGS and f.name not in env_flags],
+    }
     nested = []
     for group, members in groups.items():
-        spec = [(f.name, Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
-                 dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING
-                 else dataclasses.field(default_factory=f.default_factory)) for f in members]
+        spec = [
+            (
+                f.name,
+                Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
+                dataclasses.field(default=f.default)
+                if f.default is not dataclasses.MISSING
+                else dataclasses.field(default_factory=f.default_factory),
+            )
+            for f in members
+        ]
         sub = dataclasses.make_dataclass(group, spec)
         nested.append((group, Annotated[sub, tyro.conf.OmitArgPrefixes], dataclasses.field(default_factory=sub)))
     captured = io.StringIO()
     try:
         # tyro draws its errors in a box: read it, print one line instead
         with contextlib.redirect_stderr(captured):
-            parsed = tyro.cli(dataclasses.make_dataclass(args_class.__name__, nested),
-                              description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0])
+            parsed = tyro.cli(
+                dataclasses.make_dataclass(args_class.__name__, nested),
+                description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0],
+            )
     except SystemExit as e:
         if e.code in (0, None):
             raise
         raise SystemExit(one_line_error(captured.getvalue())) from None
-    return args_class(**{f.name: getattr(getattr(parsed, group), f.name) for group, members in groups.items()
-                         for f in members})
+    return args_class(
+        **{f.name: getattr(getattr(parsed, group), f.name) for group, members in groups.items() for f in members}
+    )
 
 
 def one_line_error(box: str) -> str:
@@ -152,8 +185,11 @@ def check_args(args: Any, rules: dict[str, str | tuple]) -> None:
         if value is None:
             continue
         if not _satisfies(value, rule):
-            what = f"one of {', '.join(map(str, rule))}" if isinstance(rule, tuple) else (
-                f"in {rule}" if rule.strip()[0] in "[(" else rule)
+            what = (
+                f"one of {', '.join(map(str, rule))}"
+                if isinstance(rule, tuple)
+                else (f"in {rule}" if rule.strip()[0] in "[(" else rule)
+            )
             raise SystemExit(f"error: {flag(name)} must be {what}, got {value!r}")
 
 
@@ -185,8 +221,10 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
         old = ckpt_args.get(name)
         old = tuple(old) if isinstance(getattr(args, name), tuple) and old is not None else old
         if name in ckpt_args and getattr(args, name) != old:
-            raise SystemExit(f"error: --resume: {flag(name)} {getattr(args, name)!r} differs from the checkpoint's "
-                             f"{old!r}; it would change the experiment (leave it out to keep the checkpoint's value)")
+            raise SystemExit(
+                f"error: --resume: {flag(name)} {getattr(args, name)!r} differs from the checkpoint's "
+                f"{old!r}; it would change the experiment (leave it out to keep the checkpoint's value)"
+            )
     return dataclasses.replace(args, **restored), sorted(given)
 
 

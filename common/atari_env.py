@@ -15,9 +15,10 @@
 6. `ClipReward` (optional): reward -> sign(reward);
 7. frames as uint8 with a leading channel axis: (frame_stack, 84, 84); `frame_stack=1` for recurrent agents.
 
-Use: `obs, info = env.reset(seed=seed)` (a seeded reset always starts a new game), then `if terminated or truncated: obs, info = env.reset()`; bootstrap on
-`truncated`, not on `terminated`.
+Use: `obs, info = env.reset(seed=seed)` (a seeded reset always starts a new game), then
+`if terminated or truncated: obs, info = env.reset()`; bootstrap on `truncated`, not on `terminated`.
 """
+
 from __future__ import annotations
 
 import ale_py

@@ -12,6 +12,7 @@
   (model, optimizer, sampler, normalizer, ...: anything with `state_dict` / `load_state_dict`; None is skipped).
 Multi-process runs are seeded, not bitwise deterministic: actors race with the learner.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,7 +79,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     """Load a checkpoint written by `save_checkpoint`; raises a one-line error if it is missing or unreadable."""
     path = Path(path)
     if path.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is a directory: give the checkpoint file in it, e.g. {str(path / 'checkpoint.pt')!r}")
+        raise FileNotFoundError(
+            f"{str(path)!r} is a directory: give the checkpoint file in it, e.g. {str(path / 'checkpoint.pt')!r}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:

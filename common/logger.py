@@ -15,6 +15,7 @@ Weights & Biases when `track=True` (imported lazily, so wandb is not a dependenc
 Metric names follow CleanRL: `charts/episodic_return`, `charts/episodic_length`, `charts/SPS`,
 `charts/learning_rate`, `losses/<name>`, `eval/<name>`; the x-axis is `global_step` in environment steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,13 +35,19 @@ def make_run_name(env_id: str, exp_name: str, seed: int) -> str:
     return f"{safe_env}__{exp_name}__{seed}__{int(time.time())}"
 
 
-def start_run(args: Any, ckpt: dict | None, env_name: str) -> "RunLogger":
+def start_run(args: Any, ckpt: dict | None, env_name: str) -> RunLogger:
     """The run's logger, from the common flags: a new `runs/{env_name}__{exp_name}__{seed}__{time}`, or with
     `--resume` the checkpoint's run directory, continued from its step."""
     run_name = ckpt["run_name"] if ckpt else make_run_name(env_name, args.exp_name, args.seed)
-    return RunLogger(run_name, args, track=args.track, wandb_project_name=args.wandb_project_name,
-                     wandb_entity=args.wandb_entity, progress=args.progress,
-                     resume_step=ckpt["global_step"] if ckpt else None)
+    return RunLogger(
+        run_name,
+        args,
+        track=args.track,
+        wandb_project_name=args.wandb_project_name,
+        wandb_entity=args.wandb_entity,
+        progress=args.progress,
+        resume_step=ckpt["global_step"] if ckpt else None,
+    )
 
 
 def _to_jsonable(value: Any) -> Any:
@@ -90,8 +97,11 @@ class RunLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         elapsed = 0.0
         if resume_step is not None:  # keep what was logged up to the checkpoint, continue the time column
-            kept = [r for r in read_metrics(self.dir / "metrics.jsonl") if r["global_step"] <= resume_step] if (
-                self.dir / "metrics.jsonl").exists() else []
+            kept = (
+                [r for r in read_metrics(self.dir / "metrics.jsonl") if r["global_step"] <= resume_step]
+                if (self.dir / "metrics.jsonl").exists()
+                else []
+            )
             elapsed = max((float(r["time"]) for r in kept), default=0.0)
             with open(self.dir / ".metrics.jsonl.tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -117,8 +127,10 @@ class RunLogger:
         write_json_atomic(self.dir / "args.json", config)
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: one record per line
         self.start_time = time.time() - elapsed
-        print(f"run directory: {self.dir}" + (f" (resumed at step {resume_step:,})" if resume_step is not None else ""),
-              flush=True)
+        print(
+            f"run directory: {self.dir}" + (f" (resumed at step {resume_step:,})" if resume_step is not None else ""),
+            flush=True,
+        )
 
     def log(self, global_step: int, metrics: dict[str, Any]) -> None:
         """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl."""

@@ -23,6 +23,7 @@ lines (one `RandomState` for the game and the sticky actions); a test checks bot
 Use: `obs, info = env.reset(seed=seed)`, then `if terminated or truncated: obs, info = env.reset()`; bootstrap on
 `truncated`, not on `terminated`. One MinAtar frame is one agent step (no frame skip).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,13 @@ import os
 import gymnasium as gym
 import numpy as np
 
-MINATAR_GAMES = {"Asterix": "asterix", "Breakout": "breakout", "Freeway": "freeway", "Seaquest": "seaquest",
-                 "SpaceInvaders": "space_invaders"}  # fmt: skip
+MINATAR_GAMES = {
+    "Asterix": "asterix",
+    "Breakout": "breakout",
+    "Freeway": "freeway",
+    "Seaquest": "seaquest",
+    "SpaceInvaders": "space_invaders",
+}
 MINATAR_ENV_IDS = tuple(f"MinAtar/{name}-v{v}" for v in (0, 1) for name in MINATAR_GAMES)
 MINATAR_MAX_CHANNELS = 10  # Seaquest; the others have 4 (Asterix, Breakout), 7 (Freeway), 6 (SpaceInvaders)
 
@@ -41,8 +47,10 @@ MINATAR_MAX_CHANNELS = 10  # Seaquest; the others have 4 (Asterix, Breakout), 7 
 def check_minatar_env_id(env_id: str) -> None:
     """Raise a one-line ValueError unless `env_id` is one of `MINATAR_ENV_IDS`."""
     if env_id not in MINATAR_ENV_IDS:
-        raise ValueError(f"unknown MinAtar env id {env_id!r}: use one of {', '.join(MINATAR_ENV_IDS)} "
-                         "(-v0: full 6-action set, -v1: the game's minimal action set)")
+        raise ValueError(
+            f"unknown MinAtar env id {env_id!r}: use one of {', '.join(MINATAR_ENV_IDS)} "
+            "(-v0: full 6-action set, -v1: the game's minimal action set)"
+        )
 
 
 @functools.cache
@@ -61,8 +69,15 @@ class MinAtarEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_id: str, *, pad_channels: int | None = None, sticky_action_prob: float = 0.1,
-                 difficulty_ramping: bool = True, max_episode_steps: int | None = 10_000):
+    def __init__(
+        self,
+        env_id: str,
+        *,
+        pad_channels: int | None = None,
+        sticky_action_prob: float = 0.1,
+        difficulty_ramping: bool = True,
+        max_episode_steps: int | None = 10_000,
+    ):
         check_minatar_env_id(env_id)
         game, version = env_id.split("/")[1].rsplit("-v", 1)
         self.game = _game_class(MINATAR_GAMES[game])(ramping=difficulty_ramping)
@@ -107,14 +122,26 @@ class MinAtarEnv(gym.Env):
         return self._observation(), float(reward), bool(terminated), truncated, info
 
 
-def make_minatar_env(env_id: str, seed: int, *, pad_channels: int | None = None, sticky_action_prob: float = 0.1,
-                     difficulty_ramping: bool = True, max_episode_steps: int | None = 10_000) -> MinAtarEnv:
+def make_minatar_env(
+    env_id: str,
+    seed: int,
+    *,
+    pad_channels: int | None = None,
+    sticky_action_prob: float = 0.1,
+    difficulty_ramping: bool = True,
+    max_episode_steps: int | None = 10_000,
+) -> MinAtarEnv:
     """A MinAtar env with uint8 observations (C or pad_channels, 10, 10); see the module docstring.
 
     `seed` seeds the action space; pass it again to the first `reset(seed=...)` to seed the game."""
     if not 0.0 <= sticky_action_prob <= 1.0:
         raise ValueError(f"sticky_action_prob must be in [0, 1], got {sticky_action_prob}")
-    env = MinAtarEnv(env_id, pad_channels=pad_channels, sticky_action_prob=sticky_action_prob,
-                     difficulty_ramping=difficulty_ramping, max_episode_steps=max_episode_steps)
+    env = MinAtarEnv(
+        env_id,
+        pad_channels=pad_channels,
+        sticky_action_prob=sticky_action_prob,
+        difficulty_ramping=difficulty_ramping,
+        max_episode_steps=max_episode_steps,
+    )
     env.action_space.seed(seed)
     return env

@@ -18,11 +18,12 @@ What this module gives:
 
 A level is a reset seed: `env.reset(seed=s)` is deterministic in MiniGrid.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import minigrid  # noqa: F401  (the import registers the MiniGrid-* ids)
@@ -39,6 +40,7 @@ from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
 from common.processes import ActorDied
 
 MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "ObstructedMazeGamut-Medium")
+
 
 # Two small DistShift layouts whose routes conflict, for showing forgetting on a CPU (clear_impala.py task sequences):
 # 7x5 grid, agent at (1, 2) facing right, goal at (5, 1). "Straight" has lava at (3, 1) and (3, 3) (the route is
@@ -283,9 +285,7 @@ class MiniGridVecEnv:
         self._conns, self._procs = [], []
         for idx in self._splits:
             parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker, args=(child, env_id, len(idx), fully_observable, max_steps), daemon=True
-            )
+            p = ctx.Process(target=_worker, args=(child, env_id, len(idx), fully_observable, max_steps), daemon=True)
             p.start()
             child.close()
             self._conns.append(parent)

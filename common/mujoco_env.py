@@ -8,6 +8,7 @@
 Observations are float64 vectors as gymnasium gives them; actions are a `Box` with the task's bounds.
 Non-MuJoCo, discrete-action or image environments are refused with a one-line ValueError.
 """
+
 from __future__ import annotations
 
 import gymnasium as gym
@@ -52,4 +53,3 @@ def make_mujoco_env(
     env.action_space.seed(seed)
     env.observation_space.seed(seed)
     return env
-

@@ -5,6 +5,7 @@ PLR paper's Table 3 "return normalization"; CleanRL's ppo_procgen wraps its envs
   clipped; the running mean/variance use Chan et al.'s parallel update over the envs' current discounted returns.
   `state_dict` / `load_state_dict` for checkpoints.
 """
+
 import numpy as np
 
 

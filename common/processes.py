@@ -30,6 +30,7 @@ fixed-layout rows from actors to the learner through shared memory (only buffer 
 Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
 its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,8 @@ import queue
 import signal
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def available_cores() -> int:
@@ -63,8 +65,10 @@ def check_memory(need: int, flag: str, fraction: float = 0.9) -> None:
     avail = available_memory_bytes()
     print(f"replay memory: {need / 2**30:.2f} GiB ({avail / 2**30:.1f} GiB available)", flush=True)
     if need > fraction * avail:
-        raise SystemExit(f"error: the replay memory needs {need / 2**30:.2f} GiB, more than {fraction:.0%} of the "
-                         f"{avail / 2**30:.1f} GiB of RAM available: lower {flag}")
+        raise SystemExit(
+            f"error: the replay memory needs {need / 2**30:.2f} GiB, more than {fraction:.0%} of the "
+            f"{avail / 2**30:.1f} GiB of RAM available: lower {flag}"
+        )
 
 
 def set_learner_threads(num_actor_processes: int) -> int:
@@ -134,8 +138,9 @@ def stop_reason(error: BaseException | None) -> tuple[str, int]:
     return f"error: {type(error).__name__}: {error}", 1
 
 
-def finish_run(logger, error: BaseException | None, summary: dict, save_model: Callable | None = None,
-               final_eval: Callable | None = None) -> None:
+def finish_run(
+    logger, error: BaseException | None, summary: dict, save_model: Callable | None = None, final_eval: Callable | None = None
+) -> None:
     """The end of every script, once its processes are stopped: print why the run stopped; after a normal end save
     the model (`save_model()` returns its path) and run the final evaluation (`final_eval()` logs and returns summary
     entries; a signal during either stops it and keeps the summary); write summary.json with `stop_reason`, close the
@@ -330,8 +335,10 @@ class ChunkChannel:
         import numpy as np
         import torch
 
-        self.arrays = {name: torch.from_numpy(np.zeros((num_actors, num_buffers, rows, *shape), dtype)).share_memory_()
-                       for name, (dtype, shape) in fields.items()}
+        self.arrays = {
+            name: torch.from_numpy(np.zeros((num_actors, num_buffers, rows, *shape), dtype)).share_memory_()
+            for name, (dtype, shape) in fields.items()
+        }
         self.free = [ctx.Queue() for _ in range(num_actors)]
         for free in self.free:
             for j in range(num_buffers):

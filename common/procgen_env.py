@@ -19,29 +19,55 @@ the env stays on Procgen's own level distribution), and the returned obs[i] is t
 Order matters inside `step` (procgen writes reward 0 / first=True into a slot on `set_state`): act, read reward and
 info, then switch the finished slots, then observe again.
 """
+
 from __future__ import annotations
 
 import contextlib
 import io
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
 
 PROCGEN_GAMES = (
-    "bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot",
-    "heist", "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot",
-)  # fmt: skip
+    "bigfish",
+    "bossfight",
+    "caveflyer",
+    "chaser",
+    "climber",
+    "coinrun",
+    "dodgeball",
+    "fruitbot",
+    "heist",
+    "jumper",
+    "leaper",
+    "maze",
+    "miner",
+    "ninja",
+    "plunder",
+    "starpilot",
+)
 PROCGEN_DISTRIBUTION_MODES = ("easy", "hard", "extreme", "memory", "exploration")
 # Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
 PROCGEN_RETURN_BOUNDS = {
-    "bigfish": (1, 40, 0, 40), "bossfight": (0.5, 13, 0.5, 13), "caveflyer": (3.5, 12, 2, 13.4),
-    "chaser": (0.5, 13, 0.5, 14.2), "climber": (2, 12.6, 1, 12.6), "coinrun": (5, 10, 5, 10),
-    "dodgeball": (1.5, 19, 1.5, 19), "fruitbot": (-1.5, 32.4, -0.5, 27.2), "heist": (3.5, 10, 2, 10),
-    "jumper": (3, 10, 1, 10), "leaper": (3, 10, 1.5, 10), "maze": (5, 10, 4, 10), "miner": (1.5, 13, 1.5, 20),
-    "ninja": (3.5, 10, 2, 10), "plunder": (4.5, 30, 3, 30), "starpilot": (2.5, 64, 1.5, 35),
-}  # fmt: skip
+    "bigfish": (1, 40, 0, 40),
+    "bossfight": (0.5, 13, 0.5, 13),
+    "caveflyer": (3.5, 12, 2, 13.4),
+    "chaser": (0.5, 13, 0.5, 14.2),
+    "climber": (2, 12.6, 1, 12.6),
+    "coinrun": (5, 10, 5, 10),
+    "dodgeball": (1.5, 19, 1.5, 19),
+    "fruitbot": (-1.5, 32.4, -0.5, 27.2),
+    "heist": (3.5, 10, 2, 10),
+    "jumper": (3, 10, 1, 10),
+    "leaper": (3, 10, 1.5, 10),
+    "maze": (5, 10, 4, 10),
+    "miner": (1.5, 13, 1.5, 20),
+    "ninja": (3.5, 10, 2, 10),
+    "plunder": (4.5, 30, 3, 30),
+    "starpilot": (2.5, 64, 1.5, 35),
+}
 
 
 def procgen_normalized_return(game: str, distribution_mode: str, ret: float) -> float | None:

@@ -7,6 +7,7 @@ scalars or numpy calls. Every walk touches at most 2 log2(size) nodes; the local
 (`add_one`); `set_leaves` recomputes parents from their children, so float sums never drift and the same leaves
 always give the same tree. Used by reactor.py's lazy priorities (paper 3.3).
 """
+
 import numpy as np
 
 

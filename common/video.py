@@ -12,4 +12,6 @@ def check_video_support() -> None:
     try:
         import moviepy  # noqa: F401
     except Exception as e:  # ImportError, or a broken ffmpeg backend
-        raise ValueError(f"--capture-video needs a working moviepy ({type(e).__name__}: {e}); install it to record videos") from None
+        raise ValueError(
+            f"--capture-video needs a working moviepy ({type(e).__name__}: {e}); install it to record videos"
+        ) from None

@@ -1,4 +1,5 @@
 """Test configuration: make the repository root importable (`import common`, `import plr_ppo`, ...)."""
+
 import os
 import sys
 

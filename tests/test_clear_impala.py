@@ -2,6 +2,7 @@
 uniformity (chi-square), pair selection, behavioural-cloning losses (zero when equal, time alignment), task switching,
 start-up errors, and a subprocess smoke run + save/resume round trip of a two-task MiniGrid sequence (signals, a killed
 actor, the resume rule and bad input: tests/test_lifecycle.py)."""
+
 import json
 import math
 import os
@@ -59,9 +60,11 @@ def test_vtrace_matches_textbook(clips):
         rewards = rng.normal(0, 2, (T, B))
         values = rng.normal(0, 2, (T, B))
         bootstrap = rng.normal(0, 2, B)
-        out = ci.vtrace_from_importance_weights(*(torch.tensor(x) for x in (log_rhos, discounts, rewards, values,
-                                                                          bootstrap)),
-                                                clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1])
+        out = ci.vtrace_from_importance_weights(
+            *(torch.tensor(x) for x in (log_rhos, discounts, rewards, values, bootstrap)),
+            clip_rho_threshold=clips[0],
+            clip_pg_rho_threshold=clips[1],
+        )
         vs, adv = textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, *clips)
         np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-6, atol=1e-6, err_msg=f"case {case}")
         np.testing.assert_allclose(out.pg_advantages.numpy(), adv, rtol=1e-6, atol=1e-6, err_msg=f"case {case}")
@@ -77,8 +80,9 @@ def test_vtrace_torchbeast_fixed_inputs():
         rewards = np.arange(n, dtype=np.float64).reshape(T, B)
         values = np.arange(n, dtype=np.float64).reshape(T, B) / B
         bootstrap = np.arange(B, dtype=np.float64) + 1
-        out = ci.vtrace_from_importance_weights(*(torch.tensor(x) for x in (log_rhos, discounts, rewards, values,
-                                                                          bootstrap)), 3.7, 2.2)
+        out = ci.vtrace_from_importance_weights(
+            *(torch.tensor(x) for x in (log_rhos, discounts, rewards, values, bootstrap)), 3.7, 2.2
+        )
         vs, adv = textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, 3.7, 2.2)
         np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(out.pg_advantages.numpy(), adv, rtol=1e-6, atol=1e-5)
@@ -95,8 +99,9 @@ def test_vtrace_rlax_reference_numbers():
     bootstrap = np.array([8.4, -1.2])
     logp = lambda lg: np.take_along_axis(lg - np.log(np.exp(lg).sum(-1, keepdims=True)), actions[..., None], -1)[..., 0]  # noqa
     log_rhos = logp(tl) - logp(bl)
-    out = ci.vtrace_from_importance_weights(*(torch.tensor(x.T if x.ndim == 2 else x) for x in (
-        log_rhos, discounts, rewards, values, bootstrap)))
+    out = ci.vtrace_from_importance_weights(
+        *(torch.tensor(x.T if x.ndim == 2 else x) for x in (log_rhos, discounts, rewards, values, bootstrap))
+    )
     exp_td = np.array([[-1.6155143, -3.4973226, 1.8670533, 50.316002], [1.4662437, 3.6116405, -8.3327293e-5, -13.54]])
     exp_pg = np.array([[-1.6155143, -3.4973226, 1.8670534, 50.316002], [1.4662433, 3.6116405, -8.3369283e-5, -13.54]])
     np.testing.assert_allclose((out.vs.numpy() - values.T).T, exp_td, rtol=1e-3, atol=1e-5)
@@ -111,27 +116,36 @@ def test_vtrace_no_value_leaks_across_episode_end():
     args[1][k] = 0.0
     a = ci.vtrace_from_importance_weights(*args)
     changed = [x.clone() for x in args]
-    changed[2][k + 1:] += 100.0  # rewards of the next episode
-    changed[3][k + 1:] -= 50.0  # values of the next episode
+    changed[2][k + 1 :] += 100.0  # rewards of the next episode
+    changed[3][k + 1 :] -= 50.0  # values of the next episode
     changed[4] += 7.0  # bootstrap
     b = ci.vtrace_from_importance_weights(*changed)
     np.testing.assert_allclose(a.vs[: k + 1].numpy(), b.vs[: k + 1].numpy())
     np.testing.assert_allclose(a.pg_advantages[: k + 1].numpy(), b.pg_advantages[: k + 1].numpy())
-    assert not np.allclose(a.vs[k + 1:].numpy(), b.vs[k + 1:].numpy())  # the test can fail
+    assert not np.allclose(a.vs[k + 1 :].numpy(), b.vs[k + 1 :].numpy())  # the test can fail
 
 
 def test_vtrace_rejects_bad_bootstrap_shape():
     with pytest.raises(ValueError):
-        ci.vtrace_from_importance_weights(torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2),
-                                          torch.zeros(5, 2))
+        ci.vtrace_from_importance_weights(
+            torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2), torch.zeros(5, 2)
+        )
 
 
 def make_aligned(T, B, A, **over):
     z = lambda *s: torch.zeros(*s)  # noqa: E731
-    fields = dict(target_logits=z(T, B, A), values=z(T, B), bootstrap_value=z(B), behaviour_logits=z(T, B, A),
-                  behaviour_values=z(T, B), actions=torch.zeros(T, B, dtype=torch.int64), rewards=z(T, B),
-                  done=torch.zeros(T, B, dtype=torch.bool), truncated=torch.zeros(T, B, dtype=torch.bool),
-                  final_value=z(T, B))
+    fields = dict(
+        target_logits=z(T, B, A),
+        values=z(T, B),
+        bootstrap_value=z(B),
+        behaviour_logits=z(T, B, A),
+        behaviour_values=z(T, B),
+        actions=torch.zeros(T, B, dtype=torch.int64),
+        rewards=z(T, B),
+        done=torch.zeros(T, B, dtype=torch.bool),
+        truncated=torch.zeros(T, B, dtype=torch.bool),
+        final_value=z(T, B),
+    )
     fields.update(over)
     return ci.AlignedUnroll(**fields)
 
@@ -145,8 +159,17 @@ def test_truncation_bootstraps_from_final_value_and_termination_does_not():
     truncated = torch.zeros(T, B, dtype=torch.bool)
     truncated[k, 0] = True  # column 0: time limit; column 1: real termination
     final_value = torch.full((T, B), 5.0)
-    u = make_aligned(T, B, A, values=values, rewards=rewards, done=done, truncated=truncated, final_value=final_value,
-                     bootstrap_value=torch.full((B,), 3.0))
+    u = make_aligned(
+        T,
+        B,
+        A,
+        values=values,
+        rewards=rewards,
+        done=done,
+        truncated=truncated,
+        final_value=final_value,
+        bootstrap_value=torch.full((B,), 3.0),
+    )
     _, _, _, vt = ci.impala_losses(u, 0.9, 1.0, 1.0)  # on-policy: rho = c = 1
     assert vt.vs[k, 0] == pytest.approx(1.0 + 0.9 * 5.0)  # r + gamma V(x_final), the next episode not used
     assert vt.vs[k, 1] == pytest.approx(1.0)  # termination: r only
@@ -154,7 +177,7 @@ def test_truncation_bootstraps_from_final_value_and_termination_does_not():
     # --no-bootstrap-truncation: a time limit is a termination (IMPALA/monobeast), the final value is ignored
     _, _, _, vt_term = ci.impala_losses(u, 0.9, 1.0, 1.0, bootstrap_truncation=False)
     assert vt_term.vs[k, 0] == pytest.approx(1.0) and vt_term.vs[k, 1] == pytest.approx(1.0)
-    assert torch.allclose(vt_term.vs[k + 1:], vt.vs[k + 1:])  # the next episode is the same either way
+    assert torch.allclose(vt_term.vs[k + 1 :], vt.vs[k + 1 :])  # the next episode is the same either way
 
 
 def test_truncated_importance_weights_are_min_one_pi_over_mu_of_the_taken_action():
@@ -216,7 +239,11 @@ def test_reservoir_stores_whole_unrolls_only():
         if row >= 0:
             assert buf.task[row] == i % 3
     for row in range(buf.size):  # every field of every time step of a stored row comes from the same unroll
-        ids = {int(np.unique(buf.data[k][row].astype(np.int64)).item()) for k in ci.UNROLL_FIELDS if k not in ("done", "truncated")}
+        ids = {
+            int(np.unique(buf.data[k][row].astype(np.int64)).item())
+            for k in ci.UNROLL_FIELDS
+            if k not in ("done", "truncated")
+        }
         assert len(ids) == 1
     assert buf.data["obs"].dtype == np.uint8
     assert all(0 <= buf.sample() < buf.size for _ in range(100))
@@ -290,8 +317,10 @@ def act_like_an_actor(model, T, B, obs_shape, seed=0):
     """Build a stored batch the way actor_loop writes it: row t+1 holds mu(.|x_t), V_mu(x_t), a_t, ..."""
     g = torch.Generator().manual_seed(seed)
     specs = ci.unroll_specs(obs_shape, 7, T)
-    batch = {k: torch.zeros((shape[0], B, *shape[1:]), dtype=getattr(torch, np.dtype(d).name if d != np.bool_ else "bool"))
-             for k, (shape, d) in specs.items()}
+    batch = {
+        k: torch.zeros((shape[0], B, *shape[1:]), dtype=getattr(torch, np.dtype(d).name if d != np.bool_ else "bool"))
+        for k, (shape, d) in specs.items()
+    }
     batch["obs"] = torch.randint(0, 11, (T + 1, B, *obs_shape), generator=g, dtype=torch.uint8)
     with torch.no_grad():
         logits, values = model(batch["obs"].reshape(-1, *obs_shape))
@@ -346,8 +375,18 @@ def test_behaviour_cloning_flag_changes_total_loss_only_via_cloning():
 def test_task_switch_at_designated_step_for_all_actors():
     args = ci.Args(env_ids=["a", "b", "c"], steps_per_task=1000, num_cycles=2)
     for actor in range(5):
-        assert [ci.task_for_actor(actor, s, args) for s in (0, 999, 1000, 1999, 2000, 2999, 3000, 5999, 6000, 9999)] \
-            == [0, 0, 1, 1, 2, 2, 0, 2, 2, 2]
+        assert [ci.task_for_actor(actor, s, args) for s in (0, 999, 1000, 1999, 2000, 2999, 3000, 5999, 6000, 9999)] == [
+            0,
+            0,
+            1,
+            1,
+            2,
+            2,
+            0,
+            2,
+            2,
+            2,
+        ]
     sim = ci.Args(env_ids=["a", "b", "c"], mode="simultaneous")
     assert [ci.task_for_actor(i, s, sim) for i in range(4) for s in (0, 10**6)] == [0, 0, 1, 1, 2, 2, 0, 0]
     assert ci.net_for_task(2, ci.Args(mode="separate")) == 2 and ci.net_for_task(2, sim) == 0
@@ -367,16 +406,22 @@ def test_buffer_capacity_split_over_actors():
     assert ci.buffer_capacity_per_actor(ci.Args(replay_ratio=0.0)) == 0
 
 
-@pytest.mark.parametrize("over,msg", [
-    (dict(num_actors=4, batch_size=8), "--num-actors"),
-    (dict(replay_ratio=1.5), "--replay-ratio"),
-    (dict(mode="bogus"), "--mode"),
-    (dict(buffer_frames=0), "--buffer-frames 0"),
-    (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
-    (dict(start_method="fork"), "--start-method"),
-    (dict(gamma=1.5), "--gamma must be in [0, 1], got 1.5"),
-    (dict(env_ids=["a", "b", "c"], mode="simultaneous", num_actors=4, batch_size=4), "a multiple of the number of tasks (3)"),
-])
+@pytest.mark.parametrize(
+    "over,msg",
+    [
+        (dict(num_actors=4, batch_size=8), "--num-actors"),
+        (dict(replay_ratio=1.5), "--replay-ratio"),
+        (dict(mode="bogus"), "--mode"),
+        (dict(buffer_frames=0), "--buffer-frames 0"),
+        (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
+        (dict(start_method="fork"), "--start-method"),
+        (dict(gamma=1.5), "--gamma must be in [0, 1], got 1.5"),
+        (
+            dict(env_ids=["a", "b", "c"], mode="simultaneous", num_actors=4, batch_size=4),
+            "a multiple of the number of tasks (3)",
+        ),
+    ],
+)
 def test_validate_args_one_line_errors(over, msg):
     with pytest.raises(SystemExit) as e:  # the range rules, then the checks between flags
         args = ci.Args(**over)
@@ -403,8 +448,9 @@ def test_cumulative_returns_are_time_averages():
 # ----------------------------------------------------------------------------------------------------------------
 def run_script(tmp_path, *flags, timeout=80):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
@@ -421,8 +467,19 @@ def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
 
 
 def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
-    r = run_script(tmp_path, "--env-ids", "MiniGrid-Empty-5x5-v0", "--num-actors", "2", "--batch-size", "2",
-                   "--buffer-frames", str(10**13), "--no-progress", timeout=60)
+    r = run_script(
+        tmp_path,
+        "--env-ids",
+        "MiniGrid-Empty-5x5-v0",
+        "--num-actors",
+        "2",
+        "--batch-size",
+        "2",
+        "--buffer-frames",
+        str(10**13),
+        "--no-progress",
+        timeout=60,
+    )
     assert r.returncode != 0
     assert "B per stored frame (frame 147 B" in r.stdout  # the start-up memory report
     last = r.stderr.strip().splitlines()[-1]
@@ -430,17 +487,37 @@ def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-TINY = ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--steps-per-task", "240", "--num-actors", "2",
-        "--batch-size", "2", "--unroll-length", "20", "--num-test-actors", "1", "--test-actor-max-sps", "300",
-        "--start-method", "forkserver", "--no-progress", "--no-cuda",
-        # a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock
-        # logging could skip task 0 and a test actor could finish no 100-step episode before the end
-        "--log-every-seconds", "0", "--minigrid-max-steps", "8"]
+TINY = [
+    "--env-ids",
+    "MiniGrid-Empty-5x5-v0",
+    "MiniGrid-LavaGapS5-v0",
+    "--steps-per-task",
+    "240",
+    "--num-actors",
+    "2",
+    "--batch-size",
+    "2",
+    "--unroll-length",
+    "20",
+    "--num-test-actors",
+    "1",
+    "--test-actor-max-sps",
+    "300",
+    "--start-method",
+    "forkserver",
+    "--no-progress",
+    "--no-cuda",
+    # a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock
+    # logging could skip task 0 and a test actor could finish no 100-step episode before the end
+    "--log-every-seconds",
+    "0",
+    "--minigrid-max-steps",
+    "8",
+]
 
 
 def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
-    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model",
-                   "--checkpoint-replay")
+    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model", "--checkpoint-replay")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -450,9 +527,19 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     assert all(n > 0 for n in summary["num_eval_episodes"].values()), summary  # test actors of BOTH tasks reported
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     names = set().union(*metrics)
-    for name in ("losses/pg_loss", "losses/value_loss", "losses/entropy", "losses/policy_cloning_loss",
-                 "losses/value_cloning_loss", "charts/learner_SPS", "charts/actor_SPS", "charts/replay_fraction",
-                 "charts/buffer_fill", "charts/policy_lag", "charts/SPS"):
+    for name in (
+        "losses/pg_loss",
+        "losses/value_loss",
+        "losses/entropy",
+        "losses/policy_cloning_loss",
+        "losses/value_cloning_loss",
+        "charts/learner_SPS",
+        "charts/actor_SPS",
+        "charts/replay_fraction",
+        "charts/buffer_fill",
+        "charts/policy_lag",
+        "charts/SPS",
+    ):
         assert name in names, name
     assert any(n.startswith("eval/MiniGrid-LavaGapS5-v0/") for n in names)
     tasks = [m["charts/task"] for m in metrics if "charts/task" in m]
@@ -498,8 +585,10 @@ def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_pa
     import threading
 
     A, T, N = args.num_actors, args.unroll_length, args.num_actors * args.envs_per_actor
-    slots = {k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
-             for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()}
+    slots = {
+        k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
+        for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()
+    }
     meta = torch.zeros(N, 6, dtype=torch.int64)
     full_queues = [queue.SimpleQueue() for _ in shared_models]
     stats = queue.SimpleQueue()
@@ -508,9 +597,31 @@ def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_pa
     global_step = SimpleNamespace(value=start_step)
     policy_version = SimpleNamespace(value=0)
     ckpt_request = SimpleNamespace(value=0)
-    threads = [threading.Thread(target=ci.actor_loop, daemon=True, args=(
-        i, args, obs_shape, num_actions, shared_models, slots, meta, full_queues, slot_free, global_step,
-        policy_version, [0] * A, stop, stats, ckpt_request, str(tmp_path))) for i in range(A)]
+    threads = [
+        threading.Thread(
+            target=ci.actor_loop,
+            daemon=True,
+            args=(
+                i,
+                args,
+                obs_shape,
+                num_actions,
+                shared_models,
+                slots,
+                meta,
+                full_queues,
+                slot_free,
+                global_step,
+                policy_version,
+                [0] * A,
+                stop,
+                stats,
+                ckpt_request,
+                str(tmp_path),
+            ),
+        )
+        for i in range(A)
+    ]
     for th in threads:
         th.start()
     pairs = {i: [] for i in range(N)}
@@ -591,8 +702,14 @@ def slow_clear_loss(learner, half_per_column, which, args):
     total = args.pg_cost * pg + args.baseline_cost * value + args.entropy_cost * entropy
     if args.behavior_cloning:
         total = total + args.policy_cloning_cost * pc + args.value_cloning_cost * vc
-    return {"losses/pg_loss": pg, "losses/value_loss": value, "losses/policy_cloning_loss": pc,
-            "losses/value_cloning_loss": vc, "losses/total_loss": total, "entropy_sum": entropy}
+    return {
+        "losses/pg_loss": pg,
+        "losses/value_loss": value,
+        "losses/policy_cloning_loss": pc,
+        "losses/value_cloning_loss": vc,
+        "losses/total_loss": total,
+        "entropy_sum": entropy,
+    }
 
 
 def gradients(model, loss) -> dict[str, torch.Tensor]:
@@ -613,8 +730,13 @@ class ReleaseCounter:
 
 
 # each term alone through the real loss (its cost 1, every other 0), then the paper's weights
-ONE_TERM = {"losses/pg_loss": "pg_cost", "losses/value_loss": "baseline_cost", "entropy_sum": "entropy_cost",
-            "losses/policy_cloning_loss": "policy_cloning_cost", "losses/value_cloning_loss": "value_cloning_cost"}
+ONE_TERM = {
+    "losses/pg_loss": "pg_cost",
+    "losses/value_loss": "baseline_cost",
+    "entropy_sum": "entropy_cost",
+    "losses/policy_cloning_loss": "policy_cloning_cost",
+    "losses/value_cloning_loss": "value_cloning_cost",
+}
 
 
 @pytest.mark.parametrize("envs_per_actor", [1, 3])
@@ -625,9 +747,18 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
     earlier unrolls; then the real `learner_loss` on the pairs the loop published, with a different learner network,
     equals `slow_clear_loss` (catches an inverted replay mask and a flipped entropy sign)."""
     E = envs_per_actor
-    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], minigrid_max_steps=6, num_actors=2, envs_per_actor=E,
-                   batch_size=2, unroll_length=12, steps_per_task=10_000, replay_ratio=0.5, bootstrap_truncation=True,
-                   seed=3)
+    args = ci.Args(
+        env_ids=["MiniGrid-LavaGapS5-v0"],
+        minigrid_max_steps=6,
+        num_actors=2,
+        envs_per_actor=E,
+        batch_size=2,
+        unroll_length=12,
+        steps_per_task=10_000,
+        replay_ratio=0.5,
+        bootstrap_truncation=True,
+        seed=3,
+    )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     shared = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
@@ -644,13 +775,14 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         env = ci.make_env(args.env_ids[0], seed + e, args)
         obs, _ = env.reset(seed=seed + 1_000_003 * e)
         new_halves = earlier[p]
+        previous = None
         for n, pair in enumerate(published):
             new = {k: v[0] for k, v in pair.items() if k not in ("meta", "queue")}
             if n == 0:
                 assert (new["obs"][0] == torch.from_numpy(obs)).all()
             else:  # row 0 repeats the previous unroll's last row
                 for k in new:
-                    assert torch.equal(new[k][0], prev[k][T]), k
+                    assert torch.equal(new[k][0], previous[k][T]), k
             with torch.no_grad():
                 logits, values = shared(new["obs"][:T])
             torch.testing.assert_close(new["logits"][1:], logits)  # mu(.|x_{r-1}) at row r
@@ -671,7 +803,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
                     obs, _ = env.reset()
                 assert (new["obs"][r] == torch.from_numpy(obs)).all(), (i, n, r)
             new_halves.append(new)
-            prev = new
+            previous = new
     for i, published in pairs.items():  # a replay half is an unroll of the same process, published no later
         for pair in published:
             rep = {k: v[1] for k, v in pair.items() if k not in ("meta", "queue")}
@@ -750,8 +882,17 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
     plays task p mod K with network p mod K and publishes through that network's queue. Each stored unroll must equal
     a direct rollout of that task's env with mu and V_mu of that network (the two networks differ)."""
     E, K = envs_per_actor, 2
-    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0", "MiniGrid-Empty-5x5-v0"], mode=mode, minigrid_max_steps=6,
-                   num_actors=2, envs_per_actor=E, batch_size=2, unroll_length=8, steps_per_task=10_000, seed=5)
+    args = ci.Args(
+        env_ids=["MiniGrid-LavaGapS5-v0", "MiniGrid-Empty-5x5-v0"],
+        mode=mode,
+        minigrid_max_steps=6,
+        num_actors=2,
+        envs_per_actor=E,
+        batch_size=2,
+        unroll_length=8,
+        steps_per_task=10_000,
+        seed=5,
+    )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     networks = [ci.Agent(obs_shape, num_actions, "minigrid") for _ in range(K)]
@@ -780,8 +921,9 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
 def test_a_resumed_actor_does_not_replay_the_first_runs_streams(tmp_path):
     """An actor started at a resumed step draws new actions and env seeds; one started at step 0 twice repeats
     itself (one actor: the torch stream is not shared between threads)."""
-    args = ci.Args(env_ids=["MiniGrid-LavaGapS5-v0"], num_actors=1, batch_size=1, unroll_length=10,
-                   steps_per_task=10_000, seed=2)
+    args = ci.Args(
+        env_ids=["MiniGrid-LavaGapS5-v0"], num_actors=1, batch_size=1, unroll_length=10, steps_per_task=10_000, seed=2
+    )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     shared = ci.Agent(obs_shape, num_actions, "minigrid")
@@ -810,14 +952,21 @@ def test_test_actors_refresh_the_network_of_their_task_during_the_run():
             reads[self.index] += 1
             return super().state_dict(*a, **kw)
 
-    args = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"], mode="separate", minigrid_max_steps=5,
-                   num_actors=2, batch_size=1, unroll_length=4)
+    args = ci.Args(
+        env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"],
+        mode="separate",
+        minigrid_max_steps=5,
+        num_actors=2,
+        batch_size=1,
+        unroll_length=4,
+    )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     shared = [CountingAgent(k, obs_shape, num_actions, "minigrid") for k in range(2)]
     reads[:] = [0, 0]
     stop, eval_queue = threading.Event(), queue.SimpleQueue()
-    thread = threading.Thread(target=ci.test_actor_loop, daemon=True,
-                              args=(0, 1, args, obs_shape, num_actions, shared, stop, eval_queue))
+    thread = threading.Thread(
+        target=ci.test_actor_loop, daemon=True, args=(0, 1, args, obs_shape, num_actions, shared, stop, eval_queue)
+    )
     thread.start()
     episodes = []
     try:
@@ -859,8 +1008,9 @@ def test_separate_mode_trains_and_anneals_one_network_per_task(tmp_path):
     """--mode separate: each network takes every other learner step from its own task's queue; each has its own
     optimizer and linear lr schedule (stepped once per own step); the pair-selection stream in the checkpoint is the
     seeded stream advanced once per learner step (every pair holds a replay half)."""
-    r = run_script(tmp_path, *TINY, "--mode", "separate", "--envs-per-actor", "2", "--num-cycles", "1",
-                   "--checkpoint-every", "240")
+    r = run_script(
+        tmp_path, *TINY, "--mode", "separate", "--envs-per-actor", "2", "--num-cycles", "1", "--checkpoint-every", "240"
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)

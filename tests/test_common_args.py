@@ -1,4 +1,5 @@
 """common/args.py (range checks, the resume rule) and RunLogger's resume mode."""
+
 import dataclasses
 import json
 import sys
@@ -22,19 +23,28 @@ class Args:
     mode: str = "sequential"
 
 
-RULES = {"total_timesteps": "> 0", "learning_rate": "> 0", "gamma": "[0, 1]", "seed": ">= 0",
-         "mode": ("sequential", "simultaneous"), "resume": "> 0"}  # resume: None passes
+RULES = {
+    "total_timesteps": "> 0",
+    "learning_rate": "> 0",
+    "gamma": "[0, 1]",
+    "seed": ">= 0",
+    "mode": ("sequential", "simultaneous"),
+    "resume": "> 0",
+}  # resume: None passes
 
 
-@pytest.mark.parametrize("change, message", [
-    ({}, None),
-    ({"total_timesteps": 0}, "error: --total-timesteps must be > 0, got 0"),
-    ({"learning_rate": -1.0}, "error: --learning-rate must be > 0, got -1.0"),
-    ({"gamma": 1.5}, "error: --gamma must be in [0, 1], got 1.5"),
-    ({"gamma": 1.0}, None),
-    ({"seed": -1}, "error: --seed must be >= 0, got -1"),
-    ({"mode": "separat"}, "error: --mode must be one of sequential, simultaneous, got 'separat'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({}, None),
+        ({"total_timesteps": 0}, "error: --total-timesteps must be > 0, got 0"),
+        ({"learning_rate": -1.0}, "error: --learning-rate must be > 0, got -1.0"),
+        ({"gamma": 1.5}, "error: --gamma must be in [0, 1], got 1.5"),
+        ({"gamma": 1.0}, None),
+        ({"seed": -1}, "error: --seed must be >= 0, got -1"),
+        ({"mode": "separat"}, "error: --mode must be one of sequential, simultaneous, got 'separat'"),
+    ],
+)
 def test_check_args_gives_one_error_line(change, message):
     args = dataclasses.replace(Args(), **change)
     if message is None:

@@ -1,4 +1,5 @@
 """common/atari_env.py: shapes, dtypes, clipping vs real score, life loss without game reset, bad ids."""
+
 import numpy as np
 import pytest
 

@@ -1,4 +1,5 @@
 """common/minatar_env.py: shapes, padding, seeding, MinAtar's own dynamics, termination vs truncation, random return."""
+
 import numpy as np
 import pytest
 from minatar import Environment
@@ -29,7 +30,8 @@ def rollout(env, seed, steps, action_seed=0):
 def same(a, b):
     return len(a) == len(b) and all(
         np.array_equal(x, y) if isinstance(x, np.ndarray) else all(np.array_equal(u, v) for u, v in zip(x, y))
-        for x, y in zip(a, b))
+        for x, y in zip(a, b)
+    )
 
 
 def test_ids_are_minatars_registered_names_for_all_five_games():

@@ -1,4 +1,5 @@
 """common/minigrid_env.py: named envs and their sizes, seeded determinism, the vector env's level plumbing."""
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -8,9 +9,13 @@ from common.minigrid_env import MINIGRID_NAMED_ENVS, MiniGridVecEnv, level_diffi
 
 @pytest.mark.parametrize(
     "env_id, shape, max_steps",
-    [("MultiRoom-N4-Random", (14, 14, 3), 80), ("ObstructedMazeGamut-Easy", (19, 19, 3), None),
-     ("ObstructedMazeGamut-Medium", (19, 19, 3), None), ("MiniGrid-DoorKey-5x5-v0", (5, 5, 3), 250)],
-)  # fmt: skip
+    [
+        ("MultiRoom-N4-Random", (14, 14, 3), 80),
+        ("ObstructedMazeGamut-Easy", (19, 19, 3), None),
+        ("ObstructedMazeGamut-Medium", (19, 19, 3), None),
+        ("MiniGrid-DoorKey-5x5-v0", (5, 5, 3), 250),
+    ],
+)
 def test_named_env_sizes(env_id, shape, max_steps):
     env = make_minigrid_env(env_id)
     assert env.observation_space.shape == shape and env.action_space.n == 7
@@ -133,12 +138,23 @@ def test_distshift_pair_routes_conflict():
     assert not terminated
 
 
-@pytest.mark.parametrize("plain_id, floor_id, color, routes", [
-    ("MiniGrid-DistShiftDetour-7x5-v0", "MiniGrid-DistShiftDetourBlue-7x5-v0", "blue",
-     (([2, 2], "lava"), ([1, 2, 0, 2, 2, 2, 2, 0, 2, 2], "goal"))),
-    ("MiniGrid-DistShiftStraight-7x5-v0", "MiniGrid-DistShiftStraightYellow-7x5-v0", "yellow",
-     (([1, 2, 0, 2, 2], "lava"), ([2, 2, 2, 2, 0, 2], "goal"))),
-])
+@pytest.mark.parametrize(
+    "plain_id, floor_id, color, routes",
+    [
+        (
+            "MiniGrid-DistShiftDetour-7x5-v0",
+            "MiniGrid-DistShiftDetourBlue-7x5-v0",
+            "blue",
+            (([2, 2], "lava"), ([1, 2, 0, 2, 2, 2, 2, 0, 2, 2], "goal")),
+        ),
+        (
+            "MiniGrid-DistShiftStraight-7x5-v0",
+            "MiniGrid-DistShiftStraightYellow-7x5-v0",
+            "yellow",
+            (([1, 2, 0, 2, 2], "lava"), ([2, 2, 2, 2, 0, 2], "goal")),
+        ),
+    ],
+)
 def test_distshift_floor_variant_differs_only_in_the_view(plain_id, floor_id, color, routes):
     """The floor variant has the plain layout's lava and goal, every free room cell is a floor of its colour, and the
     floor changes nothing but the view: the same action sequences end the same way (lava or goal) in both."""

@@ -1,4 +1,5 @@
 """common/mujoco_env.py: shapes, termination vs truncation, true final observation, refused envs."""
+
 import numpy as np
 import pytest
 

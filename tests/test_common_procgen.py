@@ -1,4 +1,5 @@
 """common/procgen_env.py: shapes, level control by set_state, level seeds per transition, episode statistics."""
+
 import numpy as np
 import pytest
 from procgen import ProcgenGym3Env

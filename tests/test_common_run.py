@@ -1,4 +1,5 @@
 """common/logger.py, common/checkpoint.py, common/processes.py."""
+
 import json
 import multiprocessing as mp
 import os
@@ -194,8 +195,15 @@ def test_available_cores_falls_back_to_cpu_count(monkeypatch):
 def test_signals_are_recorded_and_raised_at_the_next_check_and_stop_reason_names_the_end():
     import signal as sig
 
-    from common.processes import (ActorDied, CheckpointFailed, Interrupted, check_stop, stop_on_signals, stop_reason,
-                                  stop_requested)
+    from common.processes import (
+        ActorDied,
+        CheckpointFailed,
+        Interrupted,
+        check_stop,
+        stop_on_signals,
+        stop_reason,
+        stop_requested,
+    )
 
     old = sig.getsignal(sig.SIGINT), sig.getsignal(sig.SIGTERM)
     try:
@@ -220,9 +228,13 @@ def test_signals_are_recorded_and_raised_at_the_next_check_and_stop_reason_names
     assert stop_reason(None) == ("completed", 0)
     assert stop_reason(Interrupted(sig.SIGINT)) == ("interrupted by SIGINT", 130)
     assert stop_reason(ActorDied("actor-1 died (exit code -9): no traceback")) == (
-        "actor-1 died (exit code -9): no traceback", 1)
+        "actor-1 died (exit code -9): no traceback",
+        1,
+    )
     assert stop_reason(CheckpointFailed("checkpoint not written: [Errno 13] Permission denied")) == (
-        "checkpoint not written: [Errno 13] Permission denied", 1)
+        "checkpoint not written: [Errno 13] Permission denied",
+        1,
+    )
     assert stop_reason(RuntimeError("MiniGrid worker 0 died (exit code -9)"))[1] == 1
 
 
@@ -263,8 +275,9 @@ def test_a_signal_never_breaks_off_logging_so_close_returns_at_once(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(SIGNALLED_LOGGING_LOOP)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, str(script), "300"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run(
+        [sys.executable, str(script), "300"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok 300", r.stdout[-2000:] + r.stderr[-2000:]
 
 

@@ -9,6 +9,7 @@ Each script runs for real in a subprocess, in its own process group, so that eve
   change the experiment refused; the resumed run continues in the same folder and its metrics never go back;
 - bad input stops the script at start-up with one `error:` line and no traceback.
 """
+
 import json
 import os
 import signal
@@ -23,33 +24,123 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # tiny configurations: (script, flags that make a run start fast; an experiment-changing flag for the resume test)
 TINY = {
-    "clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0", "--num-actors", "2",
-                        "--batch-size", "2", "--unroll-length", "20", "--num-test-actors", "1",
-                        "--test-actor-max-sps", "300", "--start-method", "forkserver", "--log-every-seconds", "0.5",
-                        "--no-cuda", "--no-progress"],
-    "reactor.py": ["--num-actors", "2", "--replay-size", "1200", "--learning-starts", "100", "--replay-ratio", "60",
-                   "--ratio-slack", "32", "--log-every", "1", "--lstm-size", "32", "--num-atoms", "11",
-                   "--sequence-length", "8", "--batch-size", "2", "--start-method", "forkserver", "--eval-episodes",
-                   "0", "--no-cuda", "--no-progress"],
-    "plr_ppo.py": ["--env-id", "MultiRoom-N4-Random", "--num-envs", "4", "--num-steps", "32", "--num-minibatches", "2",
-                   "--num-train-levels", "20", "--eval-every", "0", "--final-eval-episodes", "0", "--num-eval-envs",
-                   "1", "--num-workers", "1", "--no-cuda", "--no-progress"],
-    "vracer_refer.py": ["--env-id", "Hopper-v5", "--num-actors", "2", "--learning-starts", "500", "--buffer-size",
-                        "500", "--batch-size", "32", "--log-every", "100", "--stats-every", "200", "--eval-episodes",
-                        "0", "--no-cuda", "--no-progress"],
+    "clear_impala.py": [
+        "--env-ids",
+        "MiniGrid-Empty-5x5-v0",
+        "MiniGrid-LavaGapS5-v0",
+        "--num-actors",
+        "2",
+        "--batch-size",
+        "2",
+        "--unroll-length",
+        "20",
+        "--num-test-actors",
+        "1",
+        "--test-actor-max-sps",
+        "300",
+        "--start-method",
+        "forkserver",
+        "--log-every-seconds",
+        "0.5",
+        "--no-cuda",
+        "--no-progress",
+    ],
+    "reactor.py": [
+        "--num-actors",
+        "2",
+        "--replay-size",
+        "1200",
+        "--learning-starts",
+        "100",
+        "--replay-ratio",
+        "60",
+        "--ratio-slack",
+        "32",
+        "--log-every",
+        "1",
+        "--lstm-size",
+        "32",
+        "--num-atoms",
+        "11",
+        "--sequence-length",
+        "8",
+        "--batch-size",
+        "2",
+        "--start-method",
+        "forkserver",
+        "--eval-episodes",
+        "0",
+        "--no-cuda",
+        "--no-progress",
+    ],
+    "plr_ppo.py": [
+        "--env-id",
+        "MultiRoom-N4-Random",
+        "--num-envs",
+        "4",
+        "--num-steps",
+        "32",
+        "--num-minibatches",
+        "2",
+        "--num-train-levels",
+        "20",
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "0",
+        "--num-eval-envs",
+        "1",
+        "--num-workers",
+        "1",
+        "--no-cuda",
+        "--no-progress",
+    ],
+    "vracer_refer.py": [
+        "--env-id",
+        "Hopper-v5",
+        "--num-actors",
+        "2",
+        "--learning-starts",
+        "500",
+        "--buffer-size",
+        "500",
+        "--batch-size",
+        "32",
+        "--log-every",
+        "100",
+        "--stats-every",
+        "200",
+        "--eval-episodes",
+        "0",
+        "--no-cuda",
+        "--no-progress",
+    ],
 }
 # a budget that does not end during a test, one that ends quickly, and a longer one to resume to
-LONG = {"clear_impala.py": ["--steps-per-task", "10000000"], "reactor.py": ["--total-timesteps", "10000000"],
-        "plr_ppo.py": ["--total-timesteps", "10000000"], "vracer_refer.py": ["--total-timesteps", "10000000"]}
-SHORT = {"clear_impala.py": ["--steps-per-task", "240", "--checkpoint-every", "240"],
-         "reactor.py": ["--total-timesteps", "260", "--checkpoint-every", "200"],
-         "plr_ppo.py": ["--total-timesteps", "256", "--checkpoint-every", "128"],
-         "vracer_refer.py": ["--total-timesteps", "1300", "--checkpoint-every", "500"]}
-RESUME_TO = {"clear_impala.py": ["--steps-per-task", "480"], "reactor.py": ["--total-timesteps", "400"],
-             "plr_ppo.py": ["--total-timesteps", "384"], "vracer_refer.py": ["--total-timesteps", "1800"]}
-CHANGES_EXPERIMENT = {"clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-Empty-6x6-v0"],
-                      "reactor.py": ["--env-id", "ALE/Breakout-v5"], "plr_ppo.py": ["--env-id", "bigfish"],
-                      "vracer_refer.py": ["--env-id", "Walker2d-v5"]}
+LONG = {
+    "clear_impala.py": ["--steps-per-task", "10000000"],
+    "reactor.py": ["--total-timesteps", "10000000"],
+    "plr_ppo.py": ["--total-timesteps", "10000000"],
+    "vracer_refer.py": ["--total-timesteps", "10000000"],
+}
+SHORT = {
+    "clear_impala.py": ["--steps-per-task", "240", "--checkpoint-every", "240"],
+    "reactor.py": ["--total-timesteps", "260", "--checkpoint-every", "200"],
+    "plr_ppo.py": ["--total-timesteps", "256", "--checkpoint-every", "128"],
+    "vracer_refer.py": ["--total-timesteps", "1300", "--checkpoint-every", "500"],
+}
+RESUME_TO = {
+    "clear_impala.py": ["--steps-per-task", "480"],
+    "reactor.py": ["--total-timesteps", "400"],
+    "plr_ppo.py": ["--total-timesteps", "384"],
+    "vracer_refer.py": ["--total-timesteps", "1800"],
+}
+CHANGES_EXPERIMENT = {
+    "clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-Empty-6x6-v0"],
+    "reactor.py": ["--env-id", "ALE/Breakout-v5"],
+    "plr_ppo.py": ["--env-id", "bigfish"],
+    "vracer_refer.py": ["--env-id", "Walker2d-v5"],
+}
 SCRIPTS = list(TINY)
 
 
@@ -89,8 +180,14 @@ def start(tmp_path, script, *flags, ignore_sigint=False):
         if ignore_sigint:  # as a shell starts a background job
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    return subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, script), *flags], cwd=tmp_path,
-                            env=environment(), stdout=out, stderr=err, preexec_fn=preexec)
+    return subprocess.Popen(
+        [sys.executable, "-u", os.path.join(ROOT, script), *flags],
+        cwd=tmp_path,
+        env=environment(),
+        stdout=out,
+        stderr=err,
+        preexec_fn=preexec,
+    )
 
 
 def wait_for_metrics(tmp_path, proc, timeout=120.0, learning=False):
@@ -135,8 +232,9 @@ def assert_clean_end(tmp_path, proc):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("signum, ignore_sigint", [(signal.SIGTERM, False), (signal.SIGINT, True)],
-                         ids=["SIGTERM", "SIGINT-inherited-ignored"])
+@pytest.mark.parametrize(
+    "signum, ignore_sigint", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["SIGTERM", "SIGINT-inherited-ignored"]
+)
 def test_signal_stops_every_process_and_writes_the_summary(tmp_path, script, signum, ignore_sigint):
     proc = start(tmp_path, script, *TINY[script], *LONG[script], ignore_sigint=ignore_sigint)
     run = wait_for_metrics(tmp_path, proc)
@@ -168,8 +266,12 @@ def test_a_signal_during_start_up_stops_cleanly_with_the_summary(tmp_path, scrip
     assert_clean_end(tmp_path, proc)
 
 
-OTHER_START_METHOD = {"clear_impala.py": "spawn", "reactor.py": "spawn", "plr_ppo.py": "forkserver",
-                      "vracer_refer.py": "forkserver"}
+OTHER_START_METHOD = {
+    "clear_impala.py": "spawn",
+    "reactor.py": "spawn",
+    "plr_ppo.py": "forkserver",
+    "vracer_refer.py": "forkserver",
+}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -252,8 +354,14 @@ def test_a_killed_actor_stops_the_run_with_its_reason(tmp_path, script):
 
 
 def run(tmp_path, script, *flags, timeout=240):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=tmp_path, env=environment(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *flags],
+        cwd=tmp_path,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -320,8 +428,11 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("script, flags", BAD_INPUT, ids=[f"{s}:{' '.join(f if isinstance(f, str) else f.__name__ for f in fl)}"
-                                                          for s, fl in BAD_INPUT])
+@pytest.mark.parametrize(
+    "script, flags",
+    BAD_INPUT,
+    ids=[f"{s}:{' '.join(f if isinstance(f, str) else f.__name__ for f in fl)}" for s, fl in BAD_INPUT],
+)
 def test_bad_input_stops_at_start_up_with_one_error_line(tmp_path, script, flags):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
     r = run(tmp_path, script, *flags, "--no-cuda", timeout=60)

@@ -1,5 +1,6 @@
 """Tests for vracer_refer.py: estimators against slow textbook loops written from the paper's equations, ReF-ER
 bookkeeping, the replay memory, and end-to-end smoke / resume runs with 2 actor processes."""
+
 import json
 import os
 import subprocess
@@ -53,8 +54,9 @@ def test_vtbc_matches_textbook(terminated):
         L = int(rng.integers(1, 60))
         gamma = float(rng.uniform(0.5, 1.0))
         r, v, rho = random_episode(rng, L, terminated)
-        np.testing.assert_allclose(vr.vtbc_targets(r, v, rho, gamma, terminated),
-                                   textbook_vtbc(r, v, rho, gamma, terminated), rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(
+            vr.vtbc_targets(r, v, rho, gamma, terminated), textbook_vtbc(r, v, rho, gamma, terminated), rtol=1e-10, atol=1e-10
+        )
 
 
 def test_vtbc_edge_cases():
@@ -105,6 +107,7 @@ def test_refer_beta_update():
         if frac > D:
             return (1 - eta) * beta
         return (1 - eta) * beta + eta
+
     rng = np.random.default_rng(3)
     for _ in range(100):
         beta, frac, D, eta = rng.uniform(), rng.uniform(0, 0.3), rng.uniform(0.01, 0.3), rng.uniform(1e-5, 0.1)
@@ -123,7 +126,10 @@ def test_refer_beta_update():
 def test_gaussian_kl_both_directions_against_torch():
     g = torch.Generator().manual_seed(0)
     m1, m2 = torch.randn(50, 6, generator=g, dtype=torch.float64), torch.randn(50, 6, generator=g, dtype=torch.float64)
-    s1, s2 = torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1, torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1
+    s1, s2 = (
+        torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1,
+        torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1,
+    )
     N = torch.distributions.Normal
     ref_mu_pi = torch.distributions.kl_divergence(N(m1, s1), N(m2, s2)).sum(-1)
     ref_pi_mu = torch.distributions.kl_divergence(N(m2, s2), N(m1, s1)).sum(-1)
@@ -171,10 +177,13 @@ def test_per_sample_gradient_matches_hand_derivation(kl_direction):
     act = mu_mean + mu_std * rng.normal(size=(B, dA))
     value, qret = rng.normal(size=B), rng.normal(size=B)
     beta, cmax = 0.3, 2.0
-    t = {k: torch.tensor(v, requires_grad=k in ("mean", "std", "value")) for k, v in
-         dict(mean=mean, std=std, value=value, act=act, mu_mean=mu_mean, mu_std=mu_std, qret=qret).items()}
-    loss, info = vr.refer_loss(t["mean"], t["std"], t["value"], t["act"], t["mu_mean"], t["mu_std"], t["qret"],
-                               beta, cmax, "full", kl_direction)
+    t = {
+        k: torch.tensor(v, requires_grad=k in ("mean", "std", "value"))
+        for k, v in dict(mean=mean, std=std, value=value, act=act, mu_mean=mu_mean, mu_std=mu_std, qret=qret).items()
+    }
+    loss, info = vr.refer_loss(
+        t["mean"], t["std"], t["value"], t["act"], t["mu_mean"], t["mu_std"], t["qret"], beta, cmax, "full", kl_direction
+    )
     loss.backward()
     gm, gs, gv, rho = hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_direction)
     far = ~((rho > 1 / cmax) & (rho < cmax))
@@ -190,15 +199,25 @@ def test_per_sample_gradient_matches_hand_derivation(kl_direction):
 def test_ablations_change_the_gradient_as_described():
     rng = np.random.default_rng(5)
     B, dA = 16, 2
-    args = [torch.tensor(x) for x in (rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA)), rng.normal(size=B),
-                                      rng.normal(size=(B, dA)), rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA)),
-                                      rng.normal(size=B))]
+    args = [
+        torch.tensor(x)
+        for x in (
+            rng.normal(size=(B, dA)),
+            rng.uniform(0.3, 1, (B, dA)),
+            rng.normal(size=B),
+            rng.normal(size=(B, dA)),
+            rng.normal(size=(B, dA)),
+            rng.uniform(0.3, 1, (B, dA)),
+            rng.normal(size=B),
+        )
+    ]
 
     def grads(refer, beta):
         ps = [a.clone().requires_grad_(i < 3) for i, a in enumerate(args)]
         loss, info = vr.refer_loss(*ps, beta=beta, cmax=1.5, refer=refer)
         loss.backward()
         return ps[0].grad, ps[2].grad, info["far"]
+
     gm_none, gv_none, _ = grads("none", 0.2)
     gm_r1, gv_r1, far = grads("rule1", 0.2)
     assert far.any() and (~far).any()
@@ -224,8 +243,10 @@ def test_overflowing_sample_leaves_loss_and_gradient_finite():
     act[2], std[2], mu_mean[2] = mean[2], 1e-20, mean[2] + 1.0  # log pi finite, D_KL(mu_2 || pi_2) = inf (far)
     value, qret = rng.normal(size=B), rng.normal(size=B)
     for refer, beta, rows in (("rule1", 0.5, slice(None)), ("full", 1.0, slice(None)), ("none", 0.5, slice(2, None))):
-        ps = [torch.tensor(np.asarray(x[rows], np.float32)).requires_grad_(i < 3)
-              for i, x in enumerate((mean, std, value, act, mu_mean, mu_std, qret))]
+        ps = [
+            torch.tensor(np.asarray(x[rows], np.float32)).requires_grad_(i < 3)
+            for i, x in enumerate((mean, std, value, act, mu_mean, mu_std, qret))
+        ]
         loss, info = vr.refer_loss(*ps, beta=beta, cmax=2.0, refer=refer)
         loss.backward()
         assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ps[:3]), refer
@@ -241,9 +262,17 @@ def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
     for _ in range(n_episodes):
         L = int(rng.integers(lmin, lmax + 1))
         term = bool(rng.uniform() < 0.5)
-        rm.add_episode(rng.normal(size=(L, obs_dim)), rng.normal(size=(L, act_dim)), np.zeros((L, act_dim)),
-                       np.ones((L, act_dim)), rng.normal(size=L), rng.normal(size=L), term,
-                       final_val=float(rng.normal()), final_obs=rng.normal(size=obs_dim))
+        rm.add_episode(
+            rng.normal(size=(L, obs_dim)),
+            rng.normal(size=(L, act_dim)),
+            np.zeros((L, act_dim)),
+            np.ones((L, act_dim)),
+            rng.normal(size=L),
+            rng.normal(size=L),
+            term,
+            final_val=float(rng.normal()),
+            final_obs=rng.normal(size=obs_dim),
+        )
         lens.append(L)
     return lens
 
@@ -263,10 +292,10 @@ def test_fifo_removal_keeps_at_least_N():
         assert rm.size == rm.valid.sum() == sum(L for _, L in rm.episodes)
     assert rm.forced_removals == 0
     # FIFO: stored episodes are the most recently inserted ones, in order
-    assert [s for s, _ in rm.episodes] == order[-len(rm.episodes):]
+    assert [s for s, _ in rm.episodes] == order[-len(rm.episodes) :]
     # episodes are contiguous and bookkeeping is consistent
     for s, L in rm.episodes:
-        assert np.all(rm.ep_start[s:s + L] == s) and np.all(rm.ep_last[s:s + L] == s + L - 1)
+        assert np.all(rm.ep_start[s : s + L] == s) and np.all(rm.ep_last[s : s + L] == s + L - 1)
 
 
 def test_empty_and_small_memory():
@@ -279,8 +308,9 @@ def test_empty_and_small_memory():
     fill(rm, rng, 1, lmin=5, lmax=5)
     assert sorted(rm.sample(5, rng)) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
-        rm.add_episode(np.zeros((200, 3)), np.zeros((200, 2)), np.zeros((200, 2)), np.ones((200, 2)), np.zeros(200),
-                       np.zeros(200), True)
+        rm.add_episode(
+            np.zeros((200, 3)), np.zeros((200, 2)), np.zeros((200, 2)), np.ones((200, 2)), np.zeros(200), np.zeros(200), True
+        )
 
 
 def test_sampling_is_distinct_valid_and_roughly_uniform():
@@ -303,8 +333,9 @@ def check_qret_consistent(rm):
         sl = slice(s, s + L)
         term = not rm.truncated_last[s + L - 1]
         vals = np.append(rm.val[sl], rm.vboot[s + L - 1])
-        np.testing.assert_allclose(rm.qret[sl], textbook_qret(rm.rs[sl], vals, rm.rho[sl], rm.gamma, term),
-                                   rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(
+            rm.qret[sl], textbook_qret(rm.rs[sl], vals, rm.rho[sl], rm.gamma, term), rtol=1e-9, atol=1e-9
+        )
 
 
 def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
@@ -379,7 +410,7 @@ def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
     fill(rm, rng, 20, lmax=10)
     new = np.zeros(rm.cap, bool)
     for start, length in list(rm.episodes)[-20:]:
-        new[start:start + length] = True
+        new[start : start + length] = True
     assert (new & valid_at_sort).sum() >= 20  # recycled slots: before, their new steps inherited the old ranks
     # the textbook probabilities of the rule
     n, n_new = rm.size, int(new.sum())
@@ -445,8 +476,9 @@ def test_replay_and_train_step_with_one_action_dimension():
     rng = np.random.default_rng(24)
     rm = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
     act = rng.normal(size=(7, 1))
-    rm.add_episode(rng.normal(size=(7, 3)), act, np.zeros((7, 1)), np.ones((7, 1)), rng.normal(size=7),
-                   rng.normal(size=7), True)
+    rm.add_episode(
+        rng.normal(size=(7, 3)), act, np.zeros((7, 1)), np.ones((7, 1)), rng.normal(size=7), rng.normal(size=7), True
+    )
     assert rm.act.shape == rm.mu_mean.shape == rm.mu_std.shape == (rm.cap, 1)
     np.testing.assert_array_equal(rm.act[:7], act.astype(np.float32))
     fill(rm, rng, 30, act_dim=1)
@@ -492,17 +524,47 @@ def test_agent_initialisation():
 # ---------------------------------------------------------------- end to end (subprocess, 2 actors)
 def run_script(tmp_path, *flags, timeout=120):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-SMALL = ["--env-id", "Hopper-v5", "--num-actors", "2", "--learning-starts", "500", "--buffer-size", "500",
-         "--batch-size", "32", "--log-every", "100", "--stats-every", "200"]
+SMALL = [
+    "--env-id",
+    "Hopper-v5",
+    "--num-actors",
+    "2",
+    "--learning-starts",
+    "500",
+    "--buffer-size",
+    "500",
+    "--batch-size",
+    "32",
+    "--log-every",
+    "100",
+    "--stats-every",
+    "200",
+]
 
 
 def test_smoke_two_actors_and_resume_round_trip(tmp_path):
-    p = run_script(tmp_path, *SMALL, "--total-timesteps", "1300", "--checkpoint-every", "400",
-                   "--checkpoint-replay", "--save-model", "--eval-episodes", "1")
+    p = run_script(
+        tmp_path,
+        *SMALL,
+        "--total-timesteps",
+        "1300",
+        "--checkpoint-every",
+        "400",
+        "--checkpoint-replay",
+        "--save-model",
+        "--eval-episodes",
+        "1",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = next((tmp_path / "runs").iterdir())
     summary = json.loads((run / "summary.json").read_text())
@@ -511,22 +573,42 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     names = set()
     for line in (run / "metrics.jsonl").read_text().splitlines():
         names |= set(json.loads(line))
-    for n in ("charts/episodic_return", "charts/SPS", "losses/policy_loss", "losses/value_loss", "refer/beta",
-              "refer/far_policy_frac", "refer/c_max", "refer/kl", "charts/learning_rate", "eval/episodic_return"):
+    for n in (
+        "charts/episodic_return",
+        "charts/SPS",
+        "losses/policy_loss",
+        "losses/value_loss",
+        "refer/beta",
+        "refer/far_policy_frac",
+        "refer/c_max",
+        "refer/kl",
+        "charts/learning_rate",
+        "eval/episodic_return",
+    ):
         assert n in names, n
     assert (run / "vracer_refer.model").exists()
     ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ckpt["replay"] is not None and ckpt["state"]["k"] > 0
     # resume (the checkpoint's flags, the same run folder): network, optimizer, beta, k, statistics and the replay
     # memory come back; learning continues at once
-    p2 = run_script(tmp_path, "--total-timesteps", str(ckpt["global_step"] + 300), "--checkpoint-every", "150",
-                    "--resume", str(run / "checkpoint.pt"))
+    p2 = run_script(
+        tmp_path,
+        "--total-timesteps",
+        str(ckpt["global_step"] + 300),
+        "--checkpoint-every",
+        "150",
+        "--resume",
+        str(run / "checkpoint.pt"),
+    )
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "replay memory (" in p2.stdout and "checkpoint_every, cuda, progress, total_timesteps; runs to" in p2.stdout
     ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ckpt2["global_step"] > ckpt["global_step"] and ckpt2["t0"] == ckpt["t0"]  # the same F clock
-    resumed = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "charts/grad_steps" in r and r["global_step"] > ckpt["global_step"]]
+    resumed = [
+        r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "charts/grad_steps" in r and r["global_step"] > ckpt["global_step"]
+    ]
     assert resumed and min(r["charts/grad_steps"] for r in resumed) > ckpt["state"]["k"]  # k continues, no restart
     assert float(ckpt2["optimizer"]["state"][0]["step"]) == ckpt2["state"]["k"]  # one Adam step per k, across the resume
     first = min(resumed, key=lambda r: r["global_step"])  # Eq. (12) moves beta by at most beta_lr per step
@@ -538,8 +620,9 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     # without its replay memory, a resumed run must have the steps to refill it (learning_starts) and learn, or refuse
     del ckpt2["replay"]
     torch.save({**ckpt2, "replay": None}, tmp_path / "no_replay.pt")
-    p3 = run_script(tmp_path, "--total-timesteps", str(ckpt2["global_step"] + 400), "--resume",
-                    str(tmp_path / "no_replay.pt"), timeout=60)
+    p3 = run_script(
+        tmp_path, "--total-timesteps", str(ckpt2["global_step"] + 400), "--resume", str(tmp_path / "no_replay.pt"), timeout=60
+    )
     assert p3.returncode != 0 and "Traceback" not in p3.stderr, p3.stderr[-2000:]
     assert p3.stderr.strip().splitlines()[-1].endswith("(--learning-starts; the checkpoint has no replay memory)")
 
@@ -547,9 +630,28 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
 def test_one_action_dimension_task_runs(tmp_path):
     """InvertedPendulum-v5 has one action dimension: collection, storage, learning and the evaluation of the saved
     model run (before, the first stored episode crashed)."""
-    p = run_script(tmp_path, "--env-id", "InvertedPendulum-v5", "--num-actors", "1", "--learning-starts", "64",
-                   "--buffer-size", "64", "--batch-size", "16", "--total-timesteps", "200", "--log-every", "20",
-                   "--stats-every", "50", "--save-model", "--eval-episodes", "1")
+    p = run_script(
+        tmp_path,
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--num-actors",
+        "1",
+        "--learning-starts",
+        "64",
+        "--buffer-size",
+        "64",
+        "--batch-size",
+        "16",
+        "--total-timesteps",
+        "200",
+        "--log-every",
+        "20",
+        "--stats-every",
+        "50",
+        "--save-model",
+        "--eval-episodes",
+        "1",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "learning starts at env step" in p.stdout
     summary = json.loads(next((tmp_path / "runs").iterdir()).joinpath("summary.json").read_text())
@@ -560,6 +662,7 @@ def test_one_action_dimension_task_runs(tmp_path):
 def test_resume_refuses_another_gamma():
     """gamma is in FIXED_ON_RESUME: the stored Q^ret and trace coefficients were computed with the old one."""
     from common.args import resume_args
+
     with pytest.raises(SystemExit, match="^error: --resume: --gamma "):
         resume_args(vr.Args(gamma=0.99), ["--gamma", "0.99"], vars(vr.Args()), vr.FIXED_ON_RESUME)
 
@@ -568,9 +671,17 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     p = run_script(tmp_path, "--env-id", "CartPole-v1", timeout=60)  # discrete-action env: refused at start-up
     assert p.returncode != 0
     assert "error: unknown or non-MuJoCo env id 'CartPole-v1'" in p.stderr and "Traceback" not in p.stderr, p.stderr
-    for kw in [dict(env_id="NoSuchEnv-v0"), dict(env_id="ALE/Pong-v5"), dict(batch_size=512, learning_starts=100),
-               dict(num_actors=0), dict(refer="full", C=0.0), dict(F=0.0), dict(gamma=0.0),
-               dict(learning_starts=2**19), dict(adam_eps=0.0)]:
+    for kw in [
+        dict(env_id="NoSuchEnv-v0"),
+        dict(env_id="ALE/Pong-v5"),
+        dict(batch_size=512, learning_starts=100),
+        dict(num_actors=0),
+        dict(refer="full", C=0.0),
+        dict(F=0.0),
+        dict(gamma=0.0),
+        dict(learning_starts=2**19),
+        dict(adam_eps=0.0),
+    ]:
         with pytest.raises(SystemExit, match="^error: "):  # the range rules, then the checks between flags
             args = vr.Args(**kw)
             vr.check_args(args, vr.ARG_RULES)
@@ -593,8 +704,10 @@ def test_numpy_actor_forward_matches_agent(residual):
     norm = np.stack([np.random.default_rng(0).normal(size=11), np.full(11, 2.0)])
     obs = np.random.default_rng(1).normal(size=(5, 11))
     with torch.no_grad():
-        m, s, v = agent((torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(norm[0], dtype=torch.float32))
-                        / torch.as_tensor(norm[1], dtype=torch.float32))
+        m, s, v = agent(
+            (torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(norm[0], dtype=torch.float32))
+            / torch.as_tensor(norm[1], dtype=torch.float32)
+        )
     net = vr.numpy_params(agent, "cheap_softplus", norm)
     for i in range(5):
         mi, si, vi = vr.numpy_forward(net, obs[i], residual)
@@ -612,8 +725,11 @@ def test_train_step_nan_guard():
     fill(rm, rng, 30)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
-    step = lambda state, refer: vr.train_step(agent, opt, rm, state, vr.Args(batch_size=16, buffer_size=300,
-                                              refer=refer), torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+
+    def step(state, refer):
+        args = vr.Args(batch_size=16, buffer_size=300, refer=refer)
+        return vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+
     state = {"k": 0, "beta": 0.5}
     assert torch.isfinite(step(state, "full")).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
     rm.mu_std[rm.valid] = 1e30  # sigma_mu^2 / sigma_pi^2 overflows float32: D_KL(mu || pi) = inf; log rho clips (far)
@@ -636,8 +752,9 @@ def test_train_step_nan_guard():
             torch.testing.assert_close(s[name], value)
 
 
-@pytest.mark.parametrize("refer,per", [("full", "none"), ("rule1", "none"), ("rule2", "none"), ("none", "none"),
-                                       ("none", "rank"), ("full", "rank")])
+@pytest.mark.parametrize(
+    "refer,per", [("full", "none"), ("rule1", "none"), ("rule2", "none"), ("none", "none"), ("none", "rank"), ("full", "rank")]
+)
 def test_train_step_all_variants(refer, per):
     rng = np.random.default_rng(15)
     rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
@@ -702,8 +819,9 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     with torch.no_grad():
         mean, std, value = agent(torch.as_tensor(rm.obs[idx]))
     cmax = vr.refer_cmax(2, args.C, args.A)
-    weighted, info = vr.refer_loss(mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax,
-                                   weights=torch.as_tensor(w, dtype=torch.float32))
+    weighted, info = vr.refer_loss(
+        mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax, weights=torch.as_tensor(w, dtype=torch.float32)
+    )
     unweighted, _ = vr.refer_loss(mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax)
     assert abs(float(weighted) - float(unweighted)) > 0.01 * abs(float(unweighted))
     stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
@@ -732,8 +850,21 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
         return torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
 
     def learn_until(steps_due):
-        return vr.learn(agent, opt, rm, state, args, torch.device("cpu"), rng, obs_mean, obs_std, steps_due, stats_sum,
-                        lambda: published.append(weights()))
+        return vr.learn(
+            agent,
+            opt,
+            rm,
+            state,
+            args,
+            torch.device("cpu"),
+            rng,
+            obs_mean,
+            obs_std,
+            steps_due,
+            stats_sum,
+            lambda: published.append(weights()),
+        )
+
     initial = weights()
     assert learn_until(5) == 5 and state["k"] == 5
     assert rm.reward_scale == scale_before  # not yet: the update comes before gradient step k = stats_every
@@ -810,8 +941,11 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     control = torch.tensor([steps, 1], dtype=torch.int64)  # the F gate lets the actor run `steps` env steps
     rings = torch.zeros(1, args.ring_size, vr.ring_width(obs_dim, act_dim), dtype=torch.float64)
     written, read, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), threading.Event()
-    actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control,
-                                                         rings, written, read, seed, "test", stop), daemon=True)
+    actor = threading.Thread(
+        target=vr.actor_loop,
+        args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written, read, seed, "test", stop),
+        daemon=True,
+    )
     rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
     n_read = n_finished = 0
     actor.start()

@@ -16,6 +16,7 @@
   python tests/benchmarks/bench_clear_impala.py actors --env-id MiniGrid-DoorKey-5x5-v0 --num-procs 2 --seconds 40
   python tests/benchmarks/bench_clear_impala.py training --env-id MinAtar/Breakout-v0 --num-procs 2 --envs-per-actor 16
 """
+
 import argparse
 import json
 import multiprocessing as mp
@@ -102,14 +103,20 @@ def bench_learner(cfg, B, T, iters, device, threads):
     times = {0.5: [], 0.0: []}
     actor = []
     for i in range(iters):
-        for r in ((0.5, 0.0) if i % 2 == 0 else (0.0, 0.5)):
+        for r in (0.5, 0.0) if i % 2 == 0 else (0.0, 0.5):
             times[r].append(learner_step(r))
         actor.extend(actor_replay_work() for _ in range(B))
     med = {r: float(np.median(v)) for r, v in times.items()}
     actor_per_batch = float(np.median(actor)) * B
     out = {
-        "config": cfg, "B": B, "T": T, "device": str(device), "threads": threads, "iters": iters,
-        "learner_SPS_replay_0.5": B * T / med[0.5], "learner_SPS_replay_0": B * T / med[0.0],
+        "config": cfg,
+        "B": B,
+        "T": T,
+        "device": str(device),
+        "threads": threads,
+        "iters": iters,
+        "learner_SPS_replay_0.5": B * T / med[0.5],
+        "learner_SPS_replay_0": B * T / med[0.0],
         "learner_overhead_pct": 100 * (med[0.5] / med[0.0] - 1),
         "actor_replay_work_ms_per_unroll": 1000 * actor_per_batch / B,
         "clear_overhead_pct_incl_actor_work": 100 * ((med[0.5] + actor_per_batch) / med[0.0] - 1),
@@ -149,9 +156,14 @@ def run_script_for(flags, seconds):
     """Run clear_impala.py with `flags` for `seconds` (after start-up), stop it like Ctrl-C, return its metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         log = open(os.path.join(tmp, "out.txt"), "w")
-        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "clear_impala.py"), *flags], cwd=tmp,
-                             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "clear_impala.py"), *flags],
+            cwd=tmp,
+            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         time.sleep(seconds)
         os.killpg(p.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole process group
         try:
@@ -166,37 +178,94 @@ def run_script_for(flags, seconds):
 
 def bench_training(env_id, num_procs, envs_per_actor, batch_size, seconds, warmup, repeats):
     """Steady-state training SPS, replay off vs CLEAR 50-50 + BC, interleaved; env-only SPS in the same invocation."""
-    common = ["--env-ids", env_id, "--mode", "separate", "--steps-per-task", "100000000", "--num-cycles", "1",
-              "--num-actors", str(num_procs), "--envs-per-actor", str(envs_per_actor), "--batch-size",
-              str(batch_size), "--num-test-actors", "0", "--no-progress", "--log-every-seconds", "2", "--no-cuda",
-              "--buffer-frames", "500000"]
+    common = [
+        "--env-ids",
+        env_id,
+        "--mode",
+        "separate",
+        "--steps-per-task",
+        "100000000",
+        "--num-cycles",
+        "1",
+        "--num-actors",
+        str(num_procs),
+        "--envs-per-actor",
+        str(envs_per_actor),
+        "--batch-size",
+        str(batch_size),
+        "--num-test-actors",
+        "0",
+        "--no-progress",
+        "--log-every-seconds",
+        "2",
+        "--no-cuda",
+        "--buffer-frames",
+        "500000",
+    ]
     configs = {"replay off (--replay-ratio 0)": ["--replay-ratio", "0"], "CLEAR 50-50 + BC": []}
     sps = {name: [] for name in configs}
     for i in range(repeats):
-        for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+        for name in list(configs) if i % 2 == 0 else list(configs)[::-1]:
             records = [r for r in run_script_for(common + configs[name], warmup + seconds) if "charts/SPS" in r]
             steady = [r for r in records if r["time"] >= warmup]
             sps[name].append((steady[-1]["global_step"] - steady[0]["global_step"]) / (steady[-1]["time"] - steady[0]["time"]))
     env_sps = env_only_sps(env_id, num_procs, 10, envs_per_actor)
     names = list(configs)
-    return {"env_id": env_id, "num_procs": num_procs, "envs_per_actor": envs_per_actor, "batch_size": batch_size,
-            "seconds": seconds, "warmup": warmup, "repeats": repeats, "training_SPS": sps,
-            "mean_SPS": {k: float(np.mean(v)) for k, v in sps.items()},
-            "clear_over_replay_off": float(np.mean(sps[names[1]]) / np.mean(sps[names[0]])), "env_only_SPS": env_sps}
+    return {
+        "env_id": env_id,
+        "num_procs": num_procs,
+        "envs_per_actor": envs_per_actor,
+        "batch_size": batch_size,
+        "seconds": seconds,
+        "warmup": warmup,
+        "repeats": repeats,
+        "training_SPS": sps,
+        "mean_SPS": {k: float(np.mean(v)) for k, v in sps.items()},
+        "clear_over_replay_off": float(np.mean(sps[names[1]]) / np.mean(sps[names[0]])),
+        "env_only_SPS": env_sps,
+    }
 
 
 def bench_actors(env_id, num_procs, seconds):
     env_sps = env_only_sps(env_id, num_procs, seconds)
-    lines = run_script_for(["--env-ids", env_id, "--steps-per-task", "100000000", "--num-cycles", "1", "--num-actors",
-                            str(num_procs), "--batch-size", str(num_procs), "--num-test-actors", "0", "--no-progress",
-                            "--log-every-seconds", "2", "--no-cuda", "--start-method", "forkserver", "--buffer-frames",
-                            "200000"], seconds + 15)  # start-up + measurement
+    lines = run_script_for(
+        [
+            "--env-ids",
+            env_id,
+            "--steps-per-task",
+            "100000000",
+            "--num-cycles",
+            "1",
+            "--num-actors",
+            str(num_procs),
+            "--batch-size",
+            str(num_procs),
+            "--num-test-actors",
+            "0",
+            "--no-progress",
+            "--log-every-seconds",
+            "2",
+            "--no-cuda",
+            "--start-method",
+            "forkserver",
+            "--buffer-frames",
+            "200000",
+        ],
+        seconds + 15,
+    )  # start-up + measurement
     rows = [x for x in lines if "charts/actor_SPS" in x][2:]  # skip the start-up records
     actor_sps = float(np.mean([x["charts/actor_SPS"] for x in rows]))
     learner_sps = float(np.mean([x["charts/learner_SPS"] for x in rows]))
-    return {"env_id": env_id, "num_procs": num_procs, "seconds": seconds, "env_only_SPS": env_sps,
-            "actor_SPS": actor_sps, "actor_over_env_only": actor_sps / env_sps, "learner_SPS_in_run": learner_sps,
-            "records": len(rows)}
+    return {
+        "env_id": env_id,
+        "num_procs": num_procs,
+        "seconds": seconds,
+        "env_only_SPS": env_sps,
+        "actor_SPS": actor_sps,
+        "actor_over_env_only": actor_sps / env_sps,
+        "learner_SPS_in_run": learner_sps,
+        "records": len(rows),
+    }
 
 
 if __name__ == "__main__":

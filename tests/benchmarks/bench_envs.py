@@ -5,6 +5,7 @@
 Prints a markdown table: adapter, configuration, environment steps per second. Also a quick demonstration that
 every adapter installs and runs.
 """
+
 import argparse
 import os
 import platform
@@ -53,18 +54,39 @@ if __name__ == "__main__":
         ("Atari", "ALE/Pong-v5, 84x84 gray, skip 4, stack 4", single_env_sps(make_atari_env("ALE/Pong-v5", 0), s)),
         ("Atari", "ALE/Pong-v5, stack 1 (recurrent)", single_env_sps(make_atari_env("ALE/Pong-v5", 0, frame_stack=1), s)),
         ("Procgen", "bigfish easy, 64 envs, Procgen's levels", vec_env_sps(ProcgenVecEnv("bigfish", 64), s)),
-        ("Procgen", "bigfish easy, 64 envs, set_level at every episode end (200 levels)",
-         vec_env_sps(ProcgenVecEnv("bigfish", 64), s, lambda i: int(rng.integers(200)), list(range(64)))),
-        *[("MinAtar", f"{g}-v0, single env, 6 actions, sticky 0.1",
-           single_env_sps(make_minatar_env(f"MinAtar/{g}-v0", 0), s)) for g in MINATAR_GAMES],
-        ("MiniGrid", "MultiRoom-N4-Random, full view, single env", single_env_sps(make_minigrid_env("MultiRoom-N4-Random"), s)),
-        ("MiniGrid", "MultiRoom-N4-Random, full view, 16 envs in 2 workers",
-         vec_env_sps(MiniGridVecEnv("MultiRoom-N4-Random", 16, num_workers=2), s, lambda i: int(rng.integers(4000)), list(range(16)))),
-        ("MiniGrid", "DoorKey-8x8, 7x7 view, single env",
-         single_env_sps(make_minigrid_env("MiniGrid-DoorKey-8x8-v0", fully_observable=False), s)),
+        (
+            "Procgen",
+            "bigfish easy, 64 envs, set_level at every episode end (200 levels)",
+            vec_env_sps(ProcgenVecEnv("bigfish", 64), s, lambda i: int(rng.integers(200)), list(range(64))),
+        ),
+        *[
+            (
+                "MinAtar",
+                f"{g}-v0, single env, 6 actions, sticky 0.1",
+                single_env_sps(make_minatar_env(f"MinAtar/{g}-v0", 0), s),
+            )
+            for g in MINATAR_GAMES
+        ],
+        (
+            "MiniGrid",
+            "MultiRoom-N4-Random, full view, single env",
+            single_env_sps(make_minigrid_env("MultiRoom-N4-Random"), s),
+        ),
+        (
+            "MiniGrid",
+            "MultiRoom-N4-Random, full view, 16 envs in 2 workers",
+            vec_env_sps(
+                MiniGridVecEnv("MultiRoom-N4-Random", 16, num_workers=2), s, lambda i: int(rng.integers(4000)), list(range(16))
+            ),
+        ),
+        (
+            "MiniGrid",
+            "DoorKey-8x8, 7x7 view, single env",
+            single_env_sps(make_minigrid_env("MiniGrid-DoorKey-8x8-v0", fully_observable=False), s),
+        ),
         ("MuJoCo", "HalfCheetah-v5, single env", single_env_sps(make_mujoco_env("HalfCheetah-v5", 0), s)),
         ("MuJoCo", "Hopper-v5, single env", single_env_sps(make_mujoco_env("Hopper-v5", 0), s)),
-    ]  # fmt: skip
+    ]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; {s:.0f} s each\n")
     print("| adapter | configuration | env steps/s |\n|---|---|---|")
     for adapter, config, sps in rows:

@@ -22,6 +22,7 @@ N=2**18; HalfCheetah sizes); plr_ppo one PPO minibatch update (ppo_loss + backwa
 `--plr-minibatch` 64x64x3 frames through the default ImpalaAgent (the script's minibatch is 2048; 512 keeps the
 benchmark short). About 4.5 minutes on 2 cores; the 34 clear_impala load processes need about 6 GB of RAM.
 """
+
 import argparse
 import multiprocessing as mp
 import os
@@ -104,6 +105,7 @@ def load_actor(script, i, steps, stop_event):
 def timed_blocks(step, max_seconds):
     """fn(threads, n) -> learner steps/s: set the threads, 1 warm-up step, then n steps or max_seconds, whichever
     comes first (at least 1 step: an oversubscribed learner can take seconds per step)."""
+
     def block(threads, n):
         torch.set_num_threads(threads)
         step()  # warm-up after a thread change
@@ -112,6 +114,7 @@ def timed_blocks(step, max_seconds):
             step()
             done += 1
         return done / (time.perf_counter() - t)
+
     return block
 
 
@@ -120,6 +123,7 @@ def setup(script, a, device):
     cpu = os.cpu_count() or 1
     if script == "clear_impala":
         import bench_clear_impala
+
         import clear_impala as ci
 
         args = ci.Args()
@@ -131,15 +135,18 @@ def setup(script, a, device):
         def block(threads, n):  # its own warm-up; each iteration also times a replay-0 step (not counted)
             out = bench_clear_impala.bench_learner(cfg, B, T, n, device, threads)
             return out["learner_SPS_replay_0.5"] / (B * T)
+
         return old, num_procs, block
     if script == "reactor":
         import bench_reactor
+
         import reactor
 
         step = bench_reactor.learner_step(reactor, "ALE/Pong-v5", (1, 84, 84), device)
         return DEFAULT_THREADS, reactor.Args().num_actors, timed_blocks(step, a.max_block_seconds)  # old: it set nothing
     if script == "vracer_refer":
         import bench_vracer_refer
+
         import vracer_refer as vr
 
         args = vr.Args()
@@ -153,6 +160,7 @@ def setup(script, a, device):
 
         def step():
             vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
+
         return 1, args.num_actors, timed_blocks(step, a.max_block_seconds)  # old: --learner-threads, default 1
     if script == "plr_ppo":
         import plr_ppo
@@ -173,6 +181,7 @@ def setup(script, a, device):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             opt.step()
+
         return max(1, cpu // 2), 0, timed_blocks(step, a.max_block_seconds)  # old: half the cores
     raise ValueError(script)
 
@@ -195,7 +204,7 @@ def measure(script, a, device):
             time.sleep(0.2)
         startup = time.perf_counter() - t0
         for r in range(a.reps):
-            for rule in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            for rule in ("old", "new") if r % 2 == 0 else ("new", "old"):
                 s0, t = sum(steps[:num_procs]), time.perf_counter()
                 res[rule].append(block(old if rule == "old" else new, n))
                 act[rule].append((sum(steps[:num_procs]) - s0) / (time.perf_counter() - t))
@@ -203,12 +212,22 @@ def measure(script, a, device):
     finally:
         group.stop()
     med = {k: float(np.median(v)) for k, v in res.items()}
-    print(f"  {script}: old {old} / new {new} threads, {num_procs} load processes (start-up {startup:.0f} s), "
-          f"blocks of {n} steps: old {[f'{x:.2f}' for x in res['old']]}, new {[f'{x:.2f}' for x in res['new']]}",
-          flush=True)
-    return {"script": script, "old": old, "new": new, "procs": num_procs, "old_sps": med["old"],
-            "new_sps": med["new"], "ratio": med["new"] / med["old"], "act_old": float(np.median(act["old"])),
-            "act_new": float(np.median(act["new"]))}
+    print(
+        f"  {script}: old {old} / new {new} threads, {num_procs} load processes (start-up {startup:.0f} s), "
+        f"blocks of {n} steps: old {[f'{x:.2f}' for x in res['old']]}, new {[f'{x:.2f}' for x in res['new']]}",
+        flush=True,
+    )
+    return {
+        "script": script,
+        "old": old,
+        "new": new,
+        "procs": num_procs,
+        "old_sps": med["old"],
+        "new_sps": med["new"],
+        "ratio": med["new"] / med["old"],
+        "act_old": float(np.median(act["old"])),
+        "act_new": float(np.median(act["new"])),
+    }
 
 
 if __name__ == "__main__":
@@ -225,13 +244,20 @@ if __name__ == "__main__":
     a = p.parse_args()
     device = torch.device(a.device)
     start = time.perf_counter()
-    print(f"machine: {platform.machine()}, {available_cores()} cores available ({os.cpu_count()} in the machine), "
-          f"python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, learner on {device}", flush=True)
+    print(
+        f"machine: {platform.machine()}, {available_cores()} cores available ({os.cpu_count()} in the machine), "
+        f"python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, learner on {device}",
+        flush=True,
+    )
     rows = [measure(s, a, device) for s in a.scripts]
-    print(f"\n| script | load processes | learner threads old -> new | learner steps/s old | new | new/old "
-          f"| actor env steps/s old | new |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| script | load processes | learner threads old -> new | learner steps/s old | new | new/old "
+        "| actor env steps/s old | new |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['script']} | {r['procs']} | {r['old']} -> {r['new']} | {r['old_sps']:.2f} | {r['new_sps']:.2f} "
-              f"| {r['ratio']:.2f} | {r['act_old']:.0f} | {r['act_new']:.0f} |")
+        print(
+            f"| {r['script']} | {r['procs']} | {r['old']} -> {r['new']} | {r['old_sps']:.2f} | {r['new_sps']:.2f} "
+            f"| {r['ratio']:.2f} | {r['act_old']:.0f} | {r['act_new']:.0f} |"
+        )
     print(f"\n{a.reps} old and {a.reps} new blocks per script, medians; total {time.perf_counter() - start:.0f} s")

@@ -9,6 +9,7 @@
 
 Usage: python tests/benchmarks/bench_vracer_refer.py [--steps 300] [--buffer-size 262144] [--env-id Hopper-v5]
 """
+
 import argparse
 import os
 import sys
@@ -26,9 +27,17 @@ def filled_replay(N, obs_dim, act_dim, ep_len, rng):
     while rm.size < N:
         L = int(rng.integers(ep_len // 4, ep_len + 1))
         term = L < ep_len
-        rm.add_episode(rng.normal(size=(L, obs_dim)), np.clip(rng.normal(size=(L, act_dim)) * 0.45, -1.3, 1.3),
-                       np.zeros((L, act_dim)), np.full((L, act_dim), 0.2**0.5), rng.normal(size=L), np.zeros(L),
-                       term, final_val=0.0, final_obs=np.zeros(obs_dim))
+        rm.add_episode(
+            rng.normal(size=(L, obs_dim)),
+            np.clip(rng.normal(size=(L, act_dim)) * 0.45, -1.3, 1.3),
+            np.zeros((L, act_dim)),
+            np.full((L, act_dim), 0.2**0.5),
+            rng.normal(size=L),
+            np.zeros(L),
+            term,
+            final_val=0.0,
+            final_obs=np.zeros(obs_dim),
+        )
     rm.update_reward_scale()
     return rm
 
@@ -66,15 +75,21 @@ def bench_learner(a):
     n = a.reps * a.steps
     sps = {k: n / wall[k] for k in setups}
     cps = {k: n / cpu[k] for k in setups}
-    print(f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each), "
-          f"grad steps/s wall (CPU time):")
-    for k, name in (("full", "full ReF-ER (rule 1+2, beta, n_far, rho/V write-back, Q^ret refresh)"),
-                    ("none", "--refer none (V-RACER + ER: same write-back and Q^ret refresh)"),
-                    ("bare", "bare learner (--refer none, no write-back, no refresh, no n_far)")):
+    print(
+        f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each), "
+        f"grad steps/s wall (CPU time):"
+    )
+    for k, name in (
+        ("full", "full ReF-ER (rule 1+2, beta, n_far, rho/V write-back, Q^ret refresh)"),
+        ("none", "--refer none (V-RACER + ER: same write-back and Q^ret refresh)"),
+        ("bare", "bare learner (--refer none, no write-back, no refresh, no n_far)"),
+    ):
         print(f"  {name}: {sps[k]:.0f} ({cps[k]:.0f})")
-    print(f"  full vs --refer none: {100 * (sps['none'] / sps['full'] - 1):.1f}% wall, "
-          f"{100 * (cps['none'] / cps['full'] - 1):.1f}% CPU; full vs bare: "
-          f"{100 * (sps['bare'] / sps['full'] - 1):.1f}% wall, {100 * (cps['bare'] / cps['full'] - 1):.1f}% CPU")
+    print(
+        f"  full vs --refer none: {100 * (sps['none'] / sps['full'] - 1):.1f}% wall, "
+        f"{100 * (cps['none'] / cps['full'] - 1):.1f}% CPU; full vs bare: "
+        f"{100 * (sps['bare'] / sps['full'] - 1):.1f}% wall, {100 * (cps['bare'] / cps['full'] - 1):.1f}% CPU"
+    )
     full_c = cps["full"]
     # breakdown of the replay-side work common to both (V-RACER's Q^ret refresh) and ReF-ER's own
     idx = [rm.sample(a.batch_size, rng) for _ in range(200)]
@@ -96,14 +111,19 @@ def bench_learner(a):
     for _ in range(200):
         rm.sample(a.batch_size, rng)
     t_sample = (time.perf_counter() - t) / 200
-    print(f"  CPU time per step: sample {1e3 * t_sample:.2f} ms, write-back + Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms "
-          f"n_far update {1e3 * t_far:.3f} ms; full Q^ret recomputation over the RM (every 1000 steps) "
-          f"{1e3 * t_all:.1f} ms; learner total {1e3 / full_c:.2f} ms")
+    print(
+        f"  CPU time per step: sample {1e3 * t_sample:.2f} ms, "
+        f"write-back + Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms "
+        f"n_far update {1e3 * t_far:.3f} ms; full Q^ret recomputation over the RM (every 1000 steps) "
+        f"{1e3 * t_all:.1f} ms; learner total {1e3 / full_c:.2f} ms"
+    )
 
 
 def bench_actors(a):
     import torch.multiprocessing as mp
+
     from common.processes import ProcessGroup
+
     env = vr.make_env(a.env_id, 0)
     obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
     env.reset(seed=0)
@@ -126,8 +146,11 @@ def bench_actors(a):
     read = torch.zeros(a.num_actors, dtype=torch.int64).share_memory_()
     procs = ProcessGroup(mp.get_context("spawn"))
     for i in range(a.num_actors):
-        procs.start(vr.actor_loop, (i, args, obs_dim, act_dim, shared_w, shared_norm, control, rings, written, read,
-                                    i, "bench", procs.stop_event), name=f"actor-{i}")
+        procs.start(
+            vr.actor_loop,
+            (i, args, obs_dim, act_dim, shared_w, shared_norm, control, rings, written, read, i, "bench", procs.stop_event),
+            name=f"actor-{i}",
+        )
     try:
         while int(written.sum()) == 0:  # start-up (spawn + imports)
             procs.check()
@@ -141,8 +164,10 @@ def bench_actors(a):
         actors = (int(written.sum()) - n0) / (time.perf_counter() - t)
     finally:
         procs.stop()
-    print(f"actors ({a.env_id}): {a.num_actors} actor processes {actors:.0f} env steps/s vs env-only "
-          f"(1 process, random actions) {env_only:.0f} env steps/s ({actors / env_only:.2f}x)")
+    print(
+        f"actors ({a.env_id}): {a.num_actors} actor processes {actors:.0f} env steps/s vs env-only "
+        f"(1 process, random actions) {env_only:.0f} env steps/s ({actors / env_only:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -18,16 +18,16 @@ prints, grouped by configuration (replay ratio, behavioural cloning):
     python tests/benchmarks/clear_forgetting_table.py runs/<run 1> runs/<run 2> ... [--displaced 1 --displacing 2]
         [--window 100000] [--plot tests/benchmarks/results/clear_minatar.png]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys  # noqa: E402
 from collections import defaultdict
 
 import numpy as np
-
-import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from clear_impala import binned_returns  # noqa: E402
@@ -73,16 +73,27 @@ def window_mean(records: np.ndarray, task: int, start: float, end: float) -> flo
     return float(records[m, 2].mean()) if m.any() else float("nan")
 
 
-def collapse_and_recovery(records: np.ndarray, displaced: int, displacing: int, steps_per_task: int,
-                          threshold: float = 0.5, step: int = 2500, window: int = 5000):
+def collapse_and_recovery(
+    records: np.ndarray,
+    displaced: int,
+    displacing: int,
+    steps_per_task: int,
+    threshold: float = 0.5,
+    step: int = 2500,
+    window: int = 5000,
+):
     """(t_learned, before, after, end_of_next_visit) for the displaced task around the moment the displacing task
     is first learned in its first visit; t_learned is None (and before/after nan) if it is not learned there."""
     v0, v1 = displacing * steps_per_task, (displacing + 1) * steps_per_task  # the displacing task's first visit
     end_next = window_mean(records, displaced, v1 + steps_per_task - window, v1 + steps_per_task)
     for t in range(v0, v1, step):
         if window_mean(records, displacing, t, t + step) >= threshold:
-            return (t, window_mean(records, displaced, t - window, t),
-                    window_mean(records, displaced, t + step, t + step + window), end_next)
+            return (
+                t,
+                window_mean(records, displaced, t - window, t),
+                window_mean(records, displaced, t + step, t + step + window),
+                end_next,
+            )
     return None, float("nan"), float("nan"), end_next
 
 
@@ -95,11 +106,14 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None
     visits shaded (sequential modes). Each row's y range: 1.5 x its highest mean, so a spike of one seed's bin does
     not flatten the curves."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     K, total = len(env_ids), V * L
-    fig, axes = plt.subplots(K, len(groups), figsize=(2.3 * len(groups), 1.5 * K + 0.5), sharex=True, sharey="row",
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        K, len(groups), figsize=(2.3 * len(groups), 1.5 * K + 0.5), sharex=True, sharey="row", squeeze=False
+    )
     row_max = np.zeros(K)
     for col, (name, rs) in enumerate(groups.items()):
         for k in range(K):
@@ -140,13 +154,22 @@ def main() -> None:
     V = K * runs[0]["args"]["num_cycles"]
     for r in runs:
         same = (r["args"]["env_ids"], r["args"]["steps_per_task"], r["args"]["num_cycles"]) == (
-            env_ids, L, runs[0]["args"]["num_cycles"])
+            env_ids,
+            L,
+            runs[0]["args"]["num_cycles"],
+        )
         if not same or r["summary"]["global_step"] < V * L:
             raise SystemExit("error: runs differ in tasks, steps per task or cycles, or one did not finish")
     groups: dict[str, list[dict]] = defaultdict(list)
     modes = ("separate", "simultaneous", "sequential")
-    for r in sorted(runs, key=lambda r: (modes.index(r["args"].get("mode", "sequential")), r["args"]["replay_ratio"],
-                                         not r["args"]["behavior_cloning"])):
+    for r in sorted(
+        runs,
+        key=lambda r: (
+            modes.index(r["args"].get("mode", "sequential")),
+            r["args"]["replay_ratio"],
+            not r["args"]["behavior_cloning"],
+        ),
+    ):
         groups[config_name(r["args"])].append(r)  # by mode, then no replay, CLEAR + BC, CLEAR without BC
 
     print("Final cumulative test return per task (paper's Figure 8): mean over seeds [per seed, by seed]")
@@ -168,12 +191,17 @@ def main() -> None:
         print("| task | " + " | ".join(visit_names) + " |")
         print("|---" * (V + 1) + "|")
         for k in range(K):
-            print(f"| {short(env_ids[k])} | " + " | ".join(
-                (f"**{pv[k, v]:.2f}**" if v % K == k else f"{pv[k, v]:.2f}") for v in range(V)) + " |")
+            print(
+                f"| {short(env_ids[k])} | "
+                + " | ".join((f"**{pv[k, v]:.2f}**" if v % K == k else f"{pv[k, v]:.2f}") for v in range(V))
+                + " |"
+            )
 
     W = cli.window
-    print(f"\nForgetting: test return over the last {W // 1000}k steps of each task's last visit -> of the run, "
-          f"mean ± sd over seeds")
+    print(
+        f"\nForgetting: test return over the last {W // 1000}k steps of each task's last visit -> of the run, "
+        f"mean ± sd over seeds"
+    )
     print("| run | " + " | ".join(short(e) for e in env_ids) + " |")
     print("|---" * (K + 1) + "|")
     for name, rs in groups.items():
@@ -181,18 +209,23 @@ def main() -> None:
         for k in range(K):
             sequential = rs[0]["args"].get("mode", "sequential") == "sequential"
             visit_end = (max(v for v in range(V) if v % K == k) + 1) * L if sequential else V * L
-            end = np.array([[window_mean(r["records"], k, visit_end - W, visit_end),
-                             window_mean(r["records"], k, V * L - W, V * L)] for r in rs])
-            cells.append(f"{end[:, 0].mean():.2f} ± {end[:, 0].std():.2f} -> {end[:, 1].mean():.2f} ± "
-                         f"{end[:, 1].std():.2f}")
+            end = np.array(
+                [
+                    [window_mean(r["records"], k, visit_end - W, visit_end), window_mean(r["records"], k, V * L - W, V * L)]
+                    for r in rs
+                ]
+            )
+            cells.append(f"{end[:, 0].mean():.2f} ± {end[:, 0].std():.2f} -> {end[:, 1].mean():.2f} ± {end[:, 1].std():.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if cli.plot:
         plot_configs(groups, env_ids, L, V, cli.plot)
 
     if cli.displaced is not None and cli.displacing is not None:
         a, b = cli.displaced, cli.displacing
-        print(f"\n{short(env_ids[a])} around the moment {short(env_ids[b])} is first learned (test return >= 0.5 "
-              f"in a 2.5k-step window of its first visit), and at the end of the next visit")
+        print(
+            f"\n{short(env_ids[a])} around the moment {short(env_ids[b])} is first learned (test return >= 0.5 "
+            f"in a 2.5k-step window of its first visit), and at the end of the next visit"
+        )
         print(f"| run, seed | {short(env_ids[b])} learned at | before (5k) | after (5k) | end of next visit (5k) |")
         print("|---|---|---|---|---|")
         for name, rs in groups.items():

@@ -12,6 +12,7 @@
 
 Prints one line per check (ok or FAIL); exits 1 if any failed.
 """
+
 import argparse
 import json
 import os
@@ -50,8 +51,9 @@ def run_script(script, flags, cwd, hook_dir, tag):
     peak_file = os.path.join(cwd, f"cuda_peak_{tag}")
     pythonpath = os.pathsep.join([hook_dir, ROOT, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", CUDA_CHECK_FILE=peak_file)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     peak = int(open(peak_file).read()) if os.path.exists(peak_file) else -1
     (run_dir,) = os.listdir(os.path.join(cwd, "runs")) if os.path.isdir(os.path.join(cwd, "runs")) else [None]
     summary_path = os.path.join(cwd, "runs", run_dir or "", "summary.json")
@@ -66,6 +68,7 @@ def check_script(script, out, hook_dir):
     checkpoint's step, and (on CUDA) its learner allocates more CUDA memory than its weights could."""
     from test_lifecycle import RESUME_TO as LIFECYCLE_RESUME_TO
     from test_lifecycle import SHORT, TINY
+
     tiny, resume_to = [f for f in TINY[script] if f != "--no-cuda"], RESUME_TO.get(script, LIFECYCLE_RESUME_TO[script])
     work = os.path.join(out, script.removesuffix(".py"))
     os.makedirs(work)
@@ -80,13 +83,16 @@ def check_script(script, out, hook_dir):
     error, peak2, summary2 = run_script(script, ["--resume", ckpt, *resume_to], work, hook_dir, "resume_cuda")
     if error or peak2 < MIN_LEARNER_BYTES or summary2["global_step"] <= ckpt_step:
         return f"FAIL {script} resume on CUDA: CUDA bytes {peak2}, step {summary2.get('global_step')}; {error}"
-    error, peak3, summary3 = run_script(script, ["--resume", cpu_copy, *resume_to, "--no-cuda"], work, hook_dir,
-                                        "resume_cpu")
+    error, peak3, summary3 = run_script(script, ["--resume", cpu_copy, *resume_to, "--no-cuda"], work, hook_dir, "resume_cpu")
     if error or peak3 != 0 or summary3["global_step"] <= ckpt_step:
-        return f"FAIL {script} resume of a CUDA checkpoint on the CPU: CUDA bytes {peak3}, " \
-               f"step {summary3.get('global_step')}; {error}"
-    return f"ok   {script}: run, CUDA resume, CPU resume, each completed (checkpoint at step {ckpt_step:,}, resumed " \
-           f"to {summary2['global_step']:,}); learner peak CUDA memory {peak / 2**20:.0f} / {peak2 / 2**20:.0f} MiB"
+        return (
+            f"FAIL {script} resume of a CUDA checkpoint on the CPU: CUDA bytes {peak3}, "
+            f"step {summary3.get('global_step')}; {error}"
+        )
+    return (
+        f"ok   {script}: run, CUDA resume, CPU resume, each completed (checkpoint at step {ckpt_step:,}, resumed "
+        f"to {summary2['global_step']:,}); learner peak CUDA memory {peak / 2**20:.0f} / {peak2 / 2**20:.0f} MiB"
+    )
 
 
 def assert_same_gradients(net_cpu, net_gpu, what):
@@ -94,16 +100,19 @@ def assert_same_gradients(net_cpu, net_gpu, what):
     for (name, p), q in zip(net_cpu.named_parameters(), net_gpu.parameters()):
         assert p.grad is not None and q.grad is not None, f"{what}: {name} has no gradient"
         scale = p.grad.abs().max().clamp_min(1e-30)
-        torch.testing.assert_close(q.grad.cpu() / scale, p.grad / scale, rtol=0, atol=1e-4,
-                                   msg=lambda m: f"{what}, {name}: {m}")
+        torch.testing.assert_close(
+            q.grad.cpu() / scale, p.grad / scale, rtol=0, atol=1e-4, msg=lambda m: f"{what}, {name}: {m}"
+        )
 
 
 def check_reactor_cuda_vs_cpu():
     """The learner as the main loop builds it (`make_learner`: channels-last, fused Adam) on CUDA and on the CPU with
     the same weights: network outputs and gradients with episode starts inside the sequences; then reactor_loss
     (loss, priorities, gradients) for Reactor, Reactor ND and TISLR on one batch with unequal IS weights."""
-    import reactor
     from test_reactor import make_batch
+
+    import reactor
+
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
     tol = dict(rtol=1e-4, atol=1e-5)
     A, K, H, B, L = 4, 51, 32, 3, 12
@@ -133,8 +142,9 @@ def check_reactor_cuda_vs_cpu():
 
     batch = make_batch(B, 8, A, H, np.random.default_rng(0), pad_at=2)
     batch = batch._replace(obs=batch.obs[:, :, None], weights=torch.tensor([1.0, 0.3, 0.7]))
-    batch_gpu = batch._replace(**{f: (tuple(s.to(gpu) for s in v) if isinstance(v, tuple) else v.to(gpu))
-                                  for f, v in batch._asdict().items()})
+    batch_gpu = batch._replace(
+        **{f: (tuple(s.to(gpu) for s in v) if isinstance(v, tuple) else v.to(gpu)) for f, v in batch._asdict().items()}
+    )
     for distributional, pg in ((True, "beta-loo"), (False, "beta-loo"), (True, "tislr")):
         args = reactor.Args(num_atoms=K, lstm_size=H, distributional=distributional, policy_gradient=pg)
         net_cpu, target_cpu, net_gpu, target_gpu = learners(args)

@@ -8,8 +8,8 @@ K games with the greedy policy (argmax pi) of each reactor.py run's saved model 
 `--plot FILE.png` draws one curve per configuration: runs are grouped by their directory name without seed and time
 (`{env}__{exp_name}__{seed}__{time}` -> `{env}__{exp_name}`, or `--labels`, one per run); the line is the mean over
 seeds of the per-bin means and the band spans the lowest to the highest seed. Only measured bins are drawn, and only
-those that every seed of the configuration reached (a mean over fewer seeds would jump); the legend gives the seeds. README figures
-go to tests/benchmarks/results/ (small PNGs).
+those that every seed of the configuration reached (a mean over fewer seeds would jump); the legend gives the seeds.
+README figures go to tests/benchmarks/results/ (small PNGs).
 
 Usage:
   python tests/benchmarks/learning_curves.py runs/Hopper-v5__a runs/Hopper-v5__b [--bin 100000]
@@ -24,6 +24,7 @@ Usage:
                                                               <run>/metrics.jsonl.gz, with its summary.json, args.json,
                                                               eval_greedy.json: read back like a run directory)
 """
+
 import argparse
 import gzip
 import json
@@ -41,8 +42,11 @@ from common.logger import read_metrics  # noqa: E402
 
 def label(end: int, bin_size: int) -> str:
     """'600k-700k' for the bin (600k, 700k]."""
-    k = lambda x: f"{x / 1e6:g}M" if x >= 1_000_000 and x % 1_000_000 == 0 else f"{x / 1e3:g}k"
-    return f"{k(end - bin_size) if end > bin_size else '0'}-{k(end)}"
+
+    def short(x):
+        return f"{x / 1e6:g}M" if x >= 1_000_000 and x % 1_000_000 == 0 else f"{x / 1e3:g}k"
+
+    return f"{short(end - bin_size) if end > bin_size else '0'}-{short(end)}"
 
 
 def binned(rows, metric: str, bin_size: int):
@@ -53,8 +57,7 @@ def binned(rows, metric: str, bin_size: int):
     vals = np.array([r[metric] for r in rows if metric in r], dtype=np.float64)
     ends = np.maximum((steps - 1) // bin_size + 1, 1) * bin_size
     bins = np.unique(ends)
-    return ({int(e): float(vals[ends == e].mean()) for e in bins},
-            {int(e): int((ends == e).sum()) for e in bins}, vals)
+    return ({int(e): float(vals[ends == e].mean()) for e in bins}, {int(e): int((ends == e).sum()) for e in bins}, vals)
 
 
 def read_run(run_dir: str) -> list[dict]:
@@ -86,8 +89,9 @@ def config_name(run_dir: str) -> str:
     return "__".join(parts[:-2]) if len(parts) >= 4 else "__".join(parts)
 
 
-def plot_groups(tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str,
-                hline: list | None = None) -> None:
+def plot_groups(
+    tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str, hline: list | None = None
+) -> None:
     """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps."""
     import matplotlib
 
@@ -119,6 +123,7 @@ def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     import torch
 
     import vracer_refer as vr
+
     try:
         ckpt = load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
     except (FileNotFoundError, RuntimeError) as e:
@@ -127,8 +132,16 @@ def eval_vracer(run_dir: str, episodes: int) -> tuple[float, int]:
     obs_dim, act_dim = ckpt["dims"]
     agent = vr.Agent(obs_dim, act_dim, a["hidden_size"], a["init_std"], a["std_map"], a["residual"])
     agent.load_state_dict(ckpt["model"])
-    returns = vr.evaluate(agent, a["env_id"], a["seed"] + 10_000, episodes, ckpt["obs_mean"], ckpt["obs_std"],
-                          torch.device("cpu"), a["clip_actions"])
+    returns = vr.evaluate(
+        agent,
+        a["env_id"],
+        a["seed"] + 10_000,
+        episodes,
+        ckpt["obs_mean"],
+        ckpt["obs_std"],
+        torch.device("cpu"),
+        a["clip_actions"],
+    )
     return float(np.mean(returns)), ckpt["global_step"]
 
 
@@ -138,6 +151,7 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
     import torch
 
     import reactor
+
     models = [f for f in os.listdir(run_dir) if f.endswith(".model")]
     if not models:
         raise SystemExit(f"error: no saved model in {run_dir} (run reactor.py with --save-model)")
@@ -152,9 +166,12 @@ def eval_reactor(run_dir: str, episodes: int) -> dict:
     net.load_state_dict(saved["model"])
     with torch.no_grad():
         returns = reactor.evaluate(net, args, episodes, "cpu", args.seed + 10_000, greedy=True)
-    out = {"episodes": len(returns), "return_mean": float(np.mean(returns)),
-           "return_se": float(np.std(returns, ddof=1) / np.sqrt(len(returns))) if len(returns) > 1 else 0.0,
-           "returns": returns}
+    out = {
+        "episodes": len(returns),
+        "return_mean": float(np.mean(returns)),
+        "return_se": float(np.std(returns, ddof=1) / np.sqrt(len(returns))) if len(returns) > 1 else 0.0,
+        "returns": returns,
+    }
     with open(os.path.join(run_dir, "eval_greedy.json"), "w") as f:
         json.dump(out, f)
     return out
@@ -173,14 +190,29 @@ def main():
     p.add_argument("--eval-vracer", type=int, default=0)
     p.add_argument("--eval-reactor", type=int, default=0)
     p.add_argument("--with", dest="extra", nargs="*", default=[])
-    p.add_argument("--summary", nargs="*", default=[], help="also a table of these summary.json keys per run and their "
-                   "mean ± sd per configuration (e.g. final_test_return wall_time_s)")
-    p.add_argument("--series", nargs="*", default=[], help="with --plot: one line per metric named here (mean and "
-                   "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration")
+    p.add_argument(
+        "--summary",
+        nargs="*",
+        default=[],
+        help="also a table of these summary.json keys per run and their "
+        "mean ± sd per configuration (e.g. final_test_return wall_time_s)",
+    )
+    p.add_argument(
+        "--series",
+        nargs="*",
+        default=[],
+        help="with --plot: one line per metric named here (mean and "
+        "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration",
+    )
     p.add_argument("--hline", nargs="+", default=None, help="with --plot: VALUE [LABEL], a dashed reference line")
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
-    p.add_argument("--max-step", type=int, default=None, help="tables and plots leave out records past this env step "
-                   "(a run's last actor chunk can pass --total-timesteps by a few steps); --export keeps them")
+    p.add_argument(
+        "--max-step",
+        type=int,
+        default=None,
+        help="tables and plots leave out records past this env step "
+        "(a run's last actor chunk can pass --total-timesteps by a few steps); --export keeps them",
+    )
     a = p.parse_args()
     runs_rows = [read_run(d) for d in a.runs]  # read each file once
     shown = [[r for r in rows if a.max_step is None or r["global_step"] <= a.max_step] for rows in runs_rows]
@@ -188,7 +220,7 @@ def main():
     for d, rows in zip(a.runs, shown):
         t, _, vals = binned(rows, a.metric, a.bin)
         tables.append(t)
-        lasts.append(float(vals[-a.last:].mean()) if len(vals) else float("nan"))
+        lasts.append(float(vals[-a.last :].mean()) if len(vals) else float("nan"))
         names.append(os.path.basename(os.path.normpath(d)))
     ends = sorted(set().union(*tables))
     print("| env steps | " + " | ".join(names) + " |")
@@ -198,6 +230,7 @@ def main():
     print(f"| mean of last {a.last} | " + " | ".join(f"{v:.4g}" for v in lasts) + " |")
     if a.eval_vracer or a.eval_reactor:
         import torch
+
         torch.set_num_threads(1)  # one small network: more threads only contend with training runs for the cores
     if a.eval_vracer:
         cells = []
@@ -207,8 +240,11 @@ def main():
         print(f"| deterministic policy, {a.eval_vracer} episodes | " + " | ".join(cells) + " |")
     if a.eval_reactor:
         cells = [eval_reactor(d, a.eval_reactor) for d in a.runs]
-        print(f"| greedy policy (argmax pi), {a.eval_reactor} games | "
-              + " | ".join(f"{c['return_mean']:.3g} ± {c['return_se']:.2g}" for c in cells) + " |")
+        print(
+            f"| greedy policy (argmax pi), {a.eval_reactor} games | "
+            + " | ".join(f"{c['return_mean']:.3g} ± {c['return_se']:.2g}" for c in cells)
+            + " |"
+        )
     for d, rows in zip(a.runs, runs_rows) if a.export else ():  # after --eval-reactor: keeps its eval_greedy.json
         export_run(d, rows, [a.metric, *a.extra], a.export)
     for rows, name in zip(shown, names) if a.extra else ():
@@ -217,8 +253,11 @@ def main():
         print(f"\n{name}\n| env steps | episodes | mean return | " + " | ".join(a.extra) + " |")
         print("|---|---|---|" + "---|" * len(a.extra))
         for e in sorted(ret):
-            print(f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
-                  + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols) + " |")
+            print(
+                f"| {label(e, a.bin)} | {count.get(e, 0)} | {ret[e]:.0f} | "
+                + " | ".join(f"{c[e]:.3g}" if e in c else "-" for c in cols)
+                + " |"
+            )
     if a.summary:
         sums = []
         for d in a.runs:
@@ -230,16 +269,22 @@ def main():
         groups = [config_name(d) for d in a.runs]
         for g in dict.fromkeys(groups):
             vals = np.array([[sm.get(k, np.nan) for k in a.summary] for sm, gg in zip(sums, groups) if gg == g], float)
-            print(f"| **{g}** ({len(vals)} runs) | " + " | ".join(
-                f"{m:.4g} ± {sd:.2g}" for m, sd in zip(vals.mean(0), vals.std(0, ddof=1) if len(vals) > 1 else 0 * vals[0])) + " |")
+            print(
+                f"| **{g}** ({len(vals)} runs) | "
+                + " | ".join(
+                    f"{m:.4g} ± {sd:.2g}" for m, sd in zip(vals.mean(0), vals.std(0, ddof=1) if len(vals) > 1 else 0 * vals[0])
+                )
+                + " |"
+            )
     if a.plot and a.series:
         tables = [binned(rows, m, a.bin)[0] for m in a.series for rows in shown]
         plot_groups(tables, [m for m in a.series for _ in shown], a.plot, a.ylabel or "value", a.bin, a.title)
     elif a.plot:
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
-        plot_groups(tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title,
-                    a.hline)
+        plot_groups(
+            tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title, a.hline
+        )
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
 

@@ -5,6 +5,7 @@
 Full 6-action set (-v0), MinAtar's sticky actions 0.1, the adapter's defaults (common/minatar_env.py); prints a
 markdown table of mean return ± standard error and mean episode length per game.
 """
+
 import argparse
 import os
 import sys

@@ -5,6 +5,7 @@ variant), with standard errors (not collected by pytest). Uses each run's checkp
 Usage (from the repo root):
   python tests/benchmarks/plr_eval_by_difficulty.py runs/MultiRoom-N4-Random__plr__1__* ... [--episodes 200]
 """
+
 import argparse
 import os
 import sys
@@ -34,12 +35,13 @@ def main():
         if args.num_train_levels and args.start_level <= s < args.start_level + args.num_train_levels:
             continue
         pools.setdefault(level_difficulty(args.env_id, s), []).append(s)
-    print(f"| run | step | " + " | ".join(f"{k} success / return" for k in sorted(pools)) + " |")
+    print("| run | step | " + " | ".join(f"{k} success / return" for k in sorted(pools)) + " |")
     print("|---|---|" + "---|" * len(pools))
     for d, ckpt in zip(a.runs, ckpts):
         envs = plr_ppo.make_env(SimpleNamespace(**ckpt["args"]), 8, seed=0, num_workers=1)
-        agent = plr_ppo.make_agent(SimpleNamespace(**ckpt["args"]), envs.single_observation_space.shape,
-                                   int(envs.single_action_space.n))
+        agent = plr_ppo.make_agent(
+            SimpleNamespace(**ckpt["args"]), envs.single_observation_space.shape, int(envs.single_action_space.n)
+        )
         agent.load_state_dict(ckpt["model"])
         agent.eval()
         cells = []

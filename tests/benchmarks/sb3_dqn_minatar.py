@@ -12,6 +12,7 @@ gradient clip 10. Writes runs/{env}__sb3_dqn__{seed}__{time}/ with args.json, me
 (`charts/episodic_return` per training episode, `charts/SPS`) and summary.json (deterministic evaluation: greedy
 actions, the env's sticky actions kept, --eval-episodes episodes; wall_time_s).
 """
+
 import argparse
 import json
 import os
@@ -39,8 +40,9 @@ class MinAtarCNN(BaseFeaturesExtractor):
     def __init__(self, observation_space, features_dim: int = 128):
         super().__init__(observation_space, features_dim)
         c, h, w = observation_space.shape
-        self.net = nn.Sequential(nn.Conv2d(c, 16, 3), nn.ReLU(), nn.Flatten(),
-                                 nn.Linear(16 * (h - 2) * (w - 2), features_dim), nn.ReLU())
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * (h - 2) * (w - 2), features_dim), nn.ReLU()
+        )
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs.float())
@@ -57,8 +59,13 @@ class JsonlLogger(BaseCallback):
         step = self.num_timesteps
         for info in self.locals["infos"]:
             if "episode" in info:
-                self.write(step, {"charts/episodic_return": float(info["episode"]["r"]),
-                                  "charts/episodic_length": int(info["episode"]["l"])})
+                self.write(
+                    step,
+                    {
+                        "charts/episodic_return": float(info["episode"]["r"]),
+                        "charts/episodic_length": int(info["episode"]["l"]),
+                    },
+                )
         if step - self.last >= self.every:
             self.write(step, {"charts/SPS": step / (time.time() - self.start)})
             self.last = step
@@ -94,23 +101,45 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     run = f"runs/{a.env_id.replace('/', '-')}__sb3_dqn__{a.seed}__{int(time.time())}"
     os.makedirs(run)
-    settings = dict(buffer_size=100_000, learning_starts=5_000, batch_size=32, gamma=0.99, learning_rate=2.5e-4,
-                    train_freq=1, gradient_steps=1, target_update_interval=1_000, exploration_initial_eps=1.0,
-                    exploration_final_eps=0.1, exploration_fraction=100_000 / a.total_timesteps)
+    settings = dict(
+        buffer_size=100_000,
+        learning_starts=5_000,
+        batch_size=32,
+        gamma=0.99,
+        learning_rate=2.5e-4,
+        train_freq=1,
+        gradient_steps=1,
+        target_update_interval=1_000,
+        exploration_initial_eps=1.0,
+        exploration_final_eps=0.1,
+        exploration_fraction=100_000 / a.total_timesteps,
+    )
     with open(f"{run}/args.json", "w") as f:
-        json.dump({**vars(a), **settings, "network": "MinAtar CNN (conv 3x3 16, 128)", "library": "stable-baselines3"},
-                  f, indent=1)
+        json.dump(
+            {**vars(a), **settings, "network": "MinAtar CNN (conv 3x3 16, 128)", "library": "stable-baselines3"}, f, indent=1
+        )
     env = make_minatar_env(a.env_id, a.seed)
     env.reset(seed=a.seed)
-    model = DQN("CnnPolicy", env, seed=a.seed, device="cpu", **settings, verbose=0,
-                policy_kwargs=dict(features_extractor_class=MinAtarCNN, normalize_images=False, net_arch=[]))
+    model = DQN(
+        "CnnPolicy",
+        env,
+        seed=a.seed,
+        device="cpu",
+        **settings,
+        verbose=0,
+        policy_kwargs=dict(features_extractor_class=MinAtarCNN, normalize_images=False, net_arch=[]),
+    )
     start = time.time()
     model.learn(a.total_timesteps, callback=JsonlLogger(f"{run}/metrics.jsonl"))
     wall = time.time() - start
     returns = evaluate(model, a.env_id, a.seed + 10_000, a.eval_episodes)
-    summary = {"global_step": a.total_timesteps, "wall_time_s": wall, "eval_episodes": len(returns),
-               "eval_return_mean": float(np.mean(returns)), "eval_return_se": float(np.std(returns, ddof=1) /
-                                                                                 np.sqrt(len(returns)))}
+    summary = {
+        "global_step": a.total_timesteps,
+        "wall_time_s": wall,
+        "eval_episodes": len(returns),
+        "eval_return_mean": float(np.mean(returns)),
+        "eval_return_se": float(np.std(returns, ddof=1) / np.sqrt(len(returns))),
+    }
     with open(f"{run}/summary.json", "w") as f:
         json.dump(summary, f, indent=1)
     print(run, json.dumps(summary))
