@@ -31,6 +31,7 @@ Differences from the paper (long form: README.md, section reactor.py)
   LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
+
 import queue
 import time
 from collections import deque
@@ -44,12 +45,27 @@ import torch.nn.functional as F
 
 from common.args import CommonArgs, check_args, parse_run_args
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
-from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
-from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
-                               set_rng_state, state_dicts)
+from common.checkpoint import (
+    load_state_dicts,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    select_device,
+    set_rng_state,
+    state_dicts,
+)
 from common.logger import start_run
-from common.processes import (ChunkChannel, ProcessGroup, StopRun, check_memory, check_stop, finish_run,
-                              set_learner_threads, stop_on_signals)
+from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
+from common.processes import (
+    ChunkChannel,
+    ProcessGroup,
+    StopRun,
+    check_memory,
+    check_stop,
+    finish_run,
+    set_learner_threads,
+    stop_on_signals,
+)
 from common.sum_tree import SumTree
 from common.video import check_video_support
 
@@ -137,34 +153,86 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
 
 ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max", "torso")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
-FIXED_ON_RESUME = ("env_id", "seed", "sticky_action_prob", "torso", "lstm_size", "crelu", "policy_uniform_eps",
-                   "distributional", "num_atoms", "v_min", "v_max", "gamma", "policy_gradient", "prioritized", "num_actors",
-                   "replay_size", "sequence_length")
-ARG_RULES = {"start_method": ("spawn", "forkserver"), "policy_gradient": ("beta-loo", "tislr"), "total_timesteps": "> 0",
-    "num_actors": ">= 1", "learning_starts": ">= 0", "batch_size": ">= 1", "sequence_length": ">= 1",
-    "replay_ratio": "> 0", "ratio_slack": ">= 0", "actor_chunk": ">= 1", "learning_rate": "> 0", "adam_beta1": "[0, 1)",
-    "max_grad_norm": ">= 0", "target_update_period": ">= 1", "gamma": "[0, 1]", "retrace_lambda": "[0, 1]",
-    "num_atoms": ">= 2", "beta_loo_c": ">= 1", "tislr_c": "> 0", "entropy_coef": ">= 0", "policy_uniform_eps": "[0, 1)",
-    "lstm_size": ">= 1", "replay_uniform_eps": "[0, 1]", "priority_exponent": ">= 0", "sticky_action_prob": "[0, 1]",
-    "torso": ("auto", "paper", "minatar"), "noop_max": ">= 0", "actor_sync_every": ">= 1", "eval_episodes": ">= 0",
-    "log_every": ">= 1", "checkpoint_every": ">= 0", "memory_fraction": "(0, 1]"}
+FIXED_ON_RESUME = (
+    "env_id",
+    "seed",
+    "sticky_action_prob",
+    "torso",
+    "lstm_size",
+    "crelu",
+    "policy_uniform_eps",
+    "distributional",
+    "num_atoms",
+    "v_min",
+    "v_max",
+    "gamma",
+    "policy_gradient",
+    "prioritized",
+    "num_actors",
+    "replay_size",
+    "sequence_length",
+)
+ARG_RULES = {
+    "start_method": ("spawn", "forkserver"),
+    "policy_gradient": ("beta-loo", "tislr"),
+    "total_timesteps": "> 0",
+    "num_actors": ">= 1",
+    "learning_starts": ">= 0",
+    "batch_size": ">= 1",
+    "sequence_length": ">= 1",
+    "replay_ratio": "> 0",
+    "ratio_slack": ">= 0",
+    "actor_chunk": ">= 1",
+    "learning_rate": "> 0",
+    "adam_beta1": "[0, 1)",
+    "max_grad_norm": ">= 0",
+    "target_update_period": ">= 1",
+    "gamma": "[0, 1]",
+    "retrace_lambda": "[0, 1]",
+    "num_atoms": ">= 2",
+    "beta_loo_c": ">= 1",
+    "tislr_c": "> 0",
+    "entropy_coef": ">= 0",
+    "policy_uniform_eps": "[0, 1)",
+    "lstm_size": ">= 1",
+    "replay_uniform_eps": "[0, 1]",
+    "priority_exponent": ">= 0",
+    "sticky_action_prob": "[0, 1]",
+    "torso": ("auto", "paper", "minatar"),
+    "noop_max": ">= 0",
+    "actor_sync_every": ">= 1",
+    "eval_episodes": ">= 0",
+    "log_every": ">= 1",
+    "checkpoint_every": ">= 0",
+    "memory_fraction": "(0, 1]",
+}
 
 
 def validate_args(args: Args) -> None:
     """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
     minatar, slots = args.env_id in MINATAR_ENV_IDS, 2 * (args.sequence_length + 1) + args.actor_chunk + 2
     for bad, msg in (
-        (args.env_id not in ATARI_ENV_IDS and not minatar, f"reactor.py is for Atari and MinAtar (discrete actions, image "
-         f"frames): {args.env_id!r} is neither a registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)"),
+        (
+            args.env_id not in ATARI_ENV_IDS and not minatar,
+            f"reactor.py is for Atari and MinAtar (discrete actions, image "
+            f"frames): {args.env_id!r} is neither a registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)",
+        ),
         (minatar and args.torso == "paper", "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)"),
         (minatar and args.capture_video, "--capture-video needs an Atari game (MinAtar envs render no frames here)"),
-        (args.total_timesteps <= args.learning_starts,
-         f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})"),
+        (
+            args.total_timesteps <= args.learning_starts,
+            f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})",
+        ),
         (args.v_max <= args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})"),
-        (args.policy_gradient == "tislr" and args.policy_uniform_eps == 0,
-         "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions"),
-        (args.replay_size // args.num_actors < slots,
-         f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots} slots")):
+        (
+            args.policy_gradient == "tislr" and args.policy_uniform_eps == 0,
+            "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions",
+        ),
+        (
+            args.replay_size // args.num_actors < slots,
+            f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots} slots",
+        ),
+    ):
         if bad:
             raise SystemExit(f"error: {msg}")
     try:
@@ -179,9 +247,17 @@ def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, vi
     sticky = args.sticky_action_prob
     if env_id in MINATAR_ENV_IDS:
         return make_minatar_env(env_id, seed, sticky_action_prob=0.1 if sticky is None else sticky)
-    return make_atari_env(env_id, seed, frame_stack=1, clip_rewards=not evaluation,
-                          terminal_on_life_loss=not evaluation, sticky_action_prob=sticky or 0.0,
-                          noop_max=args.noop_max, capture_video=video_folder is not None, video_folder=video_folder)
+    return make_atari_env(
+        env_id,
+        seed,
+        frame_stack=1,
+        clip_rewards=not evaluation,
+        terminal_on_life_loss=not evaluation,
+        sticky_action_prob=sticky or 0.0,
+        noop_max=args.noop_max,
+        capture_video=video_folder is not None,
+        video_folder=video_folder,
+    )
 
 
 # NETWORK
@@ -201,16 +277,32 @@ class NetOut(NamedTuple):
 class ReactorNetwork(nn.Module):
     """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
 
-    def __init__(self, num_actions: int, obs_shape: tuple, num_atoms: int = 51, lstm_size: int = 128, crelu: bool = True,
-                 distributional: bool = True, policy_uniform_eps: float = 0.01, torso: str = "paper",
-                 obs_scale: float = 255.0):
+    def __init__(
+        self,
+        num_actions: int,
+        obs_shape: tuple,
+        num_atoms: int = 51,
+        lstm_size: int = 128,
+        crelu: bool = True,
+        distributional: bool = True,
+        policy_uniform_eps: float = 0.01,
+        torso: str = "paper",
+        obs_scale: float = 255.0,
+    ):
         super().__init__()
         (act, m), c = ((CReLU, 2) if crelu else (nn.ReLU, 1)), obs_shape[0]
         self.num_actions, self.num_atoms, self.lstm_size, self.obs_shape = num_actions, num_atoms, lstm_size, tuple(obs_shape)
         self.distributional, self.policy_uniform_eps, self.obs_scale = distributional, policy_uniform_eps, obs_scale
         if torso == "paper":  # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
-            convs = [nn.Conv2d(c, 16, 8, stride=4), act(), nn.Conv2d(16 * m, 32, 4, stride=2), act(),
-                     nn.Conv2d(32 * m, 32, 3, stride=1), act(), nn.Flatten()]
+            convs = [
+                nn.Conv2d(c, 16, 8, stride=4),
+                act(),
+                nn.Conv2d(16 * m, 32, 4, stride=2),
+                act(),
+                nn.Conv2d(32 * m, 32, 3, stride=1),
+                act(),
+                nn.Flatten(),
+            ]
         else:  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels
             convs = [nn.Conv2d(c, 16, 3, stride=1), act(), nn.Flatten()]
         with torch.no_grad():  # the size of the flattened conv output
@@ -260,8 +352,17 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
     """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
     minatar = args.env_id in MINATAR_ENV_IDS
     torso = ("minatar" if minatar else "paper") if args.torso == "auto" else args.torso
-    return ReactorNetwork(num_actions, obs_shape, args.num_atoms, args.lstm_size, args.crelu, args.distributional,
-                          args.policy_uniform_eps, torso, obs_scale=1.0 if minatar else 255.0)
+    return ReactorNetwork(
+        num_actions,
+        obs_shape,
+        args.num_atoms,
+        args.lstm_size,
+        args.crelu,
+        args.distributional,
+        args.policy_uniform_eps,
+        torso,
+        obs_scale=1.0 if minatar else 255.0,
+    )
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
@@ -416,9 +517,16 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     denom, n = mask.sum(1).clamp(min=1.0), mask.sum().clamp(min=1.0)
     loss = (batch.weights * (per_step * mask).sum(1) / denom).mean()  # IS-weighted mean over the valid steps
     priorities = (td_size.detach() * mask).sum(1) / denom  # mean |TD| (ND) or mean total variation
-    stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/entropy": entropy,
-             "losses/q_values": _at(q_online, a)[:, :T], "losses/retrace_return": returns, "replay/rho_mean": rho[:, :T],
-             "replay/trace_mean": c_next, "replay/trace_cut_fraction": (c_next < 0.99).float()}  # c < 0.99 (episode ends too)
+    stats = {
+        "losses/value_loss": value_loss,
+        "losses/policy_loss": policy_loss,
+        "losses/entropy": entropy,
+        "losses/q_values": _at(q_online, a)[:, :T],
+        "losses/retrace_return": returns,
+        "replay/rho_mean": rho[:, :T],
+        "replay/trace_mean": c_next,
+        "replay/trace_cut_fraction": (c_next < 0.99).float(),
+    }  # c < 0.99 (episode ends too)
     return loss, priorities, {k: (x.detach() * mask).sum() / n for k, x in stats.items()}  # means over the valid steps
 
 
@@ -592,12 +700,28 @@ class SequenceReplay:
     @staticmethod
     def slot_fields(num_actions: int, lstm_size: int, obs_shape) -> dict:
         """{field: (dtype, shape)} of one slot, in FIELDS order (the replay arrays and the actors' chunk buffers)."""
-        return {"obs": (np.uint8, tuple(obs_shape)), "action": (np.uint8, ()), "reward": (np.float32, ()),
-                "term": (np.bool_, ()), "pad": (np.bool_, ()), "first": (np.bool_, ()),
-                "mu": (np.float32, (num_actions,)), "state": (np.float16, (4, lstm_size))}
+        return {
+            "obs": (np.uint8, tuple(obs_shape)),
+            "action": (np.uint8, ()),
+            "reward": (np.float32, ()),
+            "term": (np.bool_, ()),
+            "pad": (np.bool_, ()),
+            "first": (np.bool_, ()),
+            "mu": (np.float32, (num_actions,)),
+            "state": (np.float16, (4, lstm_size)),
+        }
 
-    def __init__(self, capacity: int, num_segments: int, seq_len: int, num_actions: int, lstm_size: int, obs_shape: tuple,
-                 uniform_eps: float = 0.1, prioritized: bool = True):
+    def __init__(
+        self,
+        capacity: int,
+        num_segments: int,
+        seq_len: int,
+        num_actions: int,
+        lstm_size: int,
+        obs_shape: tuple,
+        uniform_eps: float = 0.1,
+        prioritized: bool = True,
+    ):
         self.seg_cap = capacity // num_segments
         self.capacity = self.seg_cap * num_segments  # (whole segments)
         self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
@@ -638,9 +762,17 @@ class SequenceReplay:
             return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
 
         st = self.state[keys].astype(np.float32)
-        return keys, Batch(t(self.obs[slots]), t(self.action[slots], torch.int64), t(self.reward[slots]),
-                           t(self.term[slots]), t(self.pad[slots]), t(self.first[slots]), t(self.mu[slots]),
-                           tuple(t(st[:, i]) for i in range(4)), t(weights / weights.max(), torch.float32))
+        return keys, Batch(
+            t(self.obs[slots]),
+            t(self.action[slots], torch.int64),
+            t(self.reward[slots]),
+            t(self.term[slots]),
+            t(self.pad[slots]),
+            t(self.first[slots]),
+            t(self.mu[slots]),
+            tuple(t(st[:, i]) for i in range(4)),
+            t(weights / weights.max(), torch.float32),
+        )
 
     def cut_at_heads(self) -> None:
         """Resume: each segment's last written slot becomes a pad (as after a truncation): no sequence crosses episodes."""
@@ -676,8 +808,9 @@ def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
     return ChunkChannel(ctx, args.num_actors, args.actor_chunk + 1, fields)
 
 
-def actor_loop(actor_id, args, run_name, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel,
-               stop_event):
+def actor_loop(
+    actor_id, args, run_name, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel, stop_event
+):
     """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
@@ -710,9 +843,17 @@ def actor_loop(actor_id, args, run_name, shared_net, weights_version, actor_step
             channel.post("episode", float(info["episode"]["r"]), int(info["episode"]["l"]))
         if terminated or truncated:
             if truncated and not terminated:  # the true last frame, to bootstrap from (no transition leaves it)
-                rows = channel.write(actor_id, next_obs, 0, 0.0, False, True, False,
-                                     np.full(num_actions, 1.0 / num_actions, np.float32),
-                                     torch.cat(out.state, 0).numpy().astype(np.float16))
+                rows = channel.write(
+                    actor_id,
+                    next_obs,
+                    0,
+                    0.0,
+                    False,
+                    True,
+                    False,
+                    np.full(num_actions, 1.0 / num_actions, np.float32),
+                    torch.cat(out.state, 0).numpy().astype(np.float16),
+                )
             obs, _ = env.reset()
             state, first = net.initial_state(1), True
         else:
@@ -727,8 +868,11 @@ def actor_loop(actor_id, args, run_name, shared_net, weights_version, actor_step
 def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: tuple, args: Args) -> bool:
     """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
     both counted from ratio_base = (env step, learning step); and at least a batch of sequences in the replay."""
-    return (global_step >= ratio_base[0] and num_sequences >= args.batch_size
-            and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio)
+    return (
+        global_step >= ratio_base[0]
+        and num_sequences >= args.batch_size
+        and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio
+    )
 
 
 def learning_step(net, target_net, optimizer, replay: SequenceReplay, support, args: Args, rng, device) -> dict:
@@ -785,14 +929,19 @@ if __name__ == "__main__":
     if ckpt:  # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
         learns_from = ckpt["global_step"] + (args.learning_starts if ckpt["replay"] is None else 0)
         if args.total_timesteps <= learns_from:
-            raise SystemExit(f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}" + (
-                f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
-                + f": give --total-timesteps > {learns_from:,}")
+            raise SystemExit(
+                f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}"
+                + (f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
+                + f": give --total-timesteps > {learns_from:,}"
+            )
     probe = make_env(args.env_id, args.seed, args)  # (Atari and MinAtar: discrete actions)
     num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
     probe.close()
-    check_memory(SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),  # (prints it)
-                 "--replay-size", args.memory_fraction)  # refuses a replay that does not fit in RAM, in one line
+    check_memory(
+        SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),  # (prints it)
+        "--replay-size",
+        args.memory_fraction,
+    )  # refuses a replay that does not fit in RAM, in one line
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
 
     # TRY NOT TO MODIFY: seeding
@@ -804,26 +953,40 @@ if __name__ == "__main__":
     # SETUP: network, target network, optimizer, replay, shared weights, actors
     net, target_net, optimizer = make_learner(args, num_actions, obs_shape, device)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
-    replay = SequenceReplay(args.replay_size, args.num_actors, args.sequence_length, num_actions, args.lstm_size,
-                            obs_shape, args.replay_uniform_eps, args.prioritized)
+    replay = SequenceReplay(
+        args.replay_size,
+        args.num_actors,
+        args.sequence_length,
+        num_actions,
+        args.lstm_size,
+        obs_shape,
+        args.replay_uniform_eps,
+        args.prioritized,
+    )
     global_step, learn_steps, episodes_done = 0, 0, 0
     ratio_base = (args.learning_starts, 0)  # the acting:learning ratio counts from (env step, learning step)
     if ckpt:  # restore, then one line
-        load_state_dicts(ckpt, model=net, target_model=target_net, optimizer=optimizer,
-                         replay=None if ckpt["replay"] is None else replay)
+        load_state_dicts(
+            ckpt, model=net, target_model=target_net, optimizer=optimizer, replay=None if ckpt["replay"] is None else replay
+        )
         global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
         if ckpt["replay"] is not None:
             replay.cut_at_heads()  # the actors start new episodes: no bootstrap across the checkpoint
             what = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
         else:  # the first learning_starts steps refill the replay; the ratio counts from there
             ratio_base = (learns_from, learn_steps)
-            what = (f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill "
-                    f"it, the acting:learning ratio counts from step {learns_from:,}")
+            what = (
+                f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill "
+                f"it, the acting:learning ratio counts from step {learns_from:,}"
+            )
         set_rng_state(ckpt["rng"])
         rng = ckpt["np_rng"]
-        print(f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
-              f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
-              f"runs to step {args.total_timesteps:,}", flush=True)
+        print(
+            f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
+            f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
+            f"runs to step {args.total_timesteps:,}",
+            flush=True,
+        )
     shared_net = make_network(args, num_actions, obs_shape).share_memory()
     shared_net.load_state_dict(net.state_dict())  # (copies into the shared tensors)
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -837,17 +1000,42 @@ if __name__ == "__main__":
     stats_acc, learn_time, recent_returns = {}, 0.0, deque(maxlen=100)
 
     def make_checkpoint():
-        save_checkpoint(logger.dir / "checkpoint.pt", {
-            "script": "reactor.py", "args": vars(args), "run_name": logger.run_name, "global_step": global_step,
-            "learn_steps": learn_steps, "episodes": episodes_done, "rng": rng_state(), "np_rng": rng,
-            **state_dicts(model=net, target_model=target_net, optimizer=optimizer,
-                          replay=replay if args.checkpoint_replay else None)})
+        save_checkpoint(
+            logger.dir / "checkpoint.pt",
+            {
+                "script": "reactor.py",
+                "args": vars(args),
+                "run_name": logger.run_name,
+                "global_step": global_step,
+                "learn_steps": learn_steps,
+                "episodes": episodes_done,
+                "rng": rng_state(),
+                "np_rng": rng,
+                **state_dicts(
+                    model=net, target_model=target_net, optimizer=optimizer, replay=replay if args.checkpoint_replay else None
+                ),
+            },
+        )
 
     error, can_learn = None, False
     try:
         for i in range(args.num_actors):
-            procs.start(actor_loop, (i, args, logger.run_name, shared_net, weights_version, actor_steps, learner_steps,
-                                     ratio_base, channel, procs.stop_event), name=f"actor-{i}")
+            procs.start(
+                actor_loop,
+                (
+                    i,
+                    args,
+                    logger.run_name,
+                    shared_net,
+                    weights_version,
+                    actor_steps,
+                    learner_steps,
+                    ratio_base,
+                    channel,
+                    procs.stop_event,
+                ),
+                name=f"actor-{i}",
+            )
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
             for got in range(4 * args.num_actors):
@@ -878,20 +1066,28 @@ if __name__ == "__main__":
                 if learn_steps % args.log_every == 0:
                     n_logged, idx = learn_steps - last_log_step, replay.index
                     sps, lps = (global_step - start_step) / (time.time() - start_time), n_logged / max(learn_time, 1e-9)
-                    known = idx.priority[idx.known.tree[idx.known.size:][:idx.capacity] > 0]  # the known priorities
+                    known = idx.priority[idx.known.tree[idx.known.size :][: idx.capacity] > 0]  # the known priorities
                     # the stats summed on the device since the last log line (loss and IS weights too): one transfer
                     means = (torch.stack(list(stats_acc.values())) / n_logged).tolist()
                     metrics = dict(zip(stats_acc, means)) | {
-                        "charts/SPS": sps, "charts/learning_steps": learn_steps, "charts/learner_steps_per_s": lps,
+                        "charts/SPS": sps,
+                        "charts/learning_steps": learn_steps,
+                        "charts/learner_steps_per_s": lps,
                         "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
                         "replay/size": len(replay),
                         "replay/known_fraction": idx.num_known / max(len(replay), 1),
                         "replay/priority_mean": float(known.mean()) if known.size else 0.0,
-                        "replay/priority_max": float(known.max()) if known.size else 0.0}
+                        "replay/priority_max": float(known.max()) if known.size else 0.0,
+                    }
                     logger.log(global_step, metrics)
-                    logger.progress(global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss",
-                                    float(metrics["losses/value_loss"]),
-                                    f"learn {learn_steps:,} ({lps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}")
+                    logger.progress(
+                        global_step,
+                        sps,
+                        np.mean(recent_returns) if recent_returns else None,
+                        "value_loss",
+                        float(metrics["losses/value_loss"]),
+                        f"learn {learn_steps:,} ({lps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
+                    )
                     stats_acc, learn_time, last_log_step = {}, 0.0, learn_steps
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
@@ -902,8 +1098,10 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
-    logger.log(global_step, {"charts/SPS": (global_step - start_step) / (time.time() - start_time),
-                             "charts/learning_steps": learn_steps})  # the last record is at the last step
+    logger.log(
+        global_step,
+        {"charts/SPS": (global_step - start_step) / (time.time() - start_time), "charts/learning_steps": learn_steps},
+    )  # the last record is at the last step
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
@@ -917,9 +1115,22 @@ if __name__ == "__main__":
         for r in returns:
             logger.log(global_step, {"eval/episodic_return": r})
         print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
-        return {"eval_episodes": len(returns), "eval_return_mean": float(np.mean(returns)),
-                "eval_return_median": float(np.median(returns)), "eval_returns": returns}
+        return {
+            "eval_episodes": len(returns),
+            "eval_return_mean": float(np.mean(returns)),
+            "eval_return_median": float(np.median(returns)),
+            "eval_returns": returns,
+        }
 
-    finish_run(logger, error, {"global_step": global_step, "learning_steps": learn_steps, "episodes": episodes_done,
-        "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None},
-        save_model if args.save_model else None, final_eval if args.save_model and args.eval_episodes else None)
+    finish_run(
+        logger,
+        error,
+        {
+            "global_step": global_step,
+            "learning_steps": learn_steps,
+            "episodes": episodes_done,
+            "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None,
+        },
+        save_model if args.save_model else None,
+        final_eval if args.save_model and args.eval_episodes else None,
+    )

@@ -1,5 +1,6 @@
 """Tests of reactor.py: each estimator and sampler against a deliberately slow textbook version written from the
 paper's equations (Gruslys et al. 2018), property tests, edge cases, and short subprocess smoke runs."""
+
 import json
 import math
 import os
@@ -149,7 +150,7 @@ def random_sequence(rng, T, A, K, terminal_prob=0.0):
     actions = rng.integers(0, A, size=T + 1)
     q = rng.random((T + 1, A, K))
     q[:, :, : K // 4] = 0.0  # no mass on the extreme atoms: nothing gets clipped
-    q[:, :, K - K // 4:] = 0.0
+    q[:, :, K - K // 4 :] = 0.0
     q /= q.sum(-1, keepdims=True)
     return rewards, discounts, c, pi, q, actions
 
@@ -161,9 +162,13 @@ def test_scalar_retrace_matches_textbook():
         rewards, discounts, c, pi, _, actions = random_sequence(rng, T, A, 4, terminal_prob=0.2 * (case % 2))
         Q = rng.normal(size=(T + 1, A))
         want = textbook_retrace(rewards, discounts, np.r_[c[:T], 0.0], pi, Q, actions)
-        got = retrace_returns(torch.tensor(rewards)[None], torch.tensor(discounts)[None], torch.tensor(c[1:])[None],
-                              torch.tensor((pi[1:] * Q[1:]).sum(1))[None],
-                              torch.tensor(Q[np.arange(1, T + 1), actions[1:]])[None])[0].numpy()
+        got = retrace_returns(
+            torch.tensor(rewards)[None],
+            torch.tensor(discounts)[None],
+            torch.tensor(c[1:])[None],
+            torch.tensor((pi[1:] * Q[1:]).sum(1))[None],
+            torch.tensor(Q[np.arange(1, T + 1), actions[1:]])[None],
+        )[0].numpy()
         np.testing.assert_allclose(got, want, atol=1e-10)
 
 
@@ -175,9 +180,14 @@ def test_distributional_retrace_matches_textbook_mass_one_and_mean():
         T, A = int(rng.integers(1, 7)), int(rng.integers(2, 4))
         rewards, discounts, c, pi, q, actions = random_sequence(rng, T, A, K, terminal_prob=0.25 * (case % 2))
         got = distributional_retrace_target(
-            torch.tensor(rewards)[None], torch.tensor(discounts)[None], torch.tensor(c[1:])[None],
-            torch.tensor(pi[1:])[None], torch.tensor(q[1:])[None], torch.tensor(actions[1:])[None],
-            torch.tensor(support))[0].numpy()
+            torch.tensor(rewards)[None],
+            torch.tensor(discounts)[None],
+            torch.tensor(c[1:])[None],
+            torch.tensor(pi[1:])[None],
+            torch.tensor(q[1:])[None],
+            torch.tensor(actions[1:])[None],
+            torch.tensor(support),
+        )[0].numpy()
         want = textbook_distributional_retrace(rewards, discounts, c, pi, q, actions, support)
         np.testing.assert_allclose(got, want, atol=1e-10)
         np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-10)  # sum_{n,a} alpha_{n,a} = 1
@@ -194,9 +204,15 @@ def test_distributional_target_can_be_signed_but_keeps_mass():
     support = torch.linspace(-10, 10, K)
     q = torch.softmax(torch.tensor(rng.normal(size=(B, T, A, K))) * 3, -1)
     pi = torch.softmax(torch.tensor(rng.normal(size=(B, T, A))), -1)
-    target = distributional_retrace_target(torch.tensor(rng.uniform(-1, 1, (B, T))), torch.full((B, T), 0.99),
-                                           torch.tensor(rng.uniform(0, 1, (B, T))), pi, q,
-                                           torch.tensor(rng.integers(0, A, (B, T))), support)
+    target = distributional_retrace_target(
+        torch.tensor(rng.uniform(-1, 1, (B, T))),
+        torch.full((B, T), 0.99),
+        torch.tensor(rng.uniform(0, 1, (B, T))),
+        pi,
+        q,
+        torch.tensor(rng.integers(0, A, (B, T))),
+        support,
+    )
     np.testing.assert_allclose(target.sum(-1).numpy(), 1.0, atol=1e-10)
     assert (target < -1e-6).any(), "alpha has negative entries: some target bins should be negative"
 
@@ -238,8 +254,9 @@ def test_trace_cutting_at_episode_end_and_bootstrap_on_truncation():
     np.testing.assert_allclose(mask[0].numpy(), [1, 1, 1, 0, 1])
     target = distributional_retrace_target(rewards, disc, c_next, pi, q, a, support)
     boot = (pi[0, 2, :, None] * q[0, 2]).sum(0)  # r_2 + gamma E_pi q(x_3)
-    np.testing.assert_allclose(target[0, 2].numpy(), categorical_projection(rewards[0, 2] + 0.9 * support, boot,
-                                                                             support).numpy(), atol=1e-12)
+    np.testing.assert_allclose(
+        target[0, 2].numpy(), categorical_projection(rewards[0, 2] + 0.9 * support, boot, support).numpy(), atol=1e-12
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -280,7 +297,7 @@ def test_beta_loo_with_c1_is_loo_and_tislr_gradient():
     mu = torch.tensor([0.05, 0.9, 0.05])
     c = 2.0
     loss = tislr_policy_loss(pi[None], q[None], torch.tensor([1]), R, mu[None], c)
-    g, = torch.autograd.grad(loss.sum(), theta)
+    (g,) = torch.autograd.grad(loss.sum(), theta)
     p = pi.detach().numpy()
     rho = p / mu.numpy()
     v = (p * q.numpy()).sum()
@@ -324,10 +341,10 @@ def numpy_tree(leaves, dtype):
     """A SumTree filled level by level with numpy, every parent left + right (the reference for the walks)."""
     tree = SumTree(len(leaves), dtype)
     t = tree.tree
-    t[tree.size: tree.size + len(leaves)] = leaves
+    t[tree.size : tree.size + len(leaves)] = leaves
     for level in range(tree.depth - 1, -1, -1):
         lo = 1 << level
-        t[lo: 2 * lo] = t[2 * lo: 4 * lo: 2] + t[2 * lo + 1: 4 * lo: 2]
+        t[lo : 2 * lo] = t[2 * lo : 4 * lo : 2] + t[2 * lo + 1 : 4 * lo : 2]
     return tree
 
 
@@ -539,7 +556,7 @@ def check_equals_slow(lp, slow):
     np.testing.assert_array_equal(lp.known.get(np.arange(lp.capacity)), np.isin(np.arange(lp.capacity), ks))
     for tree in (lp.valid, lp.known, lp.mass):  # every parent is exactly the sum of its children
         t = tree.tree
-        np.testing.assert_array_equal(t[1: tree.size], t[2: 2 * tree.size: 2] + t[3: 2 * tree.size: 2])
+        np.testing.assert_array_equal(t[1 : tree.size], t[2 : 2 * tree.size : 2] + t[3 : 2 * tree.size : 2])
     if ks:
         assert lp.prev_known[ks].tolist() == ks[-1:] + ks[:-1] and lp.next_known[ks].tolist() == ks[1:] + ks[:1]
         assert lp.cell_size[ks].tolist() == [size[s] for s in ks]
@@ -602,9 +619,16 @@ def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
     obs = np.zeros((m, 1, 84, 84), np.uint8)
     obs[:, 0, 0, 0] = t % 256
     obs[:, 0, 0, 1] = t // 256
-    return {"obs": obs, "action": (t % A).astype(np.uint8), "reward": t.astype(np.float32),
-            "term": np.isin(t, term_at), "pad": np.zeros(m, bool), "first": np.isin(t, first_at),
-            "mu": np.full((m, A), 1 / A, np.float32), "state": np.full((m, 4, H), 0.5, np.float16)}
+    return {
+        "obs": obs,
+        "action": (t % A).astype(np.uint8),
+        "reward": t.astype(np.float32),
+        "term": np.isin(t, term_at),
+        "pad": np.zeros(m, bool),
+        "first": np.isin(t, first_at),
+        "mu": np.full((m, A), 1 / A, np.float32),
+        "state": np.full((m, 4, H), 0.5, np.float16),
+    }
 
 
 def test_sequence_replay_keys_eviction_and_gathers():
@@ -665,8 +689,7 @@ def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
     for segment in (0, 1):
         slots = segment * seg + np.arange(6, 6 + T + 1)  # key 6: slots 6..10, across the checkpoint at 9 | 10
         f = {k: torch.as_tensor(getattr(resumed, k)[slots][None]) for k in ("term", "pad", "first")}
-        disc, c_next, mask = reactor.discounts_and_traces(torch.ones(1, T + 1), f["term"], f["pad"], f["first"],
-                                                          0.9, 1.0)
+        disc, c_next, mask = reactor.discounts_and_traces(torch.ones(1, T + 1), f["term"], f["pad"], f["first"], 0.9, 1.0)
         # transitions 6, 7, 8 -> 9: normal; 8 -> 9 bootstraps from x_9 (gamma kept, trace cut); 9 -> 10: no loss
         np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.9, 0.0])
         np.testing.assert_allclose(c_next[0].numpy(), [1.0, 1.0, 0.0, 0.0])
@@ -698,10 +721,17 @@ def make_batch(B, T, A, H, rng, pad_at=None):
     if pad_at is not None:
         pad[1, pad_at], first[1, pad_at + 1] = True, True
     mu = torch.softmax(torch.tensor(rng.normal(size=(B, T + 1, A)), dtype=torch.float32), -1)
-    return reactor.Batch(torch.randint(0, 255, (B, T + 1, 84, 84), dtype=torch.uint8),
-                         torch.tensor(rng.integers(0, A, (B, T + 1))), torch.randn(B, T + 1, dtype=torch.float32),
-                         term, pad, first, mu, tuple(torch.zeros(B, H, dtype=torch.float32) for _ in range(4)),
-                         torch.ones(B, dtype=torch.float32))
+    return reactor.Batch(
+        torch.randint(0, 255, (B, T + 1, 84, 84), dtype=torch.uint8),
+        torch.tensor(rng.integers(0, A, (B, T + 1))),
+        torch.randn(B, T + 1, dtype=torch.float32),
+        term,
+        pad,
+        first,
+        mu,
+        tuple(torch.zeros(B, H, dtype=torch.float32) for _ in range(4)),
+        torch.ones(B, dtype=torch.float32),
+    )
 
 
 @pytest.fixture
@@ -924,8 +954,9 @@ SCRIPT = str(REPO / "reactor.py")
 
 def run_script(tmp_path, *flags, timeout=150):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bad_input_fails_with_one_line():
@@ -943,10 +974,36 @@ def test_bad_input_fails_with_one_line():
 def test_minatar_run_end_to_end(tmp_path, monkeypatch):
     """MinAtar: (4, 10, 10) 0/1 frames through the actors, the replay and MinAtar's torso; the loop learns, logs and
     saves; the network and replay take their input size from the env."""
-    r = run_script(tmp_path, "--env-id", "MinAtar/Breakout-v0", "--num-actors", "1", "--replay-size", "600",
-                   "--learning-starts", "100", "--replay-ratio", "60", "--ratio-slack", "32", "--lstm-size", "16",
-                   "--num-atoms", "11", "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "1",
-                   "--total-timesteps", "300", "--no-progress", "--no-cuda", "--save-model")
+    r = run_script(
+        tmp_path,
+        "--env-id",
+        "MinAtar/Breakout-v0",
+        "--num-actors",
+        "1",
+        "--replay-size",
+        "600",
+        "--learning-starts",
+        "100",
+        "--replay-ratio",
+        "60",
+        "--ratio-slack",
+        "32",
+        "--lstm-size",
+        "16",
+        "--num-atoms",
+        "11",
+        "--sequence-length",
+        "8",
+        "--batch-size",
+        "2",
+        "--eval-episodes",
+        "1",
+        "--total-timesteps",
+        "300",
+        "--no-progress",
+        "--no-cuda",
+        "--save-model",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = list((tmp_path / "runs").iterdir())
     summary = json.loads((run / "summary.json").read_text())
@@ -963,10 +1020,34 @@ def test_minatar_run_end_to_end(tmp_path, monkeypatch):
 
 def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
     """Resume with the replay saved in the checkpoint (--checkpoint-replay); tests/test_lifecycle.py resumes without."""
-    common = ["--num-actors", "2", "--replay-size", "1200", "--learning-starts", "100", "--replay-ratio", "60",
-              "--ratio-slack", "32", "--log-every", "1", "--lstm-size", "32", "--num-atoms", "11", "--no-progress",
-              "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "0", "--no-cuda",
-              "--start-method", "forkserver"]  # forkserver: the actors share one import of torch (faster here)
+    common = [
+        "--num-actors",
+        "2",
+        "--replay-size",
+        "1200",
+        "--learning-starts",
+        "100",
+        "--replay-ratio",
+        "60",
+        "--ratio-slack",
+        "32",
+        "--log-every",
+        "1",
+        "--lstm-size",
+        "32",
+        "--num-atoms",
+        "11",
+        "--no-progress",
+        "--sequence-length",
+        "8",
+        "--batch-size",
+        "2",
+        "--eval-episodes",
+        "0",
+        "--no-cuda",
+        "--start-method",
+        "forkserver",
+    ]  # forkserver: the actors share one import of torch (faster here)
     r = run_script(tmp_path, *common, "--total-timesteps", "260", "--checkpoint-every", "200", "--checkpoint-replay")
     assert r.returncode == 0, r.stdout + r.stderr
     (run1,) = list((tmp_path / "runs").iterdir())
@@ -974,8 +1055,17 @@ def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
     assert summary["stop_reason"] == "completed" and summary["global_step"] >= 260 and summary["learning_steps"] >= 1
     metrics = [json.loads(line) for line in (run1 / "metrics.jsonl").read_text().splitlines()]
     logged = set().union(*metrics)
-    for name in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "charts/SPS", "replay/rho_mean",
-                 "replay/size", "replay/priority_mean", "charts/acting_learning_ratio", "replay/trace_cut_fraction"):
+    for name in (
+        "losses/value_loss",
+        "losses/policy_loss",
+        "losses/entropy",
+        "charts/SPS",
+        "replay/rho_mean",
+        "replay/size",
+        "replay/priority_mean",
+        "charts/acting_learning_ratio",
+        "replay/trace_cut_fraction",
+    ):
         assert name in logged, name
     ckpt = torch.load(run1 / "checkpoint.pt", weights_only=False)
     assert ckpt["replay"] is not None and ckpt["learn_steps"] == summary["learning_steps"]
@@ -1050,19 +1140,35 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             return obs, r + 0.25 * self.t, term, trunc, info
 
     limit, steps = 8, 150
-    monkeypatch.setattr(reactor, "make_env", lambda env_id, seed, args, **k: StepReward(make_minatar_env(
-        env_id, seed, max_episode_steps=limit)))
-    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16,
-                        seed=5, actor_sync_every=1)
+    monkeypatch.setattr(
+        reactor,
+        "make_env",
+        lambda env_id, seed, args, **k: StepReward(make_minatar_env(env_id, seed, max_episode_steps=limit)),
+    )
+    args = reactor.Args(
+        env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16, seed=5, actor_sync_every=1
+    )
     probe = reactor.make_env(args.env_id, 0, args)
     A, shape = int(probe.action_space.n), probe.observation_space.shape
     torch.manual_seed(0)
     shared = reactor.make_network(args, A, shape)
     channel, stop = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape), threading.Event()
     actor_steps, threads = [0], torch.get_num_threads()
-    actor = threading.Thread(target=reactor.actor_loop, args=(
-        0, args, "test", shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), (10**12, 0), channel,
-        stop))  # ratio base far ahead: no acting:learning gate
+    actor = threading.Thread(
+        target=reactor.actor_loop,
+        args=(
+            0,
+            args,
+            "test",
+            shared,
+            SimpleNamespace(value=0),
+            actor_steps,
+            SimpleNamespace(value=0),
+            (10**12, 0),
+            channel,
+            stop,
+        ),
+    )  # ratio base far ahead: no acting:learning gate
     replay = reactor.SequenceReplay(4000, 1, 8, A, args.lstm_size, obs_shape=shape)
     actor.start()
     try:
@@ -1124,8 +1230,18 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     rng = np.random.default_rng(11)
     B, T, A, K, gamma, lam, c_loo, c_tislr, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 1.0, 0.01
     support = torch.linspace(-2.0, 2.0, K)
-    args = reactor.Args(num_atoms=K, v_min=-2.0, v_max=2.0, gamma=gamma, retrace_lambda=lam, beta_loo_c=c_loo,
-                        entropy_coef=ent, distributional=distributional, policy_gradient=policy_gradient, tislr_c=c_tislr)
+    args = reactor.Args(
+        num_atoms=K,
+        v_min=-2.0,
+        v_max=2.0,
+        gamma=gamma,
+        retrace_lambda=lam,
+        beta_loo_c=c_loo,
+        entropy_coef=ent,
+        distributional=distributional,
+        policy_gradient=policy_gradient,
+        tislr_c=c_tislr,
+    )
     q_shape = (B, T + 1, A, K) if distributional else (B, T + 1, A)
     q_on, pl_on = rng.normal(size=q_shape), rng.normal(size=(B, T + 1, A))
     q_tg = rng.normal(size=q_shape)
@@ -1147,9 +1263,17 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     mu = rng.dirichlet(np.ones(A), size=(B, T + 1))
     rewards = rng.uniform(-0.5, 0.5, (B, T + 1)).astype(np.float32).astype(np.float64)  # stored as float32
     weights = np.array([1.0, 0.4, 0.7])
-    batch = reactor.Batch(torch.zeros(B, T + 1, 1, 2, 2, dtype=torch.uint8), torch.tensor(actions),
-                          torch.tensor(rewards), torch.tensor(term), torch.tensor(pad), torch.tensor(first),
-                          torch.tensor(mu), tuple(torch.zeros(B, 2) for _ in range(4)), torch.tensor(weights))
+    batch = reactor.Batch(
+        torch.zeros(B, T + 1, 1, 2, 2, dtype=torch.uint8),
+        torch.tensor(actions),
+        torch.tensor(rewards),
+        torch.tensor(term),
+        torch.tensor(pad),
+        torch.tensor(first),
+        torch.tensor(mu),
+        tuple(torch.zeros(B, 2) for _ in range(4)),
+        torch.tensor(weights),
+    )
     net, target = Stub(q_on, pl_on), Stub(q_tg, rng.normal(size=(B, T + 1, A)))
     loss, prios, _ = reactor.reactor_loss(net, target, batch, support, args)
     loss.backward()
@@ -1271,8 +1395,9 @@ class EpisodeStub:
         pass
 
 
-def run_actor_thread(monkeypatch, args, env, shared, weights_version, learner_steps, actor_steps, ratio_base, stop,
-                     slots_wanted=None):
+def run_actor_thread(
+    monkeypatch, args, env, shared, weights_version, learner_steps, actor_steps, ratio_base, stop, slots_wanted=None
+):
     """The real `actor_loop` (actor 0, in a thread, acting in `env`) and the learner's lines that store its chunks
     (`SequenceReplay.add`), until `slots_wanted` slots are stored or `stop` is set. Returns the replay; an exception
     of the actor is raised here."""
@@ -1284,8 +1409,7 @@ def run_actor_thread(monkeypatch, args, env, shared, weights_version, learner_st
 
     def actor():
         try:
-            reactor.actor_loop(0, args, "test", shared, weights_version, actor_steps, learner_steps, ratio_base,
-                               channel, stop)
+            reactor.actor_loop(0, args, "test", shared, weights_version, actor_steps, learner_steps, ratio_base, channel, stop)
         except Exception as e:
             errors.append(e)
             stop.set()
@@ -1316,8 +1440,17 @@ def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_c
     when needed. Within step 6 the learner publishes new weights (a policy that all but always picks action 2) and
     bumps the version: the actor acts with the old weights up to its next sync point (step 8, actor_sync_every = 4)
     and with the new ones from there on (the stored mu shows which)."""
-    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, sequence_length=4,
-                        replay_size=400, actor_chunk=5, actor_sync_every=4, seed=3)
+    args = reactor.Args(
+        env_id="MinAtar/Breakout-v0",
+        num_actors=1,
+        lstm_size=8,
+        num_atoms=11,
+        sequence_length=4,
+        replay_size=400,
+        actor_chunk=5,
+        actor_sync_every=4,
+        seed=3,
+    )
     torch.manual_seed(0)
     shared, version = reactor.make_network(args, 3, MINATAR), SimpleNamespace(value=0)
     new_mu = np.array([0.01 / 3, 0.01 / 3, 0.99 + 0.01 / 3])  # (1 - eps) softmax([0, 0, 30]) + eps / 3, eps = 0.01
@@ -1335,8 +1468,18 @@ def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_c
     step_in_episode = np.concatenate([np.arange(n + 1) for n in lengths])
     is_pad = np.concatenate([np.arange(n + 1) == n for n in lengths])
     rows = len(episode_rows)
-    replay = run_actor_thread(monkeypatch, args, EpisodeStub(lengths, publish), shared, version,
-                              SimpleNamespace(value=0), [0], (10**12, 0), threading.Event(), slots_wanted=rows)
+    replay = run_actor_thread(
+        monkeypatch,
+        args,
+        EpisodeStub(lengths, publish),
+        shared,
+        version,
+        SimpleNamespace(value=0),
+        [0],
+        (10**12, 0),
+        threading.Event(),
+        slots_wanted=rows,
+    )
     np.testing.assert_array_equal(replay.obs[:rows, 0, 0, 0], episode_rows)
     np.testing.assert_array_equal(replay.obs[:rows, 0, 0, 1], step_in_episode)
     np.testing.assert_array_equal(replay.pad[:rows], is_pad)
@@ -1353,8 +1496,17 @@ def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
     ratio_base[0], are at most replay_ratio x (learning steps - ratio_base[1]) + ratio_slack, and waits as soon as one
     more step would pass that bound. The real `actor_loop` in a thread; another actor's 5 steps count too; the learner
     is simulated by the actor's wait (each wait: one more learning step), so that nothing depends on timing."""
-    args = reactor.Args(env_id="MinAtar/Breakout-v0", num_actors=2, lstm_size=8, num_atoms=11, sequence_length=4,
-                        replay_size=4000, actor_chunk=4, replay_ratio=2.5, ratio_slack=6)
+    args = reactor.Args(
+        env_id="MinAtar/Breakout-v0",
+        num_actors=2,
+        lstm_size=8,
+        num_atoms=11,
+        sequence_length=4,
+        replay_size=4000,
+        actor_chunk=4,
+        replay_ratio=2.5,
+        ratio_slack=6,
+    )
     base, stop = (20, 3), threading.Event()
     learner_steps, actor_steps = SimpleNamespace(value=base[1]), [0, 5]  # (actor 1: 5 steps, then no more)
     acted, waited = [], []  # (env steps since base[0], learning steps since base[1]) at each step, at each wait
@@ -1372,8 +1524,17 @@ def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
             stop.set()
 
     monkeypatch.setattr(reactor, "time", SimpleNamespace(sleep=wait))  # actor_loop's wait
-    run_actor_thread(monkeypatch, args, EpisodeStub([7], on_step), reactor.make_network(args, 3, MINATAR),
-                     SimpleNamespace(value=0), learner_steps, actor_steps, base, stop)
+    run_actor_thread(
+        monkeypatch,
+        args,
+        EpisodeStub([7], on_step),
+        reactor.make_network(args, 3, MINATAR),
+        SimpleNamespace(value=0),
+        learner_steps,
+        actor_steps,
+        base,
+        stop,
+    )
     assert all(ahead <= 2.5 * learned + 6 for ahead, learned in acted)
     assert acted[0][0] == -15  # before learning_starts (base[0]) too
     # it waits right at the bound: one step more would pass it
@@ -1403,8 +1564,16 @@ def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_th
     the weights to the actors' shared network, sets the version and the learner count the actors read, and copies
     the weights to the target network every target_update_period steps (and only then). The step's stats carry its
     loss and mean IS weight (the log line's means over the steps since the last line)."""
-    args = reactor.Args(env_id="MinAtar/Breakout-v0", lstm_size=8, num_atoms=11, sequence_length=4, batch_size=3,
-                        target_update_period=3, priority_exponent=0.5, learning_rate=1e-3)
+    args = reactor.Args(
+        env_id="MinAtar/Breakout-v0",
+        lstm_size=8,
+        num_atoms=11,
+        sequence_length=4,
+        batch_size=3,
+        target_update_period=3,
+        priority_exponent=0.5,
+        learning_rate=1e-3,
+    )
     A, T, rng = 3, args.sequence_length, np.random.default_rng(0)
     torch.manual_seed(0)
     net, target_net, optimizer = reactor.make_learner(args, A, MINATAR, "cpu")
@@ -1412,10 +1581,19 @@ def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_th
     shared.load_state_dict(net.state_dict())
     replay = SequenceReplay(200, 1, T, A, args.lstm_size, MINATAR, args.replay_uniform_eps)
     m = 40
-    replay.add(0, {"obs": rng.integers(0, 2, (m, *MINATAR)).astype(np.uint8), "action": rng.integers(0, A, m),
-                   "reward": rng.normal(size=m), "term": np.zeros(m, bool), "pad": np.zeros(m, bool),
-                   "first": np.arange(m) % 13 == 0, "mu": rng.dirichlet(np.ones(A), m),
-                   "state": np.zeros((m, 4, args.lstm_size))})
+    replay.add(
+        0,
+        {
+            "obs": rng.integers(0, 2, (m, *MINATAR)).astype(np.uint8),
+            "action": rng.integers(0, A, m),
+            "reward": rng.normal(size=m),
+            "term": np.zeros(m, bool),
+            "pad": np.zeros(m, bool),
+            "first": np.arange(m) % 13 == 0,
+            "mu": rng.dirichlet(np.ones(A), m),
+            "state": np.zeros((m, 4, args.lstm_size)),
+        },
+    )
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)
     seen = {}
 
@@ -1474,12 +1652,44 @@ def test_run_writes_priorities_back_refreshes_the_target_and_keeps_the_ratio(tmp
     its replay has known keys with priorities (written back by the learner), and each log line keeps
     (env steps - learning_starts) / replay_ratio within [learning steps - 1, learning steps + ratio_slack / replay_ratio]
     (the learner's gate and the actor's gate; the actor may take one step past its check)."""
-    r = run_script(tmp_path, "--env-id", "MinAtar/Breakout-v0", "--num-actors", "1", "--replay-size", "600",
-                   "--learning-starts", "100", "--replay-ratio", "20", "--ratio-slack", "16", "--lstm-size", "16",
-                   "--num-atoms", "11", "--sequence-length", "8", "--batch-size", "2", "--eval-episodes", "0",
-                   "--total-timesteps", "300", "--target-update-period", "1", "--log-every", "1",
-                   "--checkpoint-every", "100000", "--checkpoint-replay", "--start-method", "forkserver",
-                   "--no-progress", "--no-cuda")
+    r = run_script(
+        tmp_path,
+        "--env-id",
+        "MinAtar/Breakout-v0",
+        "--num-actors",
+        "1",
+        "--replay-size",
+        "600",
+        "--learning-starts",
+        "100",
+        "--replay-ratio",
+        "20",
+        "--ratio-slack",
+        "16",
+        "--lstm-size",
+        "16",
+        "--num-atoms",
+        "11",
+        "--sequence-length",
+        "8",
+        "--batch-size",
+        "2",
+        "--eval-episodes",
+        "0",
+        "--total-timesteps",
+        "300",
+        "--target-update-period",
+        "1",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "100000",
+        "--checkpoint-replay",
+        "--start-method",
+        "forkserver",
+        "--no-progress",
+        "--no-cuda",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = list((tmp_path / "runs").iterdir())
     ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
@@ -1488,7 +1698,7 @@ def test_run_writes_priorities_back_refreshes_the_target_and_keeps_the_ratio(tmp
         assert torch.equal(ckpt["target_model"][name], tensor), name
     index = ckpt["replay"]["index"]
     capacity = len(index["priority"])
-    known = index["known"][len(index["known"]) // 2:][:capacity] > 0  # the sum tree's leaves
+    known = index["known"][len(index["known"]) // 2 :][:capacity] > 0  # the sum tree's leaves
     assert known.sum() >= 2 and (index["priority"][known] > 0).all()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lines = [(r["global_step"], r["charts/learning_steps"]) for r in records if "charts/learning_steps" in r]

@@ -6,8 +6,9 @@
   of unknown keys, and runs in Python);
 - acting steps/s of the real `actor_loop` processes vs env-only processes (random actions), same process count, on
   ALE/Pong-v5 and MinAtar/Breakout-v0;
-- learner steps/s (sample + loss + backward + clipping + Adam + priorities + weight publication, as the main loop)
-  for the Atari (1x84x84) and MinAtar Breakout (4x10x10) networks, 6 actions.
+- learner steps/s (sample + loss + backward + clipping + Adam + priorities + weight publication: the main loop's
+  `learning_step` and `publish_weights`, or an earlier script's inline equivalent) for the Atari (1x84x84) and MinAtar
+  Breakout (4x10x10) networks, 6 actions.
 
     pip install cpprb==11.0.0  # benchmark-only, not in requirements.txt; without it the cpprb columns are left out
     python tests/benchmarks/bench_reactor.py [--baseline-script PATH] [--sizes 10000 1000000] [--rounds 5]
@@ -19,12 +20,14 @@ this one in the replay and learner tables (one from before MinAtar, e.g. b311819
 only). Replay keys are all valid with 10% known priorities, as after a while of training; `SequenceReplay` adds a
 constant-cost frame copy per slot on top.
 """
+
 import argparse
 import importlib.util
 import os
 import platform
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -43,6 +46,7 @@ def cpprb_version():
     if cpprb is None:
         return "not installed (pip install cpprb==11.0.0)"
     from importlib.metadata import version
+
     return version("cpprb")
 
 
@@ -70,7 +74,7 @@ def ours_replay_ops(module, n, seed=0):
         lp.add(np.arange(start, min(start + (1 << 17), n - 1)))
     known = rng.choice(n - 1, size=n // 10, replace=False)
     for start in range(0, len(known), 1 << 16):
-        part = known[start: start + (1 << 16)]
+        part = known[start : start + (1 << 16)]
         lp.set_priority(part, rng.uniform(0.01, 1.0, size=len(part)))
     head = [n - 1]
 
@@ -80,6 +84,7 @@ def ours_replay_ops(module, n, seed=0):
             lp.remove((new + 1) % n)
             lp.add(new)
             head[0] = (head[0] + m) % n
+
         return f
 
     def sample():
@@ -106,14 +111,20 @@ def cpprb_ops(n, seed=0):
     def sample_batches(repeats):
         batches[:] = [(rb.sample(4)["indexes"], rng.uniform(0.01, 1.0, size=4)) for _ in range(repeats)]
 
-    return {"insert": lambda: rb.add(obs=one, priorities=0.5),
-            "insert16": lambda: rb.add(obs=sixteen, priorities=np.full(16, 0.5)),
-            "sample": lambda: rb.sample(4), "update": (sample_batches, lambda: rb.update_priorities(*batches.pop()))}
+    return {
+        "insert": lambda: rb.add(obs=one, priorities=0.5),
+        "insert16": lambda: rb.add(obs=sixteen, priorities=np.full(16, 0.5)),
+        "sample": lambda: rb.sample(4),
+        "update": (sample_batches, lambda: rb.update_priorities(*batches.pop())),
+    }
 
 
-REPLAY_ROWS = (("insert", "insert 1 key (with 1 eviction)", 1),
-               ("insert16", "insert a 16-key chunk (16 evictions), per key", 16),
-               ("sample", "sample batch 4 (with probabilities)", 1), ("update", "priority update (4 keys)", 1))
+REPLAY_ROWS = (
+    ("insert", "insert 1 key (with 1 eviction)", 1),
+    ("insert16", "insert a 16-key chunk (16 evictions), per key", 16),
+    ("sample", "sample batch 4 (with probabilities)", 1),
+    ("update", "priority update (4 keys)", 1),
+)
 
 
 def bench_replay(sizes, rounds, repeats, baseline):
@@ -141,8 +152,13 @@ def bench_replay(sizes, rounds, repeats, baseline):
                 table[n, v, op] = float(np.median(times[v, op])) / per
         del ops
     cols = list(variants)
-    print("\n| operation | keys | " + " | ".join(f"{v} (us)" for v in cols)
-          + (" | before / ours" if "before" in cols else "") + (" | ours / cpprb" if "cpprb" in cols else "") + " |")
+    print(
+        "\n| operation | keys | "
+        + " | ".join(f"{v} (us)" for v in cols)
+        + (" | before / ours" if "before" in cols else "")
+        + (" | ours / cpprb" if "cpprb" in cols else "")
+        + " |"
+    )
     print("|---|---|" + "---|" * (len(cols) + ("before" in cols) + ("cpprb" in cols)))
     for op, label, _ in REPLAY_ROWS:
         for n in sizes:
@@ -188,8 +204,12 @@ def run_actors(ctx, env_id, num_actors, seconds):
     net.share_memory()
     version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
     channel, stop = reactor.make_channel(ctx, args, num_actions, obs_shape), ctx.Event()
-    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, "bench", net, version, steps, lsteps, (10**12, 0),
-                                                          channel, stop)) for i in range(num_actors)]
+    procs = [
+        ctx.Process(
+            target=reactor.actor_loop, args=(i, args, "bench", net, version, steps, lsteps, (10**12, 0), channel, stop)
+        )
+        for i in range(num_actors)
+    ]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
     while min(steps[:]) == 0:  # start-up (imports, ROM load)
@@ -209,8 +229,9 @@ def run_actors(ctx, env_id, num_actors, seconds):
     act_sps = (sum(steps[:]) - s0) / (time.perf_counter() - t0)
     stop.set()
     while any(p.is_alive() for p in procs):
+        # drain what the actors still send, so that none blocks on a full queue
         try:
-            data.get(timeout=0.1)
+            channel.get(timeout=0.1)
         except Exception:  # noqa: BLE001
             pass
     return act_sps
@@ -219,8 +240,10 @@ def run_actors(ctx, env_id, num_actors, seconds):
 def bench_acting(num_actors, seconds, rounds):
     ctx = torch.multiprocessing.get_context("spawn")
     reactor.make_env("ALE/Pong-v5", 0, reactor.Args()).close()  # (ALE's start-up banner, before the table)
-    print(f"\n| {num_actors} processes (1 thread each), median of {rounds} interleaved rounds | env only, random "
-          f"actions (steps/s) | Reactor actors (steps/s) | actors / env only |\n|---|---|---|---|")
+    print(
+        f"\n| {num_actors} processes (1 thread each), median of {rounds} interleaved rounds | env only, random "
+        f"actions (steps/s) | Reactor actors (steps/s) | actors / env only |\n|---|---|---|---|"
+    )
     for env_id in ("ALE/Pong-v5", "MinAtar/Breakout-v0"):
         env_sps, act_sps = [], []
         for _ in range(rounds):
@@ -244,31 +267,59 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
     args = module.Args(env_id=env_id)
     torch.manual_seed(seed)
     old = pre_minatar(module)
-    make_network = (lambda a, n, shape: module.ReactorNetwork(n, a.num_atoms, a.lstm_size, a.crelu, a.distributional,
-                                                              a.policy_uniform_eps)) if old else module.make_network
+    make_network = (
+        (
+            lambda a, n, shape: module.ReactorNetwork(
+                n, a.num_atoms, a.lstm_size, a.crelu, a.distributional, a.policy_uniform_eps
+            )
+        )
+        if old
+        else module.make_network
+    )
     if hasattr(module, "make_learner"):
         net, target, opt = module.make_learner(args, 6, obs_shape, device)
     else:  # (the earlier script's __main__)
         net = make_network(args, 6, obs_shape).to(device)
         target = make_network(args, 6, obs_shape).to(device)
         target.load_state_dict(net.state_dict())
-        opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                               eps=args.adam_eps)
+        opt = torch.optim.Adam(
+            net.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
+        )
     shared = make_network(args, 6, obs_shape)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     size, m = 20_000, 2000
-    replay = module.SequenceReplay(size, 1, args.sequence_length, 6, args.lstm_size, **({} if old else
-                                                                                       {"obs_shape": obs_shape}))
+    replay = module.SequenceReplay(
+        size, 1, args.sequence_length, 6, args.lstm_size, **({} if old else {"obs_shape": obs_shape})
+    )
     rng = np.random.default_rng(seed)
     high = 256 if obs_shape[0] == 1 else 2  # Atari frames 0..255, MinAtar 0/1
     for _ in range(0, size - m, m):
         frames = (m, *obs_shape[1:]) if old else (m, *obs_shape)  # (the old replay kept 84x84 frames)
-        replay.add(0, {"obs": rng.integers(0, high, frames, dtype=np.uint8), "action": rng.integers(0, 6, m),
-                       "reward": rng.choice([-1.0, 0.0, 1.0], m), "term": rng.random(m) < 0.01,
-                       "pad": np.zeros(m, bool), "first": rng.random(m) < 0.01, "mu": np.full((m, 6), 1 / 6),
-                       "state": np.zeros((m, 4, args.lstm_size))})
+        replay.add(
+            0,
+            {
+                "obs": rng.integers(0, high, frames, dtype=np.uint8),
+                "action": rng.integers(0, 6, m),
+                "reward": rng.choice([-1.0, 0.0, 1.0], m),
+                "term": rng.random(m) < 0.01,
+                "pad": np.zeros(m, bool),
+                "first": rng.random(m) < 0.01,
+                "mu": np.full((m, 6), 1 / 6),
+                "state": np.zeros((m, 4, args.lstm_size)),
+            },
+        )
 
-    def step():
+    if hasattr(module, "publish_weights"):  # the main loop's own functions
+        counters, learn_steps = SimpleNamespace(value=0), [0]
+
+        def step():
+            module.learning_step(net, target, opt, replay, support, args, rng, device)
+            learn_steps[0] += 1
+            module.publish_weights(net, target, shared, counters, counters, learn_steps[0], args)
+
+        return step
+
+    def step():  # (an earlier script: its main loop's steps, inline)
         keys, batch = replay.sample(args.batch_size, rng, device)
         loss, priorities, _ = module.reactor_loss(net, target, batch, support, args)
         opt.zero_grad()
@@ -289,8 +340,10 @@ def bench_learner(seconds, rounds, baseline, threads):
     variants = {"ours": reactor} | ({"before": baseline} if baseline is not None else {})
     cols = [f"{v} (steps/s)" for v in variants] + (["ours / before"] if baseline else [])
     cols += [f"{v} (steps per CPU s)" for v in variants] + (["ours / before (CPU)"] if baseline else [])
-    print(f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
-          f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    print(
+        f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
+        f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
+    )
     for name, env_id, obs_shape in LEARNER_CONFIGS:
         runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or not pre_minatar(m)}
         steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in runs_here.items()}
@@ -326,14 +379,21 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=10.0, help="per acting measurement")
     parser.add_argument("--acting-rounds", type=int, default=2)
     parser.add_argument("--learn-seconds", type=float, default=5.0, help="per learner measurement")
-    parser.add_argument("--learner-threads", type=int, default=1,
-                        help="torch threads of the learner (set_learner_threads gives 1 with 2 actors on 2 cores)")
+    parser.add_argument(
+        "--learner-threads",
+        type=int,
+        default=1,
+        help="torch threads of the learner (set_learner_threads gives 1 with 2 actors on 2 cores)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], help="replay | acting | learner")
     a = parser.parse_args()
     baseline = load_script(a.baseline_script) if a.baseline_script else None
     t0 = time.time()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"cpprb {cpprb_version()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"cpprb {cpprb_version()}, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     if "replay" not in a.skip:
         bench_replay(a.sizes, a.rounds, a.repeats, baseline)
     if "learner" not in a.skip:
