@@ -12,6 +12,7 @@ Usage (from the repo root):
   python tests/benchmarks/bench_plr_ppo.py --env-id MultiRoom-N4-Random --total-timesteps 32768 --repeats 2
   # before/after: git worktree add /tmp/plr_before <commit>; ... --baseline-script /tmp/plr_before/plr_ppo.py
 """
+
 import argparse
 import json
 import os
@@ -34,8 +35,15 @@ def bench_sampler(num_levels, unbounded, N=64, T=256, mean_episode_len=100, reps
     """Seconds per rollout for update_with_rollouts + the sample() calls of its finished episodes."""
     rng = np.random.default_rng(seed)
     levels = None if unbounded else np.arange(num_levels)
-    s = LevelSampler(levels, N, buffer_size=num_levels if unbounded else 0, staleness_coef=0.1,
-                     replay_schedule="fixed" if unbounded else "proportionate", replay_prob=0.95, seed=seed)  # fmt: skip
+    s = LevelSampler(
+        levels,
+        N,
+        buffer_size=num_levels if unbounded else 0,
+        staleness_coef=0.1,
+        replay_schedule="fixed" if unbounded else "proportionate",
+        replay_prob=0.95,
+        seed=seed,
+    )
     # start from a full sampler (every level seen and scored) so replays, the expensive path, happen
     if unbounded:
         s.seeds[:] = rng.choice(2**31 - 1, size=num_levels, replace=False)
@@ -64,11 +72,14 @@ def bench_sampler(num_levels, unbounded, N=64, T=256, mean_episode_len=100, reps
             times_sample.append(t_sample)
             n_eps.append(int(dones.sum()))
     return {
-        "levels": num_levels, "mode": "unbounded buffer" if unbounded else "bounded", "num_seen": int(s.num_seen),
-        "episodes_per_rollout": float(np.mean(n_eps)), "update_ms": 1e3 * float(np.median(times_update)),
+        "levels": num_levels,
+        "mode": "unbounded buffer" if unbounded else "bounded",
+        "num_seen": int(s.num_seen),
+        "episodes_per_rollout": float(np.mean(n_eps)),
+        "update_ms": 1e3 * float(np.median(times_update)),
         "sample_ms_total": 1e3 * float(np.median(times_sample)),
         "sample_us_each": 1e6 * float(np.sum(times_sample) / max(1, np.sum(n_eps))),
-    }  # fmt: skip
+    }
 
 
 def bench_env(env_id, num_envs, steps, num_train_levels):
@@ -93,9 +104,26 @@ def bench_env(env_id, num_envs, steps, num_train_levels):
 
 def run_training(env_id, strategy, total, num_envs, num_steps, extra, script=ROOT / "plr_ppo.py"):
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(script), "--no-progress", "--env-id", env_id, "--plr-strategy", strategy,
-               "--total-timesteps", str(total), "--num-envs", str(num_envs), "--num-steps", str(num_steps),
-               "--eval-every", "0", "--final-eval-episodes", "0", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(script),
+            "--no-progress",
+            "--env-id",
+            env_id,
+            "--plr-strategy",
+            strategy,
+            "--total-timesteps",
+            str(total),
+            "--num-envs",
+            str(num_envs),
+            "--num-steps",
+            str(num_steps),
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "0",
+            *extra,
+        ]
         env = dict(os.environ, PYTHONPATH=str(Path(script).parent))
         subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True, text=True)
         (run,) = (Path(tmp) / "runs").iterdir()
@@ -116,8 +144,12 @@ def main():
     p.add_argument("--env-steps", type=int, default=200)
     p.add_argument("--skip", default="", help="comma list of parts to skip: train,sampler,env")
     p.add_argument("--extra", default="", help="extra flags for plr_ppo.py, space separated")
-    p.add_argument("--baseline-script", default="", help="an older plr_ppo.py (e.g. in a `git worktree` of an earlier "
-                   "commit): the training part then runs it and this one (value_l1 both), A/B, instead of value_l1 vs random")
+    p.add_argument(
+        "--baseline-script",
+        default="",
+        help="an older plr_ppo.py (e.g. in a `git worktree` of an earlier "
+        "commit): the training part then runs it and this one (value_l1 both), A/B, instead of value_l1 vs random",
+    )
     a = p.parse_args()
     skip = set(a.skip.split(",")) - {""}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
@@ -125,13 +157,18 @@ def main():
         print("\n## sampler: update_with_rollouts + sample() per 64x256 rollout (value_l1, rank, rho=0.1)")
         for levels, unbounded in ((200, False), (10_000, False), (10_000, True)):
             r = bench_sampler(levels, unbounded)
-            print(f"{r['mode']:>17} {levels:>6} levels (seen {r['num_seen']:>5}): update {r['update_ms']:.2f} ms, "
-                  f"{r['episodes_per_rollout']:.0f} samples {r['sample_ms_total']:.2f} ms ({r['sample_us_each']:.0f} us each)")  # fmt: skip
+            print(
+                f"{r['mode']:>17} {levels:>6} levels (seen {r['num_seen']:>5}): update {r['update_ms']:.2f} ms, "
+                f"{r['episodes_per_rollout']:.0f} samples {r['sample_ms_total']:.2f} ms ({r['sample_us_each']:.0f} us each)"
+            )
     if "env" not in skip:
         print(f"\n## env-only SPS ({a.env_id}, {a.num_envs} envs, random actions, sampler picks levels)")
         print(f"env-only SPS: {bench_env(a.env_id, a.num_envs, a.env_steps, -1):.0f}")
     if "train" not in skip:
-        print(f"\n## training SPS, value_l1 vs random ({a.env_id}, {a.num_envs}x{a.num_steps}, {a.total_timesteps} steps, A/B x {a.repeats})")
+        print(
+            f"\n## training SPS, value_l1 vs random ({a.env_id}, {a.num_envs}x{a.num_steps}, "
+            f"{a.total_timesteps} steps, A/B x {a.repeats})"
+        )
         if a.baseline_script:  # before (an older script) vs after (this one), both value_l1
             runs = {"before": ("value_l1", a.baseline_script), "value_l1": ("value_l1", ROOT / "plr_ppo.py")}
         else:
@@ -144,11 +181,16 @@ def main():
                 print(f"{name:>9}: SPS {r['sps']:.0f}, sampler time {r['plr_seconds']:.3f} s over {r['updates']} updates")
         sps = {k: float(np.mean([r["sps"] for r in v])) for k, v in res.items()}
         if a.baseline_script:
-            print(f"mean SPS before {sps['before']:.0f}, after {sps['value_l1']:.0f} (ratio {sps['value_l1'] / sps['before']:.2f})")
+            print(
+                f"mean SPS before {sps['before']:.0f}, after {sps['value_l1']:.0f} "
+                f"(ratio {sps['value_l1'] / sps['before']:.2f})"
+            )
             return
         share = np.mean([r["plr_seconds"] / (r["updates"] * a.num_envs * a.num_steps / r["sps"]) for r in res["value_l1"]])
-        print(f"mean SPS value_l1 {sps['value_l1']:.0f}, random {sps['random']:.0f} "
-              f"(ratio {sps['value_l1'] / sps['random']:.3f}); sampler share of value_l1 wall time {100 * share:.2f}%")  # fmt: skip
+        print(
+            f"mean SPS value_l1 {sps['value_l1']:.0f}, random {sps['random']:.0f} "
+            f"(ratio {sps['value_l1'] / sps['random']:.3f}); sampler share of value_l1 wall time {100 * share:.2f}%"
+        )
 
 
 if __name__ == "__main__":
