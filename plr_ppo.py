@@ -7,7 +7,8 @@ Paper parts implemented here (Procgen and MiniGrid)
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
 - Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed;
-  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
+  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`; a new level is staged until
+  its first score as in facebookresearch/dcd's sampler (the authors' later code: level-replay has no unbounded mode).
 - Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
   committed after every update as the authors' code (`--plr-commit update`, `after_update`).
 - PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `common.normalize.ReturnNormalizer`;
@@ -15,8 +16,8 @@ Paper parts implemented here (Procgen and MiniGrid)
 
 Defaults (Table 3, Sec. 4, App. A.2): Procgen 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5,
 γ 0.999, λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid lr 7e-4, 4 epochs, 4000 / 3000 /
-6000 levels. PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid), P_D proportionate (Sec. 3). Authors' code:
-grad clip 0.5, clipped value loss, batch advantage normalization, fixed replay p 0.95 and M 4000 (App. B.3).
+6000 levels. PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid), P_D proportionate (Sec. 3); unbounded mode
+fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad clip 0.5, clipped value loss, batch advantage normalization.
 
 Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
@@ -24,11 +25,12 @@ Differences from the paper (long form: README.md, section plr_ppo.py)
 - one_step_td keeps γ and the last step (the authors' code drops them); entropy and min-margin as the authors' code.
 - Time limits: MiniGrid's is a termination (authors' code), Procgen's bootstraps from V(final obs)
   (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
-- Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy; `--resume` restarts
-  the current levels from their first frame.
+- Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy, test levels exclude the
+  training levels; `--resume` restarts the current levels from their first frame and drops their partial scores.
 Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
 common/{procgen_env,minigrid_env,normalize,logger,checkpoint,args,processes}.py.
 """
+
 import os
 import time
 from dataclasses import dataclass
@@ -39,12 +41,19 @@ import torch.nn as nn
 from torch.distributions import Categorical
 
 from common.args import CommonArgs, check_args, parse_run_args
-from common.checkpoint import (load_state_dicts, rng_state, save_checkpoint, seed_everything, select_device,
-                               set_rng_state, state_dicts)
+from common.checkpoint import (
+    load_state_dicts,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    select_device,
+    set_rng_state,
+    state_dicts,
+)
 from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
 from common.normalize import ReturnNormalizer
-from common.processes import ActorDied, finish_run, set_learner_threads, stop_on_signals
+from common.processes import StopRun, check_stop, finish_run, set_learner_threads, stop_on_signals
 
 MAX_SEED = 2**31 - 1
 
@@ -144,31 +153,79 @@ def is_procgen(env_id: str) -> bool:
 def resolve_defaults(args: Args) -> Args:
     """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
     procgen = is_procgen(args.env_id)
-    paper = {"num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
-             "update_epochs": 3 if procgen else 4, "learning_rate": 5e-4 if procgen else 7e-4,
-             "plr_staleness_coef": 0.1 if procgen else 0.3, "bootstrap_truncation": procgen}  # fmt: skip
+    paper = {
+        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
+        "update_epochs": 3 if procgen else 4,
+        "learning_rate": 5e-4 if procgen else 7e-4,
+        "plr_staleness_coef": 0.1 if procgen else 0.3,
+        "bootstrap_truncation": procgen,
+    }
     for name, value in paper.items():
         if getattr(args, name) is None or getattr(args, name) == -1:
             setattr(args, name, value)
     return args
 
 
-ENV_FLAGS = ("env_id", "total_timesteps", "distribution_mode", "num_train_levels", "start_level", "num_envs",
-             "num_workers", "bootstrap_truncation")  # --help's environment group
+ENV_FLAGS = (
+    "env_id",
+    "total_timesteps",
+    "distribution_mode",
+    "num_train_levels",
+    "start_level",
+    "num_envs",
+    "num_workers",
+    "bootstrap_truncation",
+)  # --help's environment group
 # the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
-FIXED_ON_RESUME = ("env_id", "seed", "distribution_mode", "num_train_levels", "start_level", "num_envs", "norm_reward",
-                   "bootstrap_truncation", "plr_strategy", "plr_transform", "plr_replay_schedule", "plr_commit",
-                   "plr_buffer_size")  # fmt: skip
+FIXED_ON_RESUME = (
+    "env_id",
+    "seed",
+    "distribution_mode",
+    "num_train_levels",
+    "start_level",
+    "num_envs",
+    "norm_reward",
+    "bootstrap_truncation",
+    "plr_strategy",
+    "plr_transform",
+    "plr_replay_schedule",
+    "plr_commit",
+    "plr_buffer_size",
+)
 ARG_RULES = {
     "plr_strategy": ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random"),
-    "plr_transform": ("rank", "power", "greedy"), "plr_replay_schedule": ("proportionate", "fixed"),
-    "plr_commit": ("episode", "update"), "start_method": ("spawn", "forkserver"), "total_timesteps": ">= 1",
-    "num_train_levels": ">= 0", "start_level": ">= 0", "num_envs": ">= 1", "num_steps": ">= 1", "num_minibatches": ">= 1",
-    "update_epochs": ">= 1", "learning_rate": "> 0", "adam_eps": "> 0", "gamma": "(0, 1]", "gae_lambda": "[0, 1]",
-    "clip_coef": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "max_grad_norm": "> 0", "num_workers": ">= 0",
-    "eval_every": ">= 0", "eval_episodes": ">= 0", "final_eval_episodes": ">= 0", "num_eval_envs": ">= 1",
-    "checkpoint_every": ">= 0", "plr_temperature": "> 0", "plr_staleness_coef": "[0, 1]", "plr_replay_prob": "[0, 1]",
-    "plr_min_fill": "[0, 1]", "plr_score_alpha": "(0, 1]", "plr_buffer_size": ">= 1"}  # fmt: skip
+    "plr_transform": ("rank", "power", "greedy"),
+    "plr_replay_schedule": ("proportionate", "fixed"),
+    "plr_commit": ("episode", "update"),
+    "start_method": ("spawn", "forkserver"),
+    "total_timesteps": ">= 1",
+    "num_train_levels": ">= 0",
+    "start_level": ">= 0",
+    "num_envs": ">= 1",
+    "num_steps": ">= 1",
+    "num_minibatches": ">= 1",
+    "update_epochs": ">= 1",
+    "learning_rate": "> 0",
+    "adam_eps": "> 0",
+    "gamma": "(0, 1]",
+    "gae_lambda": "[0, 1]",
+    "clip_coef": "> 0",
+    "ent_coef": ">= 0",
+    "vf_coef": ">= 0",
+    "max_grad_norm": "> 0",
+    "num_workers": ">= 0",
+    "eval_every": ">= 0",
+    "eval_episodes": ">= 0",
+    "final_eval_episodes": ">= 0",
+    "num_eval_envs": ">= 1",
+    "checkpoint_every": ">= 0",
+    "plr_temperature": "> 0",
+    "plr_staleness_coef": "[0, 1]",
+    "plr_replay_prob": "[0, 1]",
+    "plr_min_fill": "[0, 1]",
+    "plr_score_alpha": "(0, 1]",
+    "plr_buffer_size": ">= 1",
+}
 
 
 def validate_args(args: Args) -> None:
@@ -181,15 +238,24 @@ def validate_args(args: Args) -> None:
         except ValueError as e:
             raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
     for bad, msg in (
-        (is_procgen(args.env_id) and args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES,
-         f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}"),
-        (args.start_level + args.num_train_levels > MAX_SEED,
-         f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]"),
-        (args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random",
-         "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)"),
-        ((args.num_envs * args.num_steps) % args.num_minibatches,
-         f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches"),
-        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")):
+        (
+            is_procgen(args.env_id) and args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES,
+            f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
+        ),
+        (
+            args.start_level + args.num_train_levels > MAX_SEED,
+            f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
+        ),
+        (
+            args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random",
+            "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
+        ),
+        (
+            (args.num_envs * args.num_steps) % args.num_minibatches,
+            f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches",
+        ),
+        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)"),
+    ):
         if bad:
             raise SystemExit(f"error: {msg}")
 
@@ -199,10 +265,21 @@ def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = 
     if is_procgen(args.env_id):
         from common.procgen_env import ProcgenVecEnv
 
-        return ProcgenVecEnv(args.env_id, num_envs, distribution_mode=args.distribution_mode,
-                             num_threads=min(4, os.cpu_count() or 1), rand_seed=seed)  # fmt: skip
-    return MiniGridVecEnv(args.env_id, num_envs, num_workers=num_workers or args.num_workers or None,
-                          fully_observable=True, seed=seed, start_method=args.start_method)  # fmt: skip
+        return ProcgenVecEnv(
+            args.env_id,
+            num_envs,
+            distribution_mode=args.distribution_mode,
+            num_threads=min(4, os.cpu_count() or 1),
+            rand_seed=seed,
+        )
+    return MiniGridVecEnv(
+        args.env_id,
+        num_envs,
+        num_workers=num_workers or args.num_workers or None,
+        fully_observable=True,
+        seed=seed,
+        start_method=args.start_method,
+    )
 
 
 # NETWORKS
@@ -249,13 +326,22 @@ class MiniGridAgent(nn.Module):
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
         h, w, c = obs_shape
-        self.trunk = nn.Sequential(nn.Conv2d(c, 16, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 2), nn.ReLU(),
-                                   nn.Conv2d(32, final_channels, 2), nn.ReLU(), nn.Flatten())
+        self.trunk = nn.Sequential(
+            nn.Conv2d(c, 16, 2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 2),
+            nn.ReLU(),
+            nn.Conv2d(32, final_channels, 2),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
         for conv in (m for m in self.trunk if isinstance(m, nn.Conv2d)):
             nn.init.xavier_uniform_(conv.weight), nn.init.zeros_(conv.bias)
         n = final_channels * ((h - 1) // 2 - 2) * ((w - 1) // 2 - 2)
-        self.actor = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(),
-                                   layer_init(nn.Linear(hidden, num_actions), std=0.01))  # theirs: Categorical head
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        )  # theirs: Categorical head
         self.critic = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0))
 
     def forward(self, obs):
@@ -386,12 +472,27 @@ class LevelSampler:
     """PLR's level sampler: scores S, staleness c - C, seen set Λ_seen, per-actor partial scores S~ (Algorithm 4).
 
     Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
-    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1) staged until their first episode ends.
+    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1) staged until their first episode ends (as
+    facebookresearch/dcd's sampler; the authors' level-replay sampler has no unbounded mode).
     Per update: `sample` (inside env.step, at each episode end) ... `update_with_rollouts` -> PPO update -> `after_update`."""
 
-    def __init__(self, levels, num_actors, *, strategy="value_l1", transform="rank", temperature=0.1,
-                 staleness_coef=0.1, replay_schedule="proportionate", replay_prob=0.95, min_fill=0.0,
-                 score_alpha=1.0, commit="episode", buffer_size=0, seed=0):  # fmt: skip
+    def __init__(
+        self,
+        levels,
+        num_actors,
+        *,
+        strategy="value_l1",
+        transform="rank",
+        temperature=0.1,
+        staleness_coef=0.1,
+        replay_schedule="proportionate",
+        replay_prob=0.95,
+        min_fill=0.0,
+        score_alpha=1.0,
+        commit="episode",
+        buffer_size=0,
+        seed=0,
+    ):
         self.unbounded = levels is None
         self.strategy, self.transform, self.temperature = strategy, transform, temperature
         self.staleness_coef, self.replay_schedule, self.replay_prob = staleness_coef, replay_schedule, replay_prob
@@ -519,6 +620,12 @@ class LevelSampler:
                 self.partial_score[a], self.partial_steps[a], self.partial_level[a] = total / n, n, seg_level[k]
         return committed
 
+    def restart_episodes(self) -> None:
+        """Every actor's episode restarts from its level's first frame (`--resume`: env states are not saved): drop the
+        partial scores S~, so that the restarted episode is scored on its own steps only."""
+        self.partial_score[:] = 0.0
+        self.partial_steps[:] = 0
+
     def after_update(self) -> None:
         """`--plr-commit update` (authors' code): commit every partial score S~ as its level's score, reset S~."""
         if self.commit != "update" or self.strategy == "random":
@@ -532,8 +639,12 @@ class LevelSampler:
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k).copy() for k in self._ARRAYS} | dict(
-            staged=dict(self.staged), num_samples=self.num_samples, num_replays=self.num_replays, num_seen=self.num_seen,
-            rng=self.rng.bit_generator.state)
+            staged=dict(self.staged),
+            num_samples=self.num_samples,
+            num_replays=self.num_replays,
+            num_seen=self.num_seen,
+            rng=self.rng.bit_generator.state,
+        )
 
     def load_state_dict(self, d: dict) -> None:
         for k in self._ARRAYS:
@@ -547,23 +658,69 @@ class LevelSampler:
     def stats(self) -> dict:
         """plr/* metrics."""
         p = self.replay_probs() if self.num_seen else np.zeros(1)
-        out = {"plr/num_seen_levels": int(self.num_seen), "plr/replay_prob": self.replay_decision_prob(),
-               "plr/num_replays": int(self.num_replays), "plr/replay_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum())}
+        out = {
+            "plr/num_seen_levels": int(self.num_seen),
+            "plr/replay_prob": self.replay_decision_prob(),
+            "plr/num_replays": int(self.num_replays),
+            "plr/replay_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum()),
+        }
         for name, x in (("score", self.scores[self.seen]), ("staleness", self.staleness[self.seen])):
-            out |= {f"plr/{name}_mean": float(x.mean()) if x.size else 0.0,
-                    f"plr/{name}_max": float(x.max()) if x.size else 0.0}
+            out |= {
+                f"plr/{name}_mean": float(x.mean()) if x.size else 0.0,
+                f"plr/{name}_max": float(x.max()) if x.size else 0.0,
+            }
         return out
 
 
 def make_sampler(args: Args, seed: int) -> LevelSampler:
     """The LevelSampler of the --plr-* flags (--plr-X is its keyword X)."""
     levels = None if args.num_train_levels == 0 else np.arange(args.start_level, args.start_level + args.num_train_levels)
-    names = ("strategy", "transform", "temperature", "staleness_coef", "replay_schedule", "replay_prob", "min_fill",
-             "score_alpha", "commit", "buffer_size")
+    names = (
+        "strategy",
+        "transform",
+        "temperature",
+        "staleness_coef",
+        "replay_schedule",
+        "replay_prob",
+        "min_fill",
+        "score_alpha",
+        "commit",
+        "buffer_size",
+    )
     return LevelSampler(levels, args.num_envs, seed=seed, **{k: getattr(args, f"plr_{k}") for k in names})
 
 
 # EVALUATION
+def is_training_level(seed: int, args: Args, sampler: LevelSampler) -> bool:
+    """Whether `seed` is a training level: in [start_level, start_level + num_train_levels), or in unbounded mode a level
+    in the sampler's buffer."""
+    if args.num_train_levels:
+        return args.start_level <= seed < args.start_level + args.num_train_levels
+    return seed in sampler.slot_of
+
+
+def draw_eval_level(kind: str, args: Args, sampler: LevelSampler, rng: np.random.Generator) -> int:
+    """One evaluation level. "train": uniform over the training levels (unbounded mode: the buffer's levels; while the
+    buffer is empty, as for the uniform baseline, the full distribution it trains on). "test": uniform over the held-out
+    levels, every seed in [0, MAX_SEED) that is not a training level."""
+    if args.num_train_levels:
+        train_pool = np.arange(args.start_level, args.start_level + args.num_train_levels)
+    else:
+        train_pool = sampler.seeds[sampler.seen]
+    if kind == "train" and len(train_pool):
+        return int(train_pool[rng.integers(len(train_pool))])
+    seed = int(rng.integers(MAX_SEED))
+    # a test level is never a training level: redraw (rare: the training levels are a tiny part of the seed space)
+    while kind == "test" and is_training_level(seed, args, sampler):
+        seed = int(rng.integers(MAX_SEED))
+    return seed
+
+
+def eval_level_sets(args: Args, sampler: LevelSampler, rng: np.random.Generator) -> dict:
+    """The level sets of `evaluate`: {"train": fn, "test": fn}, each fn returning the next episode's level."""
+    return {kind: lambda kind=kind: draw_eval_level(kind, args, sampler, rng) for kind in ("train", "test")}
+
+
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
     ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
@@ -572,6 +729,8 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
         quota, got = -(-num_episodes // n), [[] for _ in range(n)]
         obs = envs.reset([next_level() for _ in range(n)])
         while sum(min(len(g), quota) for g in got) < num_episodes:
+            # a stop signal ends the evaluation between steps
+            check_stop()
             with torch.no_grad():
                 actions = Categorical(logits=agent(torch.as_tensor(obs, device=device))[0]).sample().cpu().numpy()
             obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
@@ -602,11 +761,16 @@ if __name__ == "__main__":
     start_step = ckpt["global_step"] if ckpt else 0
     end_step = start_step + (args.total_timesteps - start_step) // batch_size * batch_size
     if end_step <= start_step:
-        raise SystemExit(f"error: --total-timesteps {args.total_timesteps:,} leaves less than one PPO batch after step "
-                         f"{start_step:,} (--num-envs x --num-steps = {batch_size:,} steps)")
+        raise SystemExit(
+            f"error: --total-timesteps {args.total_timesteps:,} leaves less than one PPO batch after step "
+            f"{start_step:,} (--num-envs x --num-steps = {batch_size:,} steps)"
+        )
     if end_step != args.total_timesteps:
-        print(f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
-              f"steps): the run ends at step {end_step:,}", flush=True)
+        print(
+            f"budget: --total-timesteps {args.total_timesteps:,} is not a multiple of one PPO batch ({batch_size:,} "
+            f"steps): the run ends at step {end_step:,}",
+            flush=True,
+        )
     logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
 
     # TRY NOT TO MODIFY: seeding
@@ -629,21 +793,20 @@ if __name__ == "__main__":
     if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
         difficulties = np.array([level_difficulty(args.env_id, int(s)) for s in train_levels])
 
-    def eval_level(kind):  # training levels (unbounded mode: those in the buffer), or held-out test levels
-        pool = train_levels if args.num_train_levels else sampler.seeds[sampler.seen]
-        if kind == "train" and len(pool):
-            return int(pool[eval_rng.integers(len(pool))])
-        return int(eval_rng.integers(MAX_SEED))  # the full distribution
-
     global_step, update = start_step, ckpt["update"] if ckpt else 0
     if ckpt:  # restore, then one line
         load_state_dicts(ckpt, model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
         eval_rng.bit_generator.state = ckpt["eval_rng"]
         set_rng_state(ckpt["rng"])
         next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])  # env states are not saved: restart each level
-        print(f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
-              f"env restarts its level; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
-              f"{end_step:,}", flush=True)  # fmt: skip
+        # the restarted episodes begin again at their first frame: their saved partial scores S~ belong to lost frames
+        sampler.restart_episodes()
+        print(
+            f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
+            f"env restarts its level; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
+            f"{end_step:,}",
+            flush=True,
+        )
     else:
         next_obs = envs.reset([sampler.sample(i) for i in range(N)])
 
@@ -660,16 +823,25 @@ if __name__ == "__main__":
         if eval_envs is None:
             eval_envs = make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
         agent.eval()
-        out = evaluate(agent, eval_envs, {k: lambda k=k: eval_level(k) for k in ("train", "test")}, num_episodes, args, device)
+        out = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
         agent.train()
         return out
 
     def save(path):
-        save_checkpoint(path, {
-            "script": "plr_ppo.py", "args": vars(args), "run_name": logger.run_name, "global_step": global_step,
-            "update": update, "eval_rng": eval_rng.bit_generator.state, "rng": rng_state(),
-            "env_levels": np.array(envs.levels, np.int64),
-            **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)})
+        save_checkpoint(
+            path,
+            {
+                "script": "plr_ppo.py",
+                "args": vars(args),
+                "run_name": logger.run_name,
+                "global_step": global_step,
+                "update": update,
+                "eval_rng": eval_rng.bit_generator.state,
+                "rng": rng_state(),
+                "env_levels": np.array(envs.levels, np.int64),
+                **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
+            },
+        )
 
     next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
     error = None
@@ -679,6 +851,8 @@ if __name__ == "__main__":
             replays_before, samples_before = sampler.num_replays, sampler.num_samples
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(T):
+                # a stop signal (recorded by its handler) stops the run here, between env steps
+                check_stop()
                 obs_buf[step] = obs_t = torch.as_tensor(next_obs, device=device)
                 with torch.no_grad():
                     logits, value = agent(obs_t)
@@ -700,7 +874,8 @@ if __name__ == "__main__":
                     idx = np.flatnonzero(truncated)
                     with torch.no_grad():
                         final_values_buf[step, torch.as_tensor(idx, device=device)] = agent(
-                            torch.as_tensor(info["final_obs"][idx], device=device))[1]  # fmt: skip
+                            torch.as_tensor(info["final_obs"][idx], device=device)
+                        )[1]
                 ended = np.flatnonzero(info["_episode"])
                 recent_returns += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
             global_step += batch_size
@@ -709,13 +884,15 @@ if __name__ == "__main__":
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
                 next_value = agent(torch.as_tensor(next_obs, device=device))[1]
-            advantages, deltas = compute_gae(rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf,
-                                             args.gamma, args.gae_lambda)  # fmt: skip
+            advantages, deltas = compute_gae(
+                rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf, args.gamma, args.gae_lambda
+            )
             returns = advantages + values_buf
             t1 = time.time()
             if args.plr_strategy != "random":  # Algorithm 4: episode scores, stitched across rollouts
-                scores = step_scores(args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(),
-                                     logits_buf.cpu().numpy())
+                scores = step_scores(
+                    args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), logits_buf.cpu().numpy()
+                )
                 sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
             plr_time = time.time() - t1
 
@@ -729,7 +906,8 @@ if __name__ == "__main__":
                 for start in range(0, batch_size, minibatch_size):
                     mb = perm[start : start + minibatch_size]
                     loss, pg_loss, v_loss, entropy, approx_kl, clipfrac = ppo_loss(
-                        agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args)
+                        agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args
+                    )
                     optimizer.zero_grad()
                     loss.backward()
                     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -746,12 +924,17 @@ if __name__ == "__main__":
             y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
             var_y = np.var(y_true)
             metrics = {
-                "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/collect_seconds": collect_time, "charts/plr_seconds": plr_time,
-                "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
-                "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
+                "charts/SPS": sps,
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/collect_seconds": collect_time,
+                "charts/plr_seconds": plr_time,
+                "losses/value_loss": v_loss.item(),
+                "losses/policy_loss": pg_loss.item(),
+                "losses/entropy": entropy.item(),
+                "losses/approx_kl": approx_kl.item(),
                 "losses/clipfrac": torch.stack(clipfracs).mean().item(),
-                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)}
+                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
+            }
             if recent_returns:
                 metrics["charts/episodic_return"], metrics["charts/episodic_length"] = np.mean(recent_returns, 0).tolist()
             if args.plr_strategy != "random":
@@ -763,16 +946,21 @@ if __name__ == "__main__":
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
                 metrics |= run_eval(args.eval_episodes)
             logger.log(global_step, metrics)
-            logger.progress(global_step, sps, episodic_return=metrics.get("charts/episodic_return"),
-                            loss_name="value_loss", loss=metrics["losses/value_loss"],
-                            extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "")  # fmt: skip
+            logger.progress(
+                global_step,
+                sps,
+                episodic_return=metrics.get("charts/episodic_return"),
+                loss_name="value_loss",
+                loss=metrics["losses/value_loss"],
+                extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
+            )
             recent_returns = []
 
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 save(logger.dir / "checkpoint.pt")
                 next_checkpoint += args.checkpoint_every
-    except (KeyboardInterrupt, ActorDied) as e:  # ActorDied: also a dead MiniGrid env worker
+    except (KeyboardInterrupt, StopRun) as e:  # StopRun: a dead MiniGrid env worker, an unwritable checkpoint
         error = e
     finally:
         envs.close()
@@ -793,8 +981,9 @@ if __name__ == "__main__":
     if args.plr_strategy != "random":
         summary |= {k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()}
     try:
-        finish_run(logger, error, summary, save_model if args.save_model else None,
-                   final_eval if args.final_eval_episodes else None)
+        finish_run(
+            logger, error, summary, save_model if args.save_model else None, final_eval if args.final_eval_episodes else None
+        )
     finally:
         if eval_envs is not None:
             eval_envs.close()

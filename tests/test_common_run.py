@@ -360,3 +360,27 @@ def test_chunk_channel_carries_every_row_once_in_order_and_recycles_its_buffers(
     [p.join(timeout=30) for p in procs]
     assert got == {0: list(range(11)), 1: list(range(11))}
     assert sorted(sizes) == [2, 2, 3, 3, 3, 3, 3, 3]
+
+
+def test_each_script_runs_help_with_exactly_the_common_files_readme_lists(tmp_path):
+    """README's "Copying a script into your project" table: the script, `common/__init__.py` and the listed modules
+    alone, in an empty folder, import and print --help (a module missing from the table fails here)."""
+    import re
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    rows = re.findall(r"^\| `(\w+\.py)` \| ((?:`\w+\.py`(?:, )?)+) \|$", readme, flags=re.M)
+    assert sorted(script for script, _ in rows) == ["clear_impala.py", "plr_ppo.py", "reactor.py", "vracer_refer.py"]
+    for script, modules in rows:
+        folder = tmp_path / script[:-3]
+        (folder / "common").mkdir(parents=True)
+        shutil.copy(os.path.join(root, script), folder)
+        shutil.copy(os.path.join(root, "common", "__init__.py"), folder / "common")
+        for module in re.findall(r"`(\w+\.py)`", modules):
+            shutil.copy(os.path.join(root, "common", module), folder / "common")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        r = subprocess.run(
+            [sys.executable, script, "--help"], cwd=folder, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr[-1500:])

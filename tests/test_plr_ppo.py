@@ -1,7 +1,10 @@
 """Tests for plr_ppo.py: PLR's distributions and level sampler against slow textbook versions written from the paper's
-equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, replay-decision
-frequencies, level plumbing through the vector adapters, CLI errors and tiny end-to-end runs (subprocess)."""
+equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, a hand-computed PPO
+loss, the MiniGrid network against the authors' MinigridPolicy, per-domain defaults, replay-decision frequencies, level
+plumbing through the vector adapters, held-out evaluation, CLI errors and tiny end-to-end runs (subprocess)."""
+
 import json
+import math
 import os
 import subprocess
 import sys
@@ -162,7 +165,8 @@ def test_replay_distribution_properties():
         np.testing.assert_allclose(replay_distribution(S, st, seen, "rank", 0.1, 1.0), staleness_distribution(st, seen))
         # rank is invariant to monotone rescaling of the scores
         np.testing.assert_allclose(
-            replay_distribution(S, st, seen, "rank", 0.5, 0.3), replay_distribution(np.exp(3 * S) + 7, st, seen, "rank", 0.5, 0.3)
+            replay_distribution(S, st, seen, "rank", 0.5, 0.3),
+            replay_distribution(np.exp(3 * S) + 7, st, seen, "rank", 0.5, 0.3),
         )
     # β -> 0 concentrates on the argmax (rank and power)
     S = np.array([0.3, 2.0, 1.0, 1.9])
@@ -174,7 +178,9 @@ def test_replay_distribution_properties():
     assert np.ptp(score_distribution(S, seen, "rank", 1e4)) < 1e-3
     # nothing seen: all zeros; all-zero power scores: uniform over seen
     assert (replay_distribution(S, np.ones(4), np.zeros(4, bool)) == 0).all()
-    np.testing.assert_allclose(score_distribution(np.zeros(4), np.array([1, 1, 0, 1], bool), "power", 0.1), [1 / 3, 1 / 3, 0, 1 / 3])
+    np.testing.assert_allclose(
+        score_distribution(np.zeros(4), np.array([1, 1, 0, 1], bool), "power", 0.1), [1 / 3, 1 / 3, 0, 1 / 3]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,6 +252,20 @@ def test_commit_after_update_mode_flushes_partials():
     assert not e.seen[4]
 
 
+def test_restart_episodes_drops_partial_scores():
+    """`--resume` restarts each env's level from its first frame: the restarted episode is scored on its own steps."""
+    s = LevelSampler(np.arange(10), 2)
+    s.update_with_rollouts(np.array([[1.0, 2.0], [3.0, 4.0]]), np.zeros((2, 2), bool), np.array([[4, 6], [4, 6]]))
+    assert s.partial_steps.tolist() == [2, 2]
+    s.restart_episodes()
+    assert s.partial_steps.tolist() == [0, 0] and s.partial_score.tolist() == [0.0, 0.0]
+    s.update_with_rollouts(
+        np.array([[5.0, 6.0], [7.0, 8.0]]), np.array([[False, False], [True, False]]), np.array([[4, 6], [4, 6]])
+    )
+    assert s.scores[4] == pytest.approx(6.0)  # (5 + 7) / 2, not (1 + 3 + 5 + 7) / 4
+    assert s.partial_steps[1] == 2 and s.partial_score[1] == pytest.approx(7.0)  # (6 + 8) / 2, not (2 + 4 + 6 + 8) / 4
+
+
 @pytest.mark.parametrize("alpha,flush", [(1.0, False), (0.5, False), (1.0, True), (0.3, True)])
 def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
     rng = np.random.default_rng(int(alpha * 10) + flush)
@@ -276,6 +296,156 @@ def test_compute_gae_matches_textbook():
         A_ref, d_ref = textbook_gae(r, v, nv, term, trunc, fv, gamma, lam)
         np.testing.assert_allclose(A.numpy(), A_ref, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(d.numpy(), d_ref, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO loss: a hand-computed case
+# ---------------------------------------------------------------------------------------------------------------
+class FixedOutputAgent(torch.nn.Module):
+    """An agent whose logits and values are fixed tensors (ppo_loss only calls agent(obs))."""
+
+    def __init__(self, logits, values):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+        self.values = torch.nn.Parameter(values)
+
+    def forward(self, obs):
+        return self.logits, self.values
+
+
+def test_ppo_loss_hand_computed():
+    """Five samples, ε = 0.2, π = (0.6, 0.4) for every state. old log-probs are set so that the ratios r = π/π_old are
+    1.5, 0.5, 0.5, 1.5, 1.1: clipped above with A > 0, below with A < 0, and the three cases where the pessimistic
+    max(-A r, -A clip(r)) keeps the unclipped term."""
+    probs = torch.tensor([0.6, 0.4], dtype=torch.float64)
+    actions = torch.tensor([0, 1, 0, 1, 0])
+    ratios = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.1], dtype=torch.float64)
+    old_logprobs = torch.log(probs[actions] / ratios)
+    advantages = torch.tensor([1.0, -1.0, 2.0, -2.0, 1.0], dtype=torch.float64)
+    # value cases: (new V, old V, return)
+    values = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    old_values = torch.tensor([0.5, 0.5, 2.1, 0.0, 0.0], dtype=torch.float64)
+    returns = torch.tensor([1.0, 1.0, 0.0, -0.5, 2.0], dtype=torch.float64)
+    agent = FixedOutputAgent(torch.log(probs).repeat(5, 1), values)
+    args = Args(clip_coef=0.2, ent_coef=0.1, vf_coef=0.25, clip_vloss=True)
+    obs = torch.zeros(5)
+
+    loss, pg_loss, v_loss, entropy, approx_kl, clipfrac = plr_ppo.ppo_loss(
+        agent, obs, actions, old_logprobs, advantages, returns, old_values, args
+    )
+    # per sample max(-A r, -A clip(r, 0.8, 1.2)):
+    # max(-1.5, -1.2) = -1.2; max(0.5, 0.8) = 0.8; max(-1.0, -1.6) = -1.0; max(3.0, 2.4) = 3.0; max(-1.1, -1.1) = -1.1
+    want_pg = (-1.2 + 0.8 - 1.0 + 3.0 - 1.1) / 5
+    # clipped V = V_old + clip(V - V_old, ±0.2) = 0.7, 0.3, 2.0, -0.2, 0.2; per sample max((V - R)², (V_clip - R)²):
+    # max(0, 0.09) = 0.09; max(1, 0.49) = 1; max(4, 4) = 4; max(0.25, 0.09) = 0.25; max(2.25, 3.24) = 3.24
+    want_v = 0.5 * (0.09 + 1.0 + 4.0 + 0.25 + 3.24) / 5
+    want_entropy = -(0.6 * math.log(0.6) + 0.4 * math.log(0.4))
+    # the entropy is a bonus: it lowers the loss
+    want_loss = want_pg - 0.1 * want_entropy + 0.25 * want_v
+    # approx KL = mean((r - 1) - log r); clip fraction: |r - 1| > 0.2 for four of five samples
+    want_kl = sum((r - 1) - math.log(r) for r in (1.5, 0.5, 0.5, 1.5, 1.1)) / 5
+    assert pg_loss.item() == pytest.approx(want_pg, rel=1e-9)
+    assert v_loss.item() == pytest.approx(want_v, rel=1e-9)
+    assert entropy.item() == pytest.approx(want_entropy, rel=1e-9)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-9)
+    assert approx_kl.item() == pytest.approx(want_kl, rel=1e-9)
+    assert clipfrac.item() == pytest.approx(0.8)
+
+    # without value clipping: 0.5 mean (V - R)² = 0.5 (0 + 1 + 4 + 0.25 + 2.25) / 5
+    args.clip_vloss = False
+    v_loss_unclipped = plr_ppo.ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args)[2]
+    assert v_loss_unclipped.item() == pytest.approx(0.5 * 7.5 / 5, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MiniGrid network (the authors' MinigridPolicy) and the per-domain defaults
+# ---------------------------------------------------------------------------------------------------------------
+# Expected sizes from the authors' level_replay/model.py MinigridPolicy, by hand (7 actions, 3 input channels):
+# conv 2x2 3->16: 3*16*4 + 16 = 208; conv 2x2 16->32: 16*32*4 + 32 = 2,080; conv 2x2 32->F: 32*F*4 + F;
+# embedding E = F * ((H-1)//2 - 2) * ((W-1)//2 - 2) (2x2 conv: -1, max-pool: //2, two 2x2 convs: -2);
+# actor Linear(E, 64) + head Linear(64, 7): 64 E + 64 and 64*7 + 7 = 455;
+# critic Linear(E, 64) + Linear(64, 1): 64 E + 64 and 64 + 1 = 65.
+# MultiRoom-N4-Random, 14x14 grid, F = 32: conv3 4,128; E = 32*4*4 = 512; actor 512*64+64 = 32,832 and 64*7+7 = 455;
+#   critic 32,832 and 64+1 = 65; total 208 + 2,080 + 4,128 + 32,832 + 455 + 32,832 + 65 = 72,600.
+# ObstructedMazeGamut, 19x19 grid, F = 64: conv3 8,256; E = 64*7*7 = 3,136; actor 3,136*64+64 = 200,768 and 455;
+#   critic 200,768 and 65; total 208 + 2,080 + 8,256 + 200,768 + 455 + 200,768 + 65 = 412,600.
+MINIGRID_NETWORKS = [
+    ("MultiRoom-N4-Random", (14, 14, 3), 32, 4, 72_600),
+    ("ObstructedMazeGamut-Easy", (19, 19, 3), 64, 7, 412_600),
+    ("ObstructedMazeGamut-Medium", (19, 19, 3), 64, 7, 412_600),
+]
+
+
+def authors_minigrid_forward(params, obs):
+    """MinigridPolicy.act of the authors' code with functional calls: image_conv (conv 2x2, ReLU, max-pool 2x2, conv 2x2,
+    ReLU, conv 2x2, ReLU), flatten, actor_base (Linear, Tanh) and the Categorical head's Linear, critic (Linear, Tanh,
+    Linear). params: the 14 weight / bias tensors in that order; obs (B, H, W, 3) as channels-first floats."""
+    import torch.nn.functional as F
+
+    conv1_w, conv1_b, conv2_w, conv2_b, conv3_w, conv3_b = params[:6]
+    actor_w, actor_b, head_w, head_b, critic_w, critic_b, value_w, value_b = params[6:]
+    x = obs.permute(0, 3, 1, 2).float()
+    x = F.max_pool2d(F.relu(F.conv2d(x, conv1_w, conv1_b)), 2)
+    x = F.relu(F.conv2d(x, conv2_w, conv2_b))
+    x = F.relu(F.conv2d(x, conv3_w, conv3_b)).flatten(1)
+    logits = F.linear(torch.tanh(F.linear(x, actor_w, actor_b)), head_w, head_b)
+    value = F.linear(torch.tanh(F.linear(x, critic_w, critic_b)), value_w, value_b)
+    return logits, value.squeeze(-1)
+
+
+@pytest.mark.parametrize("env_id,obs_shape,final_channels,embedding_side,num_params", MINIGRID_NETWORKS)
+def test_minigrid_network_shapes_and_parameter_counts(env_id, obs_shape, final_channels, embedding_side, num_params):
+    from common.minigrid_env import make_minigrid_env
+
+    env = make_minigrid_env(env_id)
+    assert env.observation_space.shape == obs_shape and env.action_space.n == 7
+    env.close()
+    agent = plr_ppo.make_agent(resolve_defaults(Args(env_id=env_id)), obs_shape, 7)
+    convs = [m for m in agent.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size) for c in convs] == [(16, (2, 2)), (32, (2, 2)), (final_channels, (2, 2))]
+    assert sum(p.numel() for p in agent.parameters()) == num_params
+    embedding = agent.trunk(torch.zeros(1, *obs_shape).permute(0, 3, 1, 2))
+    assert embedding.shape == (1, final_channels * embedding_side * embedding_side)
+    logits, value = agent(torch.zeros(5, *obs_shape, dtype=torch.uint8))
+    assert logits.shape == (5, 7) and value.shape == (5,)
+
+
+@pytest.mark.parametrize("env_id,obs_shape", [network[:2] for network in MINIGRID_NETWORKS[:2]])
+def test_minigrid_network_matches_the_authors_forward(env_id, obs_shape):
+    """Tanh hidden layers, ReLU convs and the max-pool: the network equals the authors' forward on its own weights,
+    on MiniGrid-like integer cell encodings (0..10) large enough that a ReLU hidden layer would differ from tanh."""
+    torch.manual_seed(0)
+    agent = plr_ppo.make_agent(resolve_defaults(Args(env_id=env_id)), obs_shape, 7)
+    obs = torch.randint(0, 11, (6, *obs_shape), dtype=torch.uint8)
+    with torch.no_grad():
+        logits, value = agent(obs)
+        want_logits, want_value = authors_minigrid_forward(list(agent.parameters()), obs)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(value, want_value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "env_id,num_levels,epochs,lr,rho,bootstrap",
+    [
+        ("bigfish", 200, 3, 5e-4, 0.1, True),
+        ("MultiRoom-N4-Random", 4000, 4, 7e-4, 0.3, False),
+        ("ObstructedMazeGamut-Easy", 3000, 4, 7e-4, 0.3, False),
+        ("ObstructedMazeGamut-Medium", 6000, 4, 7e-4, 0.3, False),
+        ("MiniGrid-Empty-5x5-v0", 1000, 4, 7e-4, 0.3, False),
+    ],
+)
+def test_resolved_defaults_per_domain(env_id, num_levels, epochs, lr, rho, bootstrap):
+    """Table 3 / App. A.2 per domain; a MiniGrid timeout terminates (authors' code), a Procgen one bootstraps."""
+    args = resolve_defaults(Args(env_id=env_id))
+    resolved = (args.num_train_levels, args.update_epochs, args.learning_rate, args.plr_staleness_coef)
+    assert resolved == (num_levels, epochs, pytest.approx(lr), pytest.approx(rho))
+    assert args.bootstrap_truncation is bootstrap
+    # flags given on the command line are kept, including 0 / False
+    given = dict(
+        num_train_levels=0, update_epochs=7, learning_rate=1e-3, plr_staleness_coef=0.0, bootstrap_truncation=not bootstrap
+    )
+    args = resolve_defaults(Args(env_id=env_id, **given))
+    assert {k: getattr(args, k) for k in given} == given
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -454,6 +624,89 @@ def test_level_plumbing_minigrid_and_procgen():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Held-out evaluation: test levels are never training levels, train-level evaluation plays only training levels
+# ---------------------------------------------------------------------------------------------------------------
+class OneStepLevelEnv:
+    """The vector-env interface `evaluate` uses: every episode lasts one step and returns 1 on a training level, 0 on any
+    other; `played` holds the level of every episode, one list per reset (one per evaluated level set)."""
+
+    def __init__(self, num_envs, training_levels):
+        self.num_envs = num_envs
+        self.training_levels = set(training_levels)
+        self.levels = np.zeros(num_envs, np.int64)
+        self.played = []
+
+    def reset(self, levels):
+        self.levels = np.array(levels, np.int64)
+        self.played.append([])
+        return np.zeros((self.num_envs, 1))
+
+    def step(self, actions, next_level):
+        self.played[-1] += self.levels.tolist()
+        returns = np.array([float(s in self.training_levels) for s in self.levels])
+        info = {"_episode": np.ones(self.num_envs, bool), "episode_return": returns}
+        self.levels = np.array([next_level(i) for i in range(self.num_envs)], np.int64)
+        return np.zeros((self.num_envs, 1)), returns, np.ones(self.num_envs, bool), np.zeros(self.num_envs, bool), info
+
+
+def _evaluate_levels(args, sampler, training_levels, num_episodes=200):
+    """Runs plr_ppo.evaluate with the script's level sets; returns its metrics and the levels each set played."""
+    envs = OneStepLevelEnv(4, training_levels)
+    level_sets = plr_ppo.eval_level_sets(args, sampler, np.random.default_rng(0))
+    assert list(level_sets) == ["train", "test"]
+
+    def uniform_policy(obs):
+        return torch.zeros(len(obs), 7), torch.zeros(len(obs))
+
+    metrics = plr_ppo.evaluate(uniform_policy, envs, level_sets, num_episodes, args, "cpu")
+    train_played, test_played = envs.played
+    return metrics, set(train_played), set(test_played)
+
+
+def test_evaluation_test_levels_are_held_out(monkeypatch):
+    """Training levels 10..49 of a seed space shrunk to [0, 60), so that test draws would hit them often if they could."""
+    monkeypatch.setattr(plr_ppo, "MAX_SEED", 60)
+    args = Args(env_id="MultiRoom-N4-Random", start_level=10, num_train_levels=40, num_envs=4)
+    training_levels = set(range(10, 50))
+    metrics, train_played, test_played = _evaluate_levels(args, plr_ppo.make_sampler(args, seed=0), training_levels)
+    assert train_played <= training_levels and len(train_played) > 30
+    assert test_played.isdisjoint(training_levels)
+    assert test_played == set(range(10)) | set(range(50, 60))  # all held-out levels, on both sides of the range
+    assert metrics["eval/train_return"] == 1.0 and metrics["eval/test_return"] == 0.0
+    assert metrics["eval/generalization_gap"] == 1.0
+
+
+def test_evaluation_unbounded_mode_train_is_the_buffer_test_is_not(monkeypatch):
+    """Unbounded mode: training levels are the buffer's levels; test levels are any other seed of [0, 20)."""
+    monkeypatch.setattr(plr_ppo, "MAX_SEED", 20)
+    args = Args(env_id="MultiRoom-N4-Random", num_train_levels=0, plr_replay_schedule="fixed", num_envs=5)
+    sampler = LevelSampler(None, 5, buffer_size=5, replay_schedule="fixed")
+    buffer = [3, 7, 11, 12, 19]
+    sampler.update_with_rollouts(np.ones((1, 5)), np.ones((1, 5), bool), np.array([buffer]))
+    assert set(sampler.slot_of) == set(buffer)
+    metrics, train_played, test_played = _evaluate_levels(args, sampler, buffer)
+    assert train_played == set(buffer)
+    assert test_played == set(range(20)) - set(buffer)
+    assert metrics["eval/train_return"] == 1.0 and metrics["eval/test_return"] == 0.0
+
+
+def test_evaluation_stops_at_a_stop_signal(monkeypatch):
+    """A recorded SIGTERM (common.processes: handlers only record) ends evaluate at its next step, as it ends the
+    periodic and the final evaluations of a run."""
+    import signal
+
+    from common import processes
+
+    monkeypatch.setattr(processes, "_received_signals", [signal.SIGTERM])
+    args = Args(env_id="MultiRoom-N4-Random", num_train_levels=40, num_envs=4)
+    envs = OneStepLevelEnv(4, range(40))
+    level_sets = plr_ppo.eval_level_sets(args, plr_ppo.make_sampler(args, seed=0), np.random.default_rng(0))
+    with pytest.raises(processes.Interrupted):
+        plr_ppo.evaluate(lambda obs: (torch.zeros(len(obs), 7), torch.zeros(len(obs))), envs, level_sets, 10, args, "cpu")
+    assert envs.played == [[]]  # reset, then stopped before the first step
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # CLI validation and end-to-end runs
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
@@ -488,9 +741,13 @@ def _run(tmp_path, *flags, timeout=120, block_procgen=False):
         path = f"{tmp_path / 'no_procgen'}{os.pathsep}{path}"
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _runs(tmp_path):
@@ -498,9 +755,29 @@ def _runs(tmp_path):
 
 
 def test_smoke_procgen(tmp_path):
-    out = _run(tmp_path, "--env-id", "bigfish", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
-               "--num-minibatches", "2", "--num-train-levels", "5", "--eval-every", "0",
-               "--final-eval-episodes", "1", "--num-eval-envs", "1", "--plr-commit", "update")  # fmt: skip
+    out = _run(
+        tmp_path,
+        "--env-id",
+        "bigfish",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "16",
+        "--total-timesteps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--num-train-levels",
+        "5",
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "1",
+        "--num-eval-envs",
+        "1",
+        "--plr-commit",
+        "update",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (run,) = _runs(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
@@ -511,9 +788,28 @@ def test_smoke_procgen(tmp_path):
 
 
 def test_smoke_minigrid_save_and_resume(tmp_path):
-    common = ["--env-id", "MultiRoom-N4-Random", "--num-envs", "4", "--num-steps", "32", "--num-minibatches", "2",
-              "--num-train-levels", "20", "--eval-every", "0", "--final-eval-episodes", "2", "--num-eval-envs", "2",
-              "--num-workers", "1", "--checkpoint-every", "128"]  # fmt: skip
+    common = [
+        "--env-id",
+        "MultiRoom-N4-Random",
+        "--num-envs",
+        "4",
+        "--num-steps",
+        "32",
+        "--num-minibatches",
+        "2",
+        "--num-train-levels",
+        "20",
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "2",
+        "--num-eval-envs",
+        "2",
+        "--num-workers",
+        "1",
+        "--checkpoint-every",
+        "128",
+    ]
     # 96 steps per env: > 80-step limit; MiniGrid runs need no procgen (imported only for Procgen games)
     out = _run(tmp_path, *common, "--total-timesteps", "384", "--save-model", block_procgen=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -523,8 +819,9 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
     assert any(k.startswith("plr/mass_rooms=") for x in lines for k in x)  # once levels are scored
     ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ckpt["global_step"] == 384 and ckpt["sampler"]["num_samples"] >= 4
-    out2 = _run(tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "520", "--final-eval-episodes",
-                "0")  # 520 is not a multiple of the batch (4 x 32): the run ends at 512 and says so
+    out2 = _run(
+        tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "520", "--final-eval-episodes", "0"
+    )  # 520 is not a multiple of the batch (4 x 32): the run ends at 512 and says so
     assert out2.returncode == 0, out2.stderr[-2000:]
     assert "the run ends at step 512" in out2.stdout and "resumed " in out2.stdout and "runs to step 512" in out2.stdout
     assert _runs(tmp_path) == [run]  # the same run folder
@@ -532,6 +829,14 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
     assert ckpt2["global_step"] == 512 and ckpt2["update"] == ckpt["update"] + 1
     assert ckpt2["sampler"]["num_samples"] >= ckpt["sampler"]["num_samples"]
     np.testing.assert_array_equal(ckpt2["sampler"]["seeds"], ckpt["sampler"]["seeds"])
+    # --plr-commit episode: the resumed run restarts each env's level from its first frame, so the partial score S~ saved
+    # at step 384 must not be stitched onto it: after one 32-step rollout S~ spans at most those 32 steps, and all 32
+    # (on the checkpoint's level) where the episode did not end
+    saved_steps, steps_after = ckpt["sampler"]["partial_steps"], ckpt2["sampler"]["partial_steps"]
+    unfinished = steps_after == 32
+    assert (steps_after <= 32).all(), steps_after
+    assert (unfinished & (saved_steps > 0)).any()  # the case that shows stitching: an episode saved mid-way, not ended
+    np.testing.assert_array_equal(ckpt2["sampler"]["partial_level"][unfinished], ckpt["env_levels"][unfinished])
 
 
 def test_return_normalizer_and_cobbe_normalization():
@@ -581,8 +886,16 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
     def spy_step(self, actions, next_level=None):
         out = orig_step(self, actions, next_level)
         obs, reward, term, trunc, info = out
-        steps.append(dict(obs=last_obs["obs"].copy(), reward=reward.copy(), term=term.copy(), trunc=trunc.copy(),
-                          level=np.array(info["level_seed"]).copy(), final_obs=np.array(info["final_obs"]).copy()))
+        steps.append(
+            dict(
+                obs=last_obs["obs"].copy(),
+                reward=reward.copy(),
+                term=term.copy(),
+                trunc=trunc.copy(),
+                level=np.array(info["level_seed"]).copy(),
+                final_obs=np.array(info["final_obs"]).copy(),
+            )
+        )
         last_obs["obs"] = obs
         return out
 
@@ -590,11 +903,34 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
     monkeypatch.setattr(MiniGridVecEnv, "step", spy_step)
     monkeypatch.setattr(torch.optim.Adam, "step", lambda self, *a, **k: None)  # V stays the behaviour policy's V
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [SCRIPT, "--env-id", "MultiRoom-N4-Random", "--num-envs", str(N),
-                                      "--num-steps", str(T), "--num-minibatches", "2", "--total-timesteps",
-                                      str(N * T * updates), "--no-norm-reward", "--eval-every", "0",
-                                      "--final-eval-episodes", "0", "--num-workers", "1", "--no-progress",
-                                      "--no-cuda", "--bootstrap-truncation", str(bootstrap)])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            SCRIPT,
+            "--env-id",
+            "MultiRoom-N4-Random",
+            "--num-envs",
+            str(N),
+            "--num-steps",
+            str(T),
+            "--num-minibatches",
+            "2",
+            "--total-timesteps",
+            str(N * T * updates),
+            "--no-norm-reward",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "0",
+            "--num-workers",
+            "1",
+            "--no-progress",
+            "--no-cuda",
+            "--bootstrap-truncation",
+            str(bootstrap),
+        ],
+    )
     handlers, threads = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)), torch.get_num_threads()
     try:
         g = runpy.run_path(SCRIPT, run_name="__main__")
@@ -604,6 +940,10 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
     assert len(steps) == T * updates
     agent, sampler, args = g["agent"], g["sampler"], g["args"]
     assert args.bootstrap_truncation == bootstrap
+    # whole-batch advantage normalization (authors' code): the last update's batch is (A - mean A) / (std A + 1e-5)
+    last_advantages = g["advantages"].double().numpy().reshape(-1)
+    normalized = (last_advantages - last_advantages.mean()) / (last_advantages.std(ddof=1) + 1e-5)
+    np.testing.assert_allclose(g["b_adv"].double().numpy(), normalized, rtol=1e-4, atol=1e-5)
 
     def V(obs):
         with torch.no_grad():
