@@ -171,6 +171,21 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind():
+    """After each test, SIGKILL the process group of every run it started that is still there (a failed assertion
+    must not leave a run training beside the next tests)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def start(tmp_path, script, *flags, ignore_sigint=False):
     """The script in its own session (process group = its pid); stdout and stderr to files under tmp_path."""
     out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
@@ -180,7 +195,7 @@ def start(tmp_path, script, *flags, ignore_sigint=False):
         if ignore_sigint:  # as a shell starts a background job
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-u", os.path.join(ROOT, script), *flags],
         cwd=tmp_path,
         env=environment(),
@@ -188,6 +203,8 @@ def start(tmp_path, script, *flags, ignore_sigint=False):
         stderr=err,
         preexec_fn=preexec,
     )
+    STARTED.append(proc)
+    return proc
 
 
 def wait_for_metrics(tmp_path, proc, timeout=120.0, learning=False):
@@ -293,15 +310,23 @@ def test_a_learner_killed_by_sigkill_leaves_no_process_behind(tmp_path, script):
 def test_a_dead_fork_server_is_named_as_such(tmp_path):
     proc = start(tmp_path, "clear_impala.py", *TINY["clear_impala.py"], *LONG["clear_impala.py"])
     run = wait_for_metrics(tmp_path, proc)
-    servers = [p for p in group_members(proc.pid) if "forkserver" in cmdline(p) and not actor_or_worker(p, proc.pid)]
-    assert len(servers) == 1, [cmdline(p) for p in group_members(proc.pid)]
+    members = group_members(proc.pid)
+    servers = [p for p in members if "multiprocessing.forkserver import main" in cmdline(p) and parent(p) == proc.pid]
+    assert len(servers) == 1, [cmdline(p)[:120] for p in members]
     os.kill(servers[0], signal.SIGKILL)
     assert finish(proc, timeout=30) == 1
     assert "the fork server died" in json.loads((run / "summary.json").read_text())["stop_reason"]
     left = processes_left(proc.pid, timeout=15.0)
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
     assert not left, [cmdline(p) for p in left]
+
+
+def parent(pid: int) -> int:
+    """The parent pid of `pid` (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
