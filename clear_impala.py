@@ -37,14 +37,14 @@ import os
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.args import CommonArgs, check_args, parse_run_args
+from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
@@ -61,7 +61,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """agent steps of new experience per task visit, counted by the learner (CLEAR App. A.6)"""
     num_cycles: int = 2
     """how many times the whole task sequence is repeated (total steps = steps_per_task * len(env_ids) * num_cycles)"""
-    mode: str = "sequential"
+    mode: Literal["sequential", "simultaneous", "separate"] = "sequential"
     """sequential (one task at a time) | simultaneous (all at once) | separate (one network per task) (Sec. 4.1)"""
     num_actors: int = 32
     """training actor processes (CPU, one thread each); num_actors x envs_per_actor must be >= batch_size"""
@@ -103,7 +103,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """RMSProp epsilon, added OUTSIDE the sqrt in PyTorch (TF/IMPALA: inside); torchbeast uses 0.01 as is"""
     max_grad_norm: float = 40.0
     """global gradient-norm clip (IMPALA Table G.1)"""
-    torso: str = "auto"
+    torso: Literal["auto", "nature", "resnet", "minigrid", "minatar"] = "auto"
     """nature (Nature DQN CNN) | resnet (IMPALA deep) | minatar (MinAtar's) | minigrid (small CNN) | auto (by env)"""
     sticky_action_prob: float | None = None
     """sticky-action probability; None = per family: 0 on Atari (IMPALA/CLEAR used none), 0.1 on MinAtar (its own)"""
@@ -121,8 +121,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """how often the learner writes metrics and the progress line"""
 
 
-# --help's environment group; the flags a resumed run may not change (replay and tasks are per actor); range rules
-ENV_FLAGS = ("env_ids", "steps_per_task", "num_cycles", "sticky_action_prob", "max_episode_frames", "minigrid_max_steps")
+# the flags a resumed run may not change (replay and tasks are per actor)
 FIXED_ON_RESUME = (
     "env_ids",
     "seed",
@@ -134,42 +133,42 @@ FIXED_ON_RESUME = (
     "replay_ratio",
     "behavior_cloning",
 )
-ARG_RULES = {
-    "mode": ("sequential", "simultaneous", "separate"),
-    "start_method": ("spawn", "forkserver"),
-    "torso": ("auto", "nature", "resnet", "minigrid", "minatar"),
-    "steps_per_task": ">= 1",
-    "num_cycles": ">= 1",
-    "num_actors": ">= 1",
-    "envs_per_actor": ">= 1",
-    "num_test_actors": ">= 0",
-    "batch_size": ">= 1",
-    "unroll_length": ">= 1",
-    "replay_ratio": "[0, 1]",
-    "buffer_frames": ">= -1",
-    "policy_cloning_cost": ">= 0",
-    "value_cloning_cost": ">= 0",
-    "gamma": "[0, 1]",
-    "pg_cost": ">= 0",
-    "baseline_cost": ">= 0",
-    "entropy_cost": ">= 0",
-    "clip_rho_threshold": "> 0",
-    "clip_pg_rho_threshold": "> 0",
-    "learning_rate": "> 0",
-    "rmsprop_alpha": "[0, 1]",
-    "rmsprop_eps": ">= 0",
-    "max_grad_norm": "> 0",
-    "sticky_action_prob": "[0, 1]",
-    "max_episode_frames": ">= 1",
-    "minigrid_max_steps": ">= 1",
-    "test_actor_max_sps": ">= 0",
-    "log_every_seconds": ">= 0",
-    "checkpoint_every": ">= 0",
-}
 
 
 def validate_args(args: Args) -> None:
-    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.steps_per_task >= 1, f"--steps-per-task must be >= 1, got {args.steps_per_task!r}")
+    require(args.num_cycles >= 1, f"--num-cycles must be >= 1, got {args.num_cycles!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.envs_per_actor >= 1, f"--envs-per-actor must be >= 1, got {args.envs_per_actor!r}")
+    require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
+    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
+    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
+    require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
+    require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
+    require(args.pg_cost >= 0, f"--pg-cost must be >= 0, got {args.pg_cost!r}")
+    require(args.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {args.baseline_cost!r}")
+    require(args.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {args.entropy_cost!r}")
+    require(args.clip_rho_threshold > 0, f"--clip-rho-threshold must be > 0, got {args.clip_rho_threshold!r}")
+    require(args.clip_pg_rho_threshold > 0, f"--clip-pg-rho-threshold must be > 0, got {args.clip_pg_rho_threshold!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(0 <= args.rmsprop_alpha <= 1, f"--rmsprop-alpha must be in [0, 1], got {args.rmsprop_alpha!r}")
+    require(args.rmsprop_eps >= 0, f"--rmsprop-eps must be >= 0, got {args.rmsprop_eps!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(
+        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
+        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
+    )
+    require(args.max_episode_frames >= 1, f"--max-episode-frames must be >= 1, got {args.max_episode_frames!r}")
+    require(
+        args.minigrid_max_steps is None or args.minigrid_max_steps >= 1,
+        f"--minigrid-max-steps must be >= 1, got {args.minigrid_max_steps!r}",
+    )
+    require(args.test_actor_max_sps >= 0, f"--test-actor-max-sps must be >= 0, got {args.test_actor_max_sps!r}")
+    require(args.log_every_seconds >= 0, f"--log-every-seconds must be >= 0, got {args.log_every_seconds!r}")
     k, E, B, n = max(1, len(args.env_ids)), args.envs_per_actor, args.batch_size, args.num_actors
     for bad, msg in (
         (not args.env_ids, "--env-ids needs at least one task"),
@@ -836,8 +835,7 @@ def drain(q, limit=10_000):
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "clear_impala.py", ENV_FLAGS, FIXED_ON_RESUME)
-    check_args(args, ARG_RULES)
+    args, ckpt, overridden = parse_run_args(Args, "clear_impala.py", FIXED_ON_RESUME)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     obs_shape, num_actions, kind = probe_envs(args)  # and the torso, and --bootstrap-truncation's default
     torso, K, T, B = resolve_torso(args, obs_shape), len(args.env_ids), args.unroll_length, args.batch_size

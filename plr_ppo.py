@@ -34,13 +34,14 @@ common/{procgen_env,minigrid_env,normalize,logger,checkpoint,args,processes}.py.
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.distributions import Categorical
 
-from common.args import CommonArgs, check_args, parse_run_args
+from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import (
     load_state_dicts,
     rng_state,
@@ -120,16 +121,18 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """parallel environments per evaluation set"""
 
     # --- PLR (paper symbols) ---
-    plr_strategy: str = "value_l1"
+    plr_strategy: Literal["value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random"] = (
+        "value_l1"
+    )
     """score(τ, π) (Table 1): value_l1 (Eq. (2)) | gae | one_step_td | policy_entropy | least_confidence | min_margin |
     random (the uniform-sampling baseline)"""
-    plr_transform: str = "rank"
+    plr_transform: Literal["rank", "power", "greedy"] = "rank"
     """prioritization h of Eq. (3): rank (h = 1/rank) | power (h = S, 'proportional') | greedy (argmax)"""
     plr_temperature: float = 0.1
     """β, temperature of Eq. (3) (Table 3)"""
     plr_staleness_coef: float = -1.0
     """ρ, staleness mixing of Eq. (1) in [0, 1]; -1 = Table 3 (0.1 Procgen, 0.3 MiniGrid)"""
-    plr_replay_schedule: str = "proportionate"
+    plr_replay_schedule: Literal["proportionate", "fixed"] = "proportionate"
     """P_D: proportionate (P_D(replay) = |Λ_seen|/|Λ_train|, Sec. 3) | fixed (P_D(replay) = --plr-replay-prob)"""
     plr_replay_prob: float = 0.95
     """P_D(replay) of the fixed schedule (App. B.3: 0.5 MultiRoom, 0.95 ObstructedMazeGamut-Easy)"""
@@ -137,7 +140,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """no replay before |Λ_seen| >= min_fill |Λ_train| (authors' code `rho`; their default 1.0, the paper's rule is 0)"""
     plr_score_alpha: float = 1.0
     """α of the score EWA S <- (1-α) S + α score(τ) (authors' code; 1 = the paper's overwrite)"""
-    plr_commit: str = "episode"
+    plr_commit: Literal["episode", "update"] = "episode"
     """episode: stitch partial scores S~ across rollouts, commit at episode end (Alg. 4) | update: commit after every
     PPO update (authors' code)"""
     plr_buffer_size: int = 4000
@@ -166,16 +169,6 @@ def resolve_defaults(args: Args) -> Args:
     return args
 
 
-ENV_FLAGS = (
-    "env_id",
-    "total_timesteps",
-    "distribution_mode",
-    "num_train_levels",
-    "start_level",
-    "num_envs",
-    "num_workers",
-    "bootstrap_truncation",
-)  # --help's environment group
 # the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
 FIXED_ON_RESUME = (
     "env_id",
@@ -192,44 +185,36 @@ FIXED_ON_RESUME = (
     "plr_commit",
     "plr_buffer_size",
 )
-ARG_RULES = {
-    "plr_strategy": ("value_l1", "gae", "one_step_td", "policy_entropy", "least_confidence", "min_margin", "random"),
-    "plr_transform": ("rank", "power", "greedy"),
-    "plr_replay_schedule": ("proportionate", "fixed"),
-    "plr_commit": ("episode", "update"),
-    "start_method": ("spawn", "forkserver"),
-    "total_timesteps": ">= 1",
-    "num_train_levels": ">= 0",
-    "start_level": ">= 0",
-    "num_envs": ">= 1",
-    "num_steps": ">= 1",
-    "num_minibatches": ">= 1",
-    "update_epochs": ">= 1",
-    "learning_rate": "> 0",
-    "adam_eps": "> 0",
-    "gamma": "(0, 1]",
-    "gae_lambda": "[0, 1]",
-    "clip_coef": "> 0",
-    "ent_coef": ">= 0",
-    "vf_coef": ">= 0",
-    "max_grad_norm": "> 0",
-    "num_workers": ">= 0",
-    "eval_every": ">= 0",
-    "eval_episodes": ">= 0",
-    "final_eval_episodes": ">= 0",
-    "num_eval_envs": ">= 1",
-    "checkpoint_every": ">= 0",
-    "plr_temperature": "> 0",
-    "plr_staleness_coef": "[0, 1]",
-    "plr_replay_prob": "[0, 1]",
-    "plr_min_fill": "[0, 1]",
-    "plr_score_alpha": "(0, 1]",
-    "plr_buffer_size": ">= 1",
-}
 
 
 def validate_args(args: Args) -> None:
-    """The checks between flags (ranges: ARG_RULES, after resolve_defaults); one line (SystemExit) on bad flags."""
+    """Each flag's range, then the checks between flags (after resolve_defaults); one line `error: ...` on a violation."""
+    require(args.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {args.total_timesteps!r}")
+    require(args.num_train_levels >= 0, f"--num-train-levels must be >= 0, got {args.num_train_levels!r}")
+    require(args.start_level >= 0, f"--start-level must be >= 0, got {args.start_level!r}")
+    require(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs!r}")
+    require(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps!r}")
+    require(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches!r}")
+    require(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
+    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
+    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda!r}")
+    require(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef!r}")
+    require(args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef!r}")
+    require(args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers!r}")
+    require(args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    require(args.final_eval_episodes >= 0, f"--final-eval-episodes must be >= 0, got {args.final_eval_episodes!r}")
+    require(args.num_eval_envs >= 1, f"--num-eval-envs must be >= 1, got {args.num_eval_envs!r}")
+    require(args.plr_temperature > 0, f"--plr-temperature must be > 0, got {args.plr_temperature!r}")
+    require(0 <= args.plr_staleness_coef <= 1, f"--plr-staleness-coef must be in [0, 1], got {args.plr_staleness_coef!r}")
+    require(0 <= args.plr_replay_prob <= 1, f"--plr-replay-prob must be in [0, 1], got {args.plr_replay_prob!r}")
+    require(0 <= args.plr_min_fill <= 1, f"--plr-min-fill must be in [0, 1], got {args.plr_min_fill!r}")
+    require(0 < args.plr_score_alpha <= 1, f"--plr-score-alpha must be in (0, 1], got {args.plr_score_alpha!r}")
+    require(args.plr_buffer_size >= 1, f"--plr-buffer-size must be >= 1, got {args.plr_buffer_size!r}")
     from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
 
     if args.env_id not in PROCGEN_GAMES:
@@ -752,9 +737,8 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", ENV_FLAGS, FIXED_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME)
     args = resolve_defaults(args)
-    check_args(args, ARG_RULES)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     N, T = args.num_envs, args.num_steps
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches  # the run ends at the budget's last whole batch

@@ -36,14 +36,14 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.args import CommonArgs, check_args, parse_run_args
+from common.args import CommonArgs, parse_run_args, require
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import (
     load_state_dicts,
@@ -113,7 +113,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """lowest atom z_0 (C51 value, not in the recovered paper)"""
     v_max: float = 10.0
     """highest atom z_{N-1} (C51 value, not in the recovered paper)"""
-    policy_gradient: str = "beta-loo"
+    policy_gradient: Literal["beta-loo", "tislr"] = "beta-loo"
     """policy gradient estimator: beta-loo (Eq. (10)) | tislr (ACER, the paper's ablation)"""
     beta_loo_c: float = 1.0
     """c in beta = min(c, 1/mu(A)) of beta-LOO (paper: beta = 1, i.e. c = 1)"""
@@ -137,7 +137,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """sticky actions; None = the family's standard: Atari 0 (paper: DQN pipeline, none), MinAtar 0.1 (MinAtar's)"""
     noop_max: int = 30
     """maximum no-op actions at the start of an Atari game (acting and evaluation; MinAtar has none)"""
-    torso: str = "auto"
+    torso: Literal["auto", "paper", "minatar"] = "auto"
     """paper (3.4.1's conv torso, 84x84 frames) | minatar (MinAtar's one 3x3 conv, 16 channels, 10x10) | auto (by env)"""
     actor_sync_every: int = 16
     """actor env steps between checks for new weights in shared memory"""
@@ -151,7 +151,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
-ENV_FLAGS = ("env_id", "total_timesteps", "sticky_action_prob", "noop_max", "torso")  # --help's environment group
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
 FIXED_ON_RESUME = (
     "env_id",
@@ -172,44 +171,41 @@ FIXED_ON_RESUME = (
     "replay_size",
     "sequence_length",
 )
-ARG_RULES = {
-    "start_method": ("spawn", "forkserver"),
-    "policy_gradient": ("beta-loo", "tislr"),
-    "total_timesteps": "> 0",
-    "num_actors": ">= 1",
-    "learning_starts": ">= 0",
-    "batch_size": ">= 1",
-    "sequence_length": ">= 1",
-    "replay_ratio": "> 0",
-    "ratio_slack": ">= 0",
-    "actor_chunk": ">= 1",
-    "learning_rate": "> 0",
-    "adam_beta1": "[0, 1)",
-    "max_grad_norm": ">= 0",
-    "target_update_period": ">= 1",
-    "gamma": "[0, 1]",
-    "retrace_lambda": "[0, 1]",
-    "num_atoms": ">= 2",
-    "beta_loo_c": ">= 1",
-    "tislr_c": "> 0",
-    "entropy_coef": ">= 0",
-    "policy_uniform_eps": "[0, 1)",
-    "lstm_size": ">= 1",
-    "replay_uniform_eps": "[0, 1]",
-    "priority_exponent": ">= 0",
-    "sticky_action_prob": "[0, 1]",
-    "torso": ("auto", "paper", "minatar"),
-    "noop_max": ">= 0",
-    "actor_sync_every": ">= 1",
-    "eval_episodes": ">= 0",
-    "log_every": ">= 1",
-    "checkpoint_every": ">= 0",
-    "memory_fraction": "(0, 1]",
-}
 
 
 def validate_args(args: Args) -> None:
-    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.learning_starts >= 0, f"--learning-starts must be >= 0, got {args.learning_starts!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(args.sequence_length >= 1, f"--sequence-length must be >= 1, got {args.sequence_length!r}")
+    require(args.replay_ratio > 0, f"--replay-ratio must be > 0, got {args.replay_ratio!r}")
+    require(args.ratio_slack >= 0, f"--ratio-slack must be >= 0, got {args.ratio_slack!r}")
+    require(args.actor_chunk >= 1, f"--actor-chunk must be >= 1, got {args.actor_chunk!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(0 <= args.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {args.adam_beta1!r}")
+    require(args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {args.max_grad_norm!r}")
+    require(args.target_update_period >= 1, f"--target-update-period must be >= 1, got {args.target_update_period!r}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
+    require(0 <= args.retrace_lambda <= 1, f"--retrace-lambda must be in [0, 1], got {args.retrace_lambda!r}")
+    require(args.num_atoms >= 2, f"--num-atoms must be >= 2, got {args.num_atoms!r}")
+    require(args.beta_loo_c >= 1, f"--beta-loo-c must be >= 1, got {args.beta_loo_c!r}")
+    require(args.tislr_c > 0, f"--tislr-c must be > 0, got {args.tislr_c!r}")
+    require(args.entropy_coef >= 0, f"--entropy-coef must be >= 0, got {args.entropy_coef!r}")
+    require(0 <= args.policy_uniform_eps < 1, f"--policy-uniform-eps must be in [0, 1), got {args.policy_uniform_eps!r}")
+    require(args.lstm_size >= 1, f"--lstm-size must be >= 1, got {args.lstm_size!r}")
+    require(0 <= args.replay_uniform_eps <= 1, f"--replay-uniform-eps must be in [0, 1], got {args.replay_uniform_eps!r}")
+    require(args.priority_exponent >= 0, f"--priority-exponent must be >= 0, got {args.priority_exponent!r}")
+    require(
+        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
+        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
+    )
+    require(args.noop_max >= 0, f"--noop-max must be >= 0, got {args.noop_max!r}")
+    require(args.actor_sync_every >= 1, f"--actor-sync-every must be >= 1, got {args.actor_sync_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
+    require(0 < args.memory_fraction <= 1, f"--memory-fraction must be in (0, 1], got {args.memory_fraction!r}")
     minatar, slots = args.env_id in MINATAR_ENV_IDS, 2 * (args.sequence_length + 1) + args.actor_chunk + 2
     for bad, msg in (
         (
@@ -923,8 +919,7 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "reactor.py", ENV_FLAGS, FIXED_ON_RESUME)
-    check_args(args, ARG_RULES)
+    args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     if ckpt:  # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
         learns_from = ckpt["global_step"] + (args.learning_starts if ckpt["replay"] is None else 0)

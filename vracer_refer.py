@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from common.args import CommonArgs, check_args, parse_run_args
+from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import (
     load_state_dicts,
     rng_state,
@@ -127,7 +127,6 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """episodes of the deterministic (mean-action) policy evaluated after training with --save-model"""
 
 
-ENV_FLAGS = ("env_id", "total_timesteps")  # --help's environment group
 RULE2_RHO_MAX = 1e3  # the rule2 ablation clips rho at this in the policy gradient (Sec. 5.3)
 GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every this many gradient steps
 # the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
@@ -143,38 +142,34 @@ FIXED_ON_RESUME = (
     "per",
     "buffer_size",
 )
-ARG_RULES = {
-    "start_method": ("spawn", "forkserver"),
-    "total_timesteps": "> 0",
-    "learning_starts": ">= 1",
-    "buffer_size": ">= 1",
-    "batch_size": ">= 1",
-    "gamma": "(0, 1]",
-    "learning_rate": "> 0",
-    "adam_eps": "> 0",
-    "F": "> 0",
-    "C": ">= 0",
-    "A": ">= 0",
-    "D": "(0, 1)",
-    "beta_init": "[0, 1]",
-    "beta_lr": "(0, 1)",
-    "logrho_clip": "> 0",
-    "per_alpha": ">= 0",
-    "per_beta0": "[0, 1]",
-    "init_std": "> 0",
-    "hidden_size": ">= 1",
-    "stats_every": ">= 1",
-    "state_stats_rate": "[0, 1]",
-    "num_actors": ">= 1",
-    "ring_size": ">= 2",
-    "log_every": ">= 1",
-    "checkpoint_every": ">= 0",
-    "eval_episodes": ">= 0",
-}
 
 
 def validate_args(args: Args) -> None:
-    """The checks between flags (ranges: ARG_RULES); one line (raise SystemExit(f"error: ...")) on bad flags."""
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
+    require(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts!r}")
+    require(args.buffer_size >= 1, f"--buffer-size must be >= 1, got {args.buffer_size!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
+    require(args.F > 0, f"--F must be > 0, got {args.F!r}")
+    require(args.C >= 0, f"--C must be >= 0, got {args.C!r}")
+    require(args.A >= 0, f"--A must be >= 0, got {args.A!r}")
+    require(0 < args.D < 1, f"--D must be in (0, 1), got {args.D!r}")
+    require(0 <= args.beta_init <= 1, f"--beta-init must be in [0, 1], got {args.beta_init!r}")
+    require(0 < args.beta_lr < 1, f"--beta-lr must be in (0, 1), got {args.beta_lr!r}")
+    require(args.logrho_clip > 0, f"--logrho-clip must be > 0, got {args.logrho_clip!r}")
+    require(args.per_alpha >= 0, f"--per-alpha must be >= 0, got {args.per_alpha!r}")
+    require(0 <= args.per_beta0 <= 1, f"--per-beta0 must be in [0, 1], got {args.per_beta0!r}")
+    require(args.init_std > 0, f"--init-std must be > 0, got {args.init_std!r}")
+    require(args.hidden_size >= 1, f"--hidden-size must be >= 1, got {args.hidden_size!r}")
+    require(args.stats_every >= 1, f"--stats-every must be >= 1, got {args.stats_every!r}")
+    require(0 <= args.state_stats_rate <= 1, f"--state-stats-rate must be in [0, 1], got {args.state_stats_rate!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.ring_size >= 2, f"--ring-size must be >= 2, got {args.ring_size!r}")
+    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
     try:
         check_mujoco_env_id(args.env_id)
         if args.capture_video:
@@ -884,8 +879,7 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
 if __name__ == "__main__":
     stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", ENV_FLAGS, FIXED_ON_RESUME)
-    check_args(args, ARG_RULES)
+    args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME)
     validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
     left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
     refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts  # env steps before a gradient step

@@ -1,17 +1,12 @@
-"""Command-line arguments shared by the four scripts: their common flags, declarative range checks and the one
-`--resume` rule.
+"""Command-line arguments shared by the four scripts: their common flags, one-line errors and the `--resume` rule.
 
 - `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
-  script's `@dataclass class Args(CommonArgs)` adds its own.
-
-- `parse_run_args(Args, script, env_flags, fixed)`: the start of every script: `cli`, then, with `--resume`, the
-  checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
-- `cli(Args, env_flags)`: `tyro.cli(Args)` with `--help` in three groups (common, environment, method); the flags
-  and the returned flat `Args` are unchanged.
-- `check_args(args, rules)`: each rule names a field and what it must be, e.g. `{"learning_rate": "> 0",
-  "gamma": "[0, 1]", "num_actors": ">= 1", "mode": ("sequential", "simultaneous")}`; the first violation stops the
-  script with one line `error: --gamma must be in [0, 1], got 1.5`. A `None` value (an optional flag left unset)
-  passes. Checks between fields stay a few explicit lines in each script.
+  script's `@dataclass class Args(CommonArgs)` adds its own. Choices are `Literal` types, checked by tyro.
+- `parse_run_args(Args, script, fixed)`: the start of every script: `cli`, then, with `--resume`, the checkpoint
+  (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `cli(Args)`: `tyro.cli(Args)`; a parse error becomes one line `error: ...` (`one_line_error`).
+- `require(condition, message)`: a range check in a script's `validate_args`, e.g.
+  `require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")`; stops with one line `error: ...`.
 - `resume_args(args, argv, ckpt_args, fixed)`: the resume rule of every script. A resumed run takes the
   checkpoint's flags; only the flags given on this command line override them, and a given flag named in `fixed`
   (one that changes the experiment: environment, seed, network, method) must equal the checkpoint's value. The
@@ -21,39 +16,17 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import inspect
 import io
-import operator
 import sys
 from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Any, Literal
 
 import tyro
 
 from common.checkpoint import load_run_checkpoint
-
-COMMON_FLAGS = (
-    "exp_name",
-    "seed",
-    "torch_deterministic",
-    "cuda",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "capture_video",
-    "save_model",
-    "checkpoint_every",
-    "checkpoint_replay",
-    "resume",
-    "progress",
-    "start_method",
-    "log_every",
-    "log_every_seconds",
-)
-_COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
 @dataclasses.dataclass
@@ -84,64 +57,23 @@ class CommonArgs:
     """path to a checkpoint.pt to resume from"""
     progress: bool = True
     """print a compact progress line"""
-    start_method: str = "spawn"
+    start_method: Literal["spawn", "forkserver"] = "spawn"
     """multiprocessing start method for actor processes: spawn | forkserver"""
 
 
-def _field_docs(cls) -> dict[str, str]:
-    """{field: the docstring under it} from the source of the class and its dataclass bases (tyro's help texts)."""
-    docs = {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(inspect.getsource(klass)).body[0].body
-        docs.update(
-            {
-                a.target.id: inspect.cleandoc(b.value.value)
-                for a, b in zip(body, body[1:])
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-            }
-        )
-    return docs
-
-
-def cli(args_class: type, env_flags: Iterable[str]) -> Any:
-    """Parse the command line into `args_class` (a flat dataclass) with tyro, its `--help` grouped as "common options"
-    (`COMMON_FLAGS`), "environment options" (`env_flags`) and "method options" (the rest), in field order."""
-    docs, env_flags = _field_docs(args_class), set(env_flags)
-    fields = dataclasses.fields(args_class)
-    groups = {
-        "common": [f for f in fields if f.name in COMMON_FLAGS],
-        "environment": [f for f in fields if f.name in env_flags],
-        "method": [f for f in fields if f.name not in COMMON_FLAGS and f.name not in env_flags],
-    }
-    nested = []
-    for group, members in groups.items():
-        spec = [
-            (
-                f.name,
-                Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
-                dataclasses.field(default=f.default)
-                if f.default is not dataclasses.MISSING
-                else dataclasses.field(default_factory=f.default_factory),
-            )
-            for f in members
-        ]
-        sub = dataclasses.make_dataclass(group, spec)
-        nested.append((group, Annotated[sub, tyro.conf.OmitArgPrefixes], dataclasses.field(default_factory=sub)))
+def cli(args_class: type) -> Any:
+    """`tyro.cli(args_class)`, its help headed by the first line of the script's docstring; a parse error becomes one
+    line `error: ...` instead of tyro's box."""
+    description = inspect.getdoc(sys.modules[args_class.__module__]).split("\n")[0]
     captured = io.StringIO()
     try:
         # tyro draws its errors in a box: read it, print one line instead
         with contextlib.redirect_stderr(captured):
-            parsed = tyro.cli(
-                dataclasses.make_dataclass(args_class.__name__, nested),
-                description=inspect.getdoc(inspect.getmodule(args_class)).split("\n")[0],
-            )
+            return tyro.cli(args_class, description=description)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         raise SystemExit(one_line_error(captured.getvalue())) from None
-    return args_class(
-        **{f.name: getattr(getattr(parsed, group), f.name) for group, members in groups.items() for f in members}
-    )
 
 
 def one_line_error(box: str) -> str:
@@ -166,31 +98,10 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _satisfies(value: Any, rule: str | tuple) -> bool:
-    if isinstance(rule, tuple):  # a set of choices
-        return value in rule
-    rule = rule.strip()
-    if rule[0] in "[(":  # an interval: [a, b], (a, b], [a, b), (a, b)
-        low, high = (float(x) for x in rule[1:-1].split(","))
-        above = low <= value if rule[0] == "[" else low < value
-        return above and (value <= high if rule[-1] == "]" else value < high)
-    op, bound = rule.split()
-    return _COMPARISONS[op](value, float(bound))
-
-
-def check_args(args: Any, rules: dict[str, str | tuple]) -> None:
-    """Raise SystemExit('error: ...') on the first field of `args` that breaks its rule (see the module docstring)."""
-    for name, rule in rules.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if not _satisfies(value, rule):
-            what = (
-                f"one of {', '.join(map(str, rule))}"
-                if isinstance(rule, tuple)
-                else (f"in {rule}" if rule.strip()[0] in "[(" else rule)
-            )
-            raise SystemExit(f"error: {flag(name)} must be {what}, got {value!r}")
+def require(condition: bool, message: str) -> None:
+    """Stop the script with the one line `error: {message}` unless `condition` holds (a flag's range check)."""
+    if not condition:
+        raise SystemExit(f"error: {message}")
 
 
 def explicit_flags(argv: Iterable[str], fields: Iterable[str]) -> set[str]:
@@ -228,14 +139,15 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
     return dataclasses.replace(args, **restored), sorted(given)
 
 
-def parse_run_args(args_class: type, script: str, env_flags: Iterable[str], fixed: Iterable[str]):
+def parse_run_args(args_class: type, script: str, fixed: Iterable[str]):
     """(args, checkpoint or None, the flags this command line overrides): the command line parsed by `cli`, and with
     `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied."""
-    args = cli(args_class, env_flags)
+    args = cli(args_class)
     args.exp_name = args.exp_name or script[: -len(".py")]
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
     if not 0 <= args.seed < 2**31:
         raise SystemExit(f"error: --seed must be in [0, 2**31), got {args.seed}")
+    require(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)

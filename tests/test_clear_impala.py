@@ -411,10 +411,8 @@ def test_buffer_capacity_split_over_actors():
     [
         (dict(num_actors=4, batch_size=8), "--num-actors"),
         (dict(replay_ratio=1.5), "--replay-ratio"),
-        (dict(mode="bogus"), "--mode"),
         (dict(buffer_frames=0), "--buffer-frames 0"),
         (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
-        (dict(start_method="fork"), "--start-method"),
         (dict(gamma=1.5), "--gamma must be in [0, 1], got 1.5"),
         (
             dict(env_ids=["a", "b", "c"], mode="simultaneous", num_actors=4, batch_size=4),
@@ -423,10 +421,8 @@ def test_buffer_capacity_split_over_actors():
     ],
 )
 def test_validate_args_one_line_errors(over, msg):
-    with pytest.raises(SystemExit) as e:  # the range rules, then the checks between flags
-        args = ci.Args(**over)
-        ci.check_args(args, ci.ARG_RULES)
-        ci.validate_args(args)
+    with pytest.raises(SystemExit) as e:  # the ranges, then the checks between flags
+        ci.validate_args(ci.Args(**over))
     assert str(e.value).startswith("error:") and msg in str(e.value) and "\n" not in str(e.value)
 
 
