@@ -16,7 +16,7 @@ prints, grouped by configuration (replay ratio, behavioural cloning):
    training steps, mean and min-max spread over seeds (1% bins, `binned_returns`), the visits shaded.
 
     python tests/benchmarks/clear_forgetting_table.py runs/<run 1> runs/<run 2> ... [--displaced 1 --displacing 2]
-        [--window 100000] [--plot tests/benchmarks/results/clear_minatar.png]
+        [--window 100000] [--plot tests/benchmarks/results/clear_minatar.png] [--random 0.49 3.06 0.11]
 """
 
 from __future__ import annotations
@@ -97,14 +97,19 @@ def collapse_and_recovery(
     return None, float("nan"), float("nan"), end_next
 
 
+def sd(values: np.ndarray) -> float:
+    """The sample standard deviation over seeds (ddof 1); 0 for one seed."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
 def short(env_id: str) -> str:
     return env_id.replace("MiniGrid-", "").replace("MinAtar/", "").replace("-v0", "")
 
 
-def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None:
+def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str, random_returns: list | None) -> None:
     """Rows: tasks, columns: configurations; test return vs steps (2% bins), mean and min-max over seeds, the task's
-    visits shaded (sequential modes). Each row's y range: 1.5 x its highest mean, so a spike of one seed's bin does
-    not flatten the curves."""
+    visits shaded (sequential modes), the random policy's return dotted. Each row's y range: 1.5 x its highest mean,
+    so a spike of one seed's bin does not flatten the curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,6 +132,8 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None
             if rs[0]["args"].get("mode", "sequential") == "sequential":
                 for v in range(k, V, K):
                     ax.axvspan(v * L / 1e6, (v + 1) * L / 1e6, color="grey", alpha=0.12, lw=0)
+            if random_returns:
+                ax.axhline(random_returns[k], color="black", lw=0.8, ls=":")
             ax.tick_params(labelsize=6)
             if col == 0:
                 ax.set_ylabel(short(env_ids[k]), fontsize=7)
@@ -134,7 +141,8 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str) -> None
         axes[-1][col].set_xlabel("training steps (M)", fontsize=7)
     for k in range(K):
         axes[k][0].set_ylim(min(0.0, axes[k][0].get_ylim()[0]), 1.5 * row_max[k])
-    fig.suptitle("test return per task (mean, min-max over seeds; grey: the task's visit)", fontsize=8)
+    random_line = "; dotted: random policy" if random_returns else ""
+    fig.suptitle(f"test return per task (mean, min-max over seeds; grey: the task's visit{random_line})", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     print(f"\nwrote {path}")
@@ -147,6 +155,7 @@ def main() -> None:
     p.add_argument("--displacing", type=int, help="task index whose first learning displaces it (e.g. 2)")
     p.add_argument("--window", type=int, default=100_000, help="steps at the end of a visit / of the run (table 4)")
     p.add_argument("--plot", help="write the per-configuration Figure 2 to this PNG")
+    p.add_argument("--random", type=float, nargs="+", help="the random policy's return per task, in the runs' task order")
     cli = p.parse_args()
     runs = [load_run(d) for d in cli.runs]
     env_ids = runs[0]["args"]["env_ids"]
@@ -172,17 +181,19 @@ def main() -> None:
     ):
         groups[config_name(r["args"])].append(r)  # by mode, then no replay, CLEAR + BC, CLEAR without BC
 
-    print("Final cumulative test return per task (paper's Figure 8): mean over seeds [per seed, by seed]")
+    print("Final cumulative test return per task (paper's Figure 8): mean ± sd over seeds [per seed, by seed]")
     print("| run | " + " | ".join(short(e) for e in env_ids) + " | mean over tasks |")
     print("|---" * (K + 2) + "|")
     for name, rs in groups.items():
         rs = sorted(rs, key=lambda r: r["args"]["seed"])
         cum = np.array([[r["summary"]["final_cumulative_return"][e] for e in env_ids] for r in rs])  # [seed, task]
-        cells = [f"{cum[:, k].mean():.3f} [{' / '.join(f'{c:.2f}' for c in cum[:, k])}]" for k in range(K)]
         task_mean = cum.mean(1)
-        cells.append(f"{task_mean.mean():.3f} [{' / '.join(f'{c:.2f}' for c in task_mean)}]")
+        columns = [cum[:, k] for k in range(K)] + [task_mean]
+        cells = [f"{c.mean():.2f} ± {sd(c):.2f} [{' / '.join(f'{x:.2f}' for x in c)}]" for c in columns]
         seeds = ",".join(str(r["args"]["seed"]) for r in rs)
         print(f"| {name}, seeds {seeds} | " + " | ".join(cells) + " |")
+    if cli.random:
+        print("| random policy | " + " | ".join(f"{x:.2f}" for x in cli.random) + f" | {np.mean(cli.random):.2f} |")
 
     visit_names = [f"{v + 1}: {short(env_ids[v % K])}" for v in range(V)]
     for name, rs in groups.items():
@@ -215,10 +226,10 @@ def main() -> None:
                     for r in rs
                 ]
             )
-            cells.append(f"{end[:, 0].mean():.2f} ± {end[:, 0].std():.2f} -> {end[:, 1].mean():.2f} ± {end[:, 1].std():.2f}")
+            cells.append(f"{end[:, 0].mean():.2f} ± {sd(end[:, 0]):.2f} -> {end[:, 1].mean():.2f} ± {sd(end[:, 1]):.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if cli.plot:
-        plot_configs(groups, env_ids, L, V, cli.plot)
+        plot_configs(groups, env_ids, L, V, cli.plot, cli.random)
 
     if cli.displaced is not None and cli.displacing is not None:
         a, b = cli.displaced, cli.displacing
