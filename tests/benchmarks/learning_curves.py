@@ -90,9 +90,17 @@ def config_name(run_dir: str) -> str:
 
 
 def plot_groups(
-    tables: list[dict], groups: list[str], path: str, metric: str, bin_size: int, title: str, hline: list | None = None
+    tables: list[dict],
+    groups: list[str],
+    path: str,
+    metric: str,
+    bin_size: int,
+    title: str,
+    hline: list | None = None,
+    ylim: list | None = None,
 ) -> None:
-    """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps."""
+    """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps;
+    `ylim` cuts the y axis (a curve that leaves it is drawn up to where it does)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,6 +116,8 @@ def plot_groups(
         ax.fill_between(ends, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
     if hline:
         ax.axhline(float(hline[0]), color="gray", linestyle="--", linewidth=1, label=" ".join(hline[1:]) or None)
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.set_xlabel("environment steps")
     ax.set_ylabel(f"{metric}\n(mean per {bin_size:,} steps)", fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -205,6 +215,7 @@ def main():
         "band over the runs given, e.g. plr/mass_rooms=1 ... for PLR's Figure 4) instead of per configuration",
     )
     p.add_argument("--hline", nargs="+", default=None, help="with --plot: VALUE [LABEL], a dashed reference line")
+    p.add_argument("--ylim", type=float, nargs=2, default=None, help="with --plot: LOW HIGH of the y axis")
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
     p.add_argument(
         "--max-step",
@@ -283,7 +294,14 @@ def main():
         if a.labels and len(a.labels) != len(a.runs):
             raise SystemExit(f"error: --labels needs one label per run ({len(a.runs)}), got {len(a.labels)}")
         plot_groups(
-            tables, a.labels or [config_name(d) for d in a.runs], a.plot, a.ylabel or a.metric, a.bin, a.title, a.hline
+            tables,
+            a.labels or [config_name(d) for d in a.runs],
+            a.plot,
+            a.ylabel or a.metric,
+            a.bin,
+            a.title,
+            a.hline,
+            a.ylim,
         )
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
