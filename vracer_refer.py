@@ -1,15 +1,21 @@
 # docs and results: README.md#vracer_referpy-v-racer-with-remember-and-forget-experience-replay
 """V-RACER with Remember-and-Forget Experience Replay (Novati & Koumoutsakos 2019, https://arxiv.org/abs/1807.05827).
 
+Symbols: s_t state; u_t action in the normalised space, a_t = u_t rescaled to the bounds; r_{t+1} reward; L episode
+length; mu_t the policy that acted, pi = N(m(s), sigma^2) the current one; rho_t = pi(u_t|s_t) / mu(u_t|s_t) and
+c_t = min(1, rho_t); gamma discount; V(s) value; Q^ret and V^tbc the Retrace targets; t env steps, k gradient steps;
+N, B, F, C, A, D, beta, eta: the paper's hyperparameters (see Args).
+
 Paper parts (gymnasium MuJoCo tasks)
 - Network (Sec. 2, App. A) `Agent`: MLP 2 x 128 Softsign, V(s) and the Gaussian mean, a state-independent std.
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
-  `vtbc_targets`, stored as Q^ret and refreshed by `EpisodeReplay.update_samples` / `refresh_delta`.
+  `vtbc_targets`, stored as Q^ret, recomputed by `EpisodeReplay.recompute_qret` and refreshed by `refresh_delta`.
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
   lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
   (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
-- Master algorithm (App. C Alg. 1): `actor_loop` streams to shared-memory rings (`store_episodes`); `train_step` keeps F = t/k.
+- Master algorithm (App. C Alg. 1): `actor_loop` writes transitions to shared-memory rings, `store_episodes` reads them
+  into the replay; `learn` keeps F = t/k.
 
 Defaults: gamma 0.995, C 4, A 5e-7, D 0.1, N = N_start = 2**18, B 256, lr 1e-4, F 1, Sigma = 0.2 I, softplus std,
 D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent):
@@ -30,11 +36,12 @@ exactly; actors restart their episodes, re-seeded. Needs common/{mujoco_env,args
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: actors' 1-row matvecs must not spin BLAS threads
+# Before numpy is imported: the actors' 1-row matrix-vector products must not spin up BLAS threads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -56,8 +63,9 @@ from common.processes import ProcessGroup, StopRun, check_memory, check_stop, fi
 from common.video import check_video_support
 
 
+# CommonArgs holds the flags all four scripts share: --seed, --cuda, --track, --save-model, --checkpoint-every, ...
 @dataclass
-class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
+class Args(CommonArgs):
     # --- algorithm specific arguments ---
     env_id: str = "HalfCheetah-v5"
     """gymnasium MuJoCo task id (continuous Box actions, vector observations)"""
@@ -127,9 +135,11 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """episodes of the deterministic (mean-action) policy evaluated after training with --save-model"""
 
 
-RULE2_RHO_MAX = 1e3  # the rule2 ablation clips rho at this in the policy gradient (Sec. 5.3)
-GRAD_STEPS_PER_READ = 64  # the learner reads the actor rings at least every this many gradient steps
-# the flags a resumed run may not change (environment, seed, network, method, replay size), and the range rules
+# The rule2 ablation clips rho at this in the policy gradient (Sec. 5.3).
+RULE2_RHO_MAX = 1e3
+# The learner reads the actor rings at least every this many gradient steps.
+GRAD_STEPS_PER_READ = 64
+# The flags a resumed run may not change: environment, seed, network, method and replay size.
 FIXED_ON_RESUME = (
     "env_id",
     "seed",
@@ -176,26 +186,21 @@ def validate_args(args: Args) -> None:
             check_video_support()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    for bad, msg in (
-        (args.buffer_size < args.batch_size, "--batch-size must be <= --buffer-size"),
-        (
-            args.learning_starts > args.buffer_size,
-            "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)",
-        ),
-        (
-            args.learning_starts < args.batch_size,
-            "--learning-starts must be >= --batch-size (the first batch needs that many samples)",
-        ),
-        (args.C <= 0 and args.refer != "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)"),
-    ):
-        if bad:
-            raise SystemExit(f"error: {msg}")
+    require(args.buffer_size >= args.batch_size, "--batch-size must be <= --buffer-size")
+    require(
+        args.learning_starts <= args.buffer_size,
+        "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)",
+    )
+    require(
+        args.learning_starts >= args.batch_size,
+        "--learning-starts must be >= --batch-size (the first batch needs that many samples)",
+    )
+    require(args.C > 0 or args.refer == "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")
 
 
 def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
-    return make_mujoco_env(
-        env_id, seed, capture_video=capture_video, video_folder=f"videos/{run_name}" if capture_video else None
-    )
+    video_folder = f"videos/{run_name}" if capture_video else None
+    return make_mujoco_env(env_id, seed, capture_video=capture_video, video_folder=video_folder)
 
 
 # NETWORK
@@ -222,15 +227,20 @@ class Agent(nn.Module):
         residual: bool = False,
     ):
         super().__init__()
-        self.l1, self.l2 = nn.Linear(obs_dim, hidden), nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, 1 + act_dim)  # [V, mean]
+        self.l1 = nn.Linear(obs_dim, hidden)
+        self.l2 = nn.Linear(hidden, hidden)
+        # one head: output 0 is V(s), outputs 1.. the mean
+        self.out = nn.Linear(hidden, 1 + act_dim)
         self.std_param = nn.Parameter(torch.full((act_dim,), std_param_init(init_std, std_map)))
-        self.std_map, self.residual = std_map, residual
-        for layer in (self.l1, self.l2):  # App. A: Glorot uniform (weights and, as the authors' code, biases)
+        self.std_map = std_map
+        self.residual = residual
+        # App. A: Glorot uniform for the weights and, as in the authors' code, the biases
+        for layer in (self.l1, self.l2):
             bound = float(np.sqrt(6.0 / (layer.in_features + layer.out_features)))
             for p in (layer.weight, layer.bias):
                 nn.init.uniform_(p, -bound, bound)
-        bound = 0.1 / float(np.sqrt(hidden))  # App. A: U(+-0.1/sqrt(f_i)) -> near-zero outputs
+        # App. A: U(+-0.1/sqrt(f_i)) gives near-zero outputs at the start
+        bound = 0.1 / float(np.sqrt(hidden))
         nn.init.uniform_(self.out.weight, -bound, bound)
         nn.init.zeros_(self.out.bias)
 
@@ -238,36 +248,29 @@ class Agent(nn.Module):
         h = nn.functional.softsign(self.l1(obs))
         h2 = nn.functional.softsign(self.l2(h))
         h = h + h2 if self.residual else h2
-        o = self.out(h)
-        std = std_from_param(self.std_param, self.std_map).expand(o.shape[0], -1)
-        return o[:, 1:], std, o[:, 0]
+        out = self.out(h)
+        std = std_from_param(self.std_param, self.std_map).expand(out.shape[0], -1)
+        return out[:, 1:], std, out[:, 0]
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def reverse_linear_scan(a: np.ndarray, b: np.ndarray, max_len: int | None = None) -> np.ndarray:
-    """Solve x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0). Segments (episodes, refreshed
-    prefixes) end with a_t = 0, so one call handles many; Hillis-Steele doubling: ceil(log2(max_len)) numpy passes."""
-    x, a = np.array(b, dtype=np.float64), np.array(a, dtype=np.float64)
-    shift, stop = 1, len(x) if max_len is None else min(len(x), max_len)
-    while shift < stop:
-        x[:-shift] += a[:-shift] * x[shift:]  # numpy resolves the overlap as if from the old values
-        a[:-shift] *= a[shift:]
-        shift *= 2
-    return x
+def vtbc_targets(rewards, values, rhos, gamma: float, terminated: bool) -> np.ndarray:
+    """V^tbc_t for t = 0..L-1 of one episode, by the backward recursion of Eq. (8):
 
+        V^tbc_t = V(s_t) + c_t (r_{t+1} + gamma V^tbc_{t+1} - V(s_t)),   c_t = min(1, rho_t),
+        V^tbc_L = V(s_L) after a truncation, 0 after a termination.
 
-def vtbc_targets(rewards: np.ndarray, values: np.ndarray, rhos: np.ndarray, gamma: float, terminated: bool) -> np.ndarray:
-    """V^tbc_t for t = 0..L-1 of one episode (Eq. (8)): rewards[t] = r_{t+1}; values[t] = V(s_t), values[L] = V(s_L)
-    (used on truncation; 0 when `terminated`); rhos[t] = pi(a_t|s_t)/mu(a_t|s_t).
-    Eq. (8): V^tbc_t = V_t + min(1, rho_t) (r_{t+1} + gamma V^tbc_{t+1} - V_t),  V^tbc_L = V(s_L) or 0,
-    i.e. x_t = b_t + a_t x_{t+1} with a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}."""
-    rewards, values, rhos = (np.asarray(v, dtype=np.float64) for v in (rewards, values, rhos))
-    L = len(rewards)
-    c = np.minimum(1.0, rhos)  # rho-bar = min(1, rho) (Eq. (6))
-    a, b = gamma * c, (1.0 - c) * values[:L] + c * rewards
-    b[-1] += a[-1] * (0.0 if terminated else values[L])  # the tail V^tbc_L
-    a[-1] = 0.0
-    return reverse_linear_scan(a, b)
+    rewards[t] = r_{t+1}; values[t] = V(s_t), values[L] = V(s_L) (read only when not `terminated`); rhos[t] = rho_t."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    traces = np.minimum(1.0, np.asarray(rhos, dtype=np.float64))
+    length = len(rewards)
+    vtbc = np.zeros(length)
+    next_vtbc = 0.0 if terminated else values[length]
+    for t in reversed(range(length)):
+        vtbc[t] = values[t] + traces[t] * (rewards[t] + gamma * next_vtbc - values[t])
+        next_vtbc = vtbc[t]
+    return vtbc
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
@@ -301,65 +304,83 @@ def gaussian_logprob(act, mean, std):
     return (-0.5 * z * z - torch.log(std) - 0.5 * float(np.log(2.0 * np.pi))).sum(-1)
 
 
+class Batch(NamedTuple):
+    """What the replay stores of B sampled steps, as tensors: u_t, mu_t = N(mu_mean, mu_std^2) and Q^ret_t, plus the
+    PER importance weights (None: uniform sampling)."""
+
+    action: torch.Tensor
+    mu_mean: torch.Tensor
+    mu_std: torch.Tensor
+    qret: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
 def refer_loss(
     mean,
     std,
     value,
-    act,
-    mu_mean,
-    mu_std,
-    qret,
+    batch: Batch,
     beta: float,
     cmax: float,
     refer: str = "full",
     kl_direction: str = "mu_pi",
     logrho_clip: float = 7.0,
-    weights=None,
 ):
     """V-RACER + ReF-ER loss for one mini-batch; its gradient is -1/B sum_i g^ReF-ER_i (Eq. (10), App. C Alg. 3).
 
-    Per sample: near-policy (1/c_max < rho < c_max): beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL
-    (Rule 1). rule1: beta_eff = 1; rule2: all near (PG rho clipped at RULE2_RHO_MAX); none: all near, beta_eff = 1.
+    mean, std, value: the network's pi and V(s) at the sampled states. Per sample: near-policy (1/c_max < rho < c_max):
+    beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL (Rule 1). rule1: beta_eff = 1; rule2: all near
+    (PG rho clipped at RULE2_RHO_MAX); none: all near, beta_eff = 1.
     Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses."""
-    B = mean.shape[0]
-    logmu = gaussian_logprob(act, mu_mean, mu_std)
-    with torch.no_grad():  # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN: far, finite downstream
-        rho = torch.exp(torch.clamp(gaussian_logprob(act, mean, std) - logmu, -logrho_clip, logrho_clip))
+    batch_size = mean.shape[0]
+    logmu = gaussian_logprob(batch.action, batch.mu_mean, batch.mu_std)
+    # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN, which counts as far and is zeroed downstream
+    with torch.no_grad():
+        logpi = gaussian_logprob(batch.action, mean, std)
+        rho = torch.exp(torch.clamp(logpi - logmu, -logrho_clip, logrho_clip))
         rho = torch.nan_to_num(rho, nan=0.0)
     far = is_far_policy(rho, cmax)  # Rule 1
     near = ~far if refer in ("full", "rule1") else torch.ones_like(far)
-    # masked-out samples: log pi at a = mean, std 1 (double-where trick), so no 0 * inf = NaN reaches the gradient
+    # Masked-out samples take log pi at a = mean with std 1 (the double-where trick), so that no 0 * inf = NaN reaches
+    # the gradient.
     keep = near[:, None]
-    logp = gaussian_logprob(torch.where(keep, act, mean.detach()), mean, torch.where(keep, std, torch.ones_like(std)))
-    adv = qret - value.detach()  # Q^ret - V^w(s) (Eq. (5))
-    cbar = torch.clamp(rho, max=1.0)  # rho-bar = min(1, rho)
-    vtbc = value.detach() + cbar * adv  # Eq. (7): V^tbc = V + rho-bar (Q^ret - V)
+    safe_action = torch.where(keep, batch.action, mean.detach())
+    logpi_near = gaussian_logprob(safe_action, mean, torch.where(keep, std, torch.ones_like(std)))
+    advantage = batch.qret - value.detach()  # Eq. (5): the advantage estimate Q^ret - V(s)
+    trace = torch.clamp(rho, max=1.0)  # c = min(1, rho)
+    vtbc = value.detach() + trace * advantage  # Eq. (7): V^tbc = V + c (Q^ret - V)
     rho_pg = torch.clamp(rho, max=RULE2_RHO_MAX) if refer == "rule2" else rho
-    zero = torch.zeros_like(rho)  # masks select (torch.where), never multiply
-    pg_loss = torch.where(near, -(rho_pg * adv) * logp, zero)  # Eq. (5): rho (Q^ret - V) grad log pi, both detached
+    # the masks select (torch.where), never multiply
+    zero = torch.zeros_like(rho)
+    # Eq. (5): rho (Q^ret - V) grad log pi, with rho and the advantage detached
+    pg_loss = torch.where(near, -(rho_pg * advantage) * logpi_near, zero)
     v_loss = torch.where(near, 0.5 * (value - vtbc) ** 2, zero)  # Eq. (9)
-    kl_mu_pi = gaussian_kl(mu_mean, mu_std, mean, std)  # Eq. (11): D_KL(mu || pi)
-    kl = kl_mu_pi if kl_direction == "mu_pi" else gaussian_kl(mean, std, mu_mean, mu_std)
+    kl_mu_pi = gaussian_kl(batch.mu_mean, batch.mu_std, mean, std)  # Eq. (11): D_KL(mu || pi)
+    kl = kl_mu_pi if kl_direction == "mu_pi" else gaussian_kl(mean, std, batch.mu_mean, batch.mu_std)
     beta_eff = beta if refer in ("full", "rule2") else 1.0
-    w = 1.0 if weights is None else weights  # PER importance weights
-    per_sample = w * beta_eff * (pg_loss + v_loss)  # Eq. (10); the KL term only where its weight 1 - beta is not 0
-    per_sample = per_sample + (1.0 - beta_eff) * kl if beta_eff < 1.0 else per_sample
-    return per_sample.sum() / B, {
+    importance = 1.0 if batch.weights is None else batch.weights
+    # Eq. (10); the KL term only where its weight 1 - beta is not 0
+    per_sample = importance * beta_eff * (pg_loss + v_loss)
+    if beta_eff < 1.0:
+        per_sample = per_sample + (1.0 - beta_eff) * kl
+    info = {
         "rho": rho,
         "far": far,
         "kl_mu_pi": kl_mu_pi.detach(),
-        "abs_err": (cbar * adv).abs(),
-        "policy_loss": pg_loss.detach().sum() / B,
-        "value_loss": v_loss.detach().sum() / B,
+        "abs_err": (trace * advantage).abs(),
+        "policy_loss": pg_loss.detach().sum() / batch_size,
+        "value_loss": v_loss.detach().sum() / batch_size,
         "kl_loss": kl.detach().mean(),
     }
+    return per_sample.sum() / batch_size, info
 
 
 def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
     """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal."""
     z = rng.standard_normal(shape)
     bad = np.abs(z) > 3.0
-    while mode == "truncnorm" and bad.any():  # rejection: exact truncated normal
+    # rejection sampling: an exact truncated normal
+    while mode == "truncnorm" and bad.any():
         z[bad] = rng.standard_normal(int(bad.sum()))
         bad = np.abs(z) > 3.0
     if mode == "smarties":
@@ -377,95 +398,132 @@ def to_env_action(u: np.ndarray, low: np.ndarray, high: np.ndarray, clip: bool =
 class EpisodeReplay:
     """Replay memory of whole episodes with per-step Q^ret, last V and last rho (Sec. 2-3, App. B-C).
 
-    Episodes lie contiguously in flat arrays (the write head jumps to 0 when one does not fit before the end); the
-    oldest whole episodes are removed while the memory would still hold >= N samples without them (FIFO)."""
+    Episodes lie contiguously in flat arrays, one per field of a step (the write head jumps to 0 when one does not fit
+    before the end); the oldest whole episodes are removed while the memory would still hold >= N samples without them
+    (FIFO)."""
 
-    # per-slot arrays: name -> (width: "obs" | "act" | 1, dtype, initial value)
-    ARRAYS = {
-        "obs": ("obs", np.float32, 0),
-        "act": ("act", np.float32, 0),  # s_t, u_t (normalised action space)
-        "mu_mean": ("act", np.float32, 0),
-        "mu_std": ("act", np.float32, 1),  # mu_t
-        "rew": (1, np.float64, 0),
-        "rs": (1, np.float64, 0),  # raw r_{t+1}; scaled r / (sigma_r + eps) (App. B)
-        "val": (1, np.float64, 0),
-        "rho": (1, np.float64, 1),  # most recent V(s_t) and rho_t
-        "la": (1, np.float64, 0),  # log(gamma min(1, rho_t)), kept with rho (the trace coefficient)
-        "qret": (1, np.float64, 0),
-        "prio": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}; PER |err|
-        "ep_start": (1, np.int64, 0),
-        "ep_last": (1, np.int64, 0),
-        "valid": (1, bool, 0),
-        "truncated_last": (1, bool, 0),
-        "vboot": (1, np.float64, 0),
-        "boot_obs": ("obs", np.float32, 0),  # last step: V(s_L) (0 if terminal), s_L
-        "ranked": (1, bool, 0),
-    }  # PER: the step was stored at the last re-sort (it has a rank)
-    NOT_SAVED = ("la", "ranked")  # derived: la from rho; ranked at the next re-sort (a loaded memory starts unsorted)
-    SCALARS = ("size", "head", "hi", "max_len", "reward_scale", "n_far", "cmax", "max_prio", "N", "cap")  # state_dict
+    # One array per field of a step: name -> (width: "obs" | "act" | 1, dtype, initial value).
+    FIELDS = {
+        "obs": ("obs", np.float32, 0),  # s_t
+        "action": ("act", np.float32, 0),  # u_t, in the normalised action space
+        "mu_mean": ("act", np.float32, 0),  # mu_t = N(mu_mean, mu_std^2), the policy that acted
+        "mu_std": ("act", np.float32, 1),
+        "reward": (1, np.float64, 0),  # r_{t+1} as received
+        "scaled_reward": (1, np.float64, 0),  # r_{t+1} / (sigma_r + eps) (App. B)
+        "value": (1, np.float64, 0),  # the most recent V(s_t)
+        "rho": (1, np.float64, 1),  # the most recent rho_t
+        "log_trace": (1, np.float64, 0),  # log(gamma c_t), for `refresh_delta`
+        "qret": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
+        "priority": (1, np.float64, 0),  # PER: |c_t (Q^ret_t - V(s_t))| at the step's last gradient step
+        "episode_start": (1, np.int64, 0),  # slot of the episode's first step
+        "episode_last": (1, np.int64, 0),  # slot of the episode's last step
+        "valid": (1, bool, 0),  # the slot holds a stored step
+        "truncated_last": (1, bool, 0),  # last step of an episode that a time limit ended
+        "boot_value": (1, np.float64, 0),  # last steps: V(s_L), 0 after a termination
+        "boot_obs": ("obs", np.float32, 0),  # last steps: s_L
+        "ranked": (1, bool, 0),  # PER: the step was stored at the last re-sort (it has a rank)
+    }
+    # Derived fields, not saved: log_trace from rho; ranked at the next re-sort (a loaded memory starts unsorted).
+    NOT_SAVED = ("log_trace", "ranked")
+    # The scalars of `state_dict`.
+    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity")
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
-        self.N, self.gamma, self.cap = N, gamma, N + 4 * max_episode_len
-        columns = {"obs": obs_dim, "act": act_dim}
-        for name, (width, dtype, value) in self.ARRAYS.items():
+        self.N = N
+        self.gamma = gamma
+        self.capacity = N + 4 * max_episode_len
+        widths = {"obs": obs_dim, "act": act_dim}
+        for name, (width, dtype, value) in self.FIELDS.items():
             # s_t and u_t stay 2-D even with one action dimension (the actors hand over (L, act_dim) blocks)
-            shape = (self.cap, columns[width]) if width in columns else self.cap
+            shape = (self.capacity, widths[width]) if width in widths else self.capacity
             setattr(self, name, np.full(shape, value, dtype))
-        self.episodes: deque = deque()  # (start, length) oldest first
-        self.size = self.head = self.hi = self.forced_removals = self.n_far = 0
-        self.max_len, self.reward_scale, self.max_prio, self.cmax = 1, 1.0, 1.0, np.inf  # reward_scale = sigma_r + eps
-        self.per_order, self.per_alpha, self.per_p, self.per_cdf, self.per_new = None, 0.5, None, None, None  # rank PER
+        # (first slot, length) of each stored episode, oldest first
+        self.episodes: deque = deque()
+        self.size = 0
+        # the next episode is written from here (or from slot 0)
+        self.head = 0
+        # slots [0, high_water) have held steps
+        self.high_water = 0
+        self.forced_removals = 0
+        self.n_far = 0
+        self.reward_scale = 1.0  # sigma_r + eps (Eq. (16))
+        self.max_priority = 1.0
+        self.cmax = np.inf
+        # rank-based PER: slots by decreasing priority, P(rank k) ~ k^-alpha, its cumulative sum, the unranked slots
+        self.per_order = None
+        self.per_alpha = 0.5
+        self.per_rank_prob = None
+        self.per_cdf = None
+        self.per_unranked = None
 
     @staticmethod
     def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
-        """RAM of the arrays in ARRAYS, computed before allocating them."""
-        return (N + 4 * max_episode_len) * sum(
-            {"obs": obs_dim, "act": act_dim}.get(w, w) * np.dtype(t).itemsize for w, t, _ in EpisodeReplay.ARRAYS.values()
-        )
+        """RAM of the arrays in FIELDS, computed before allocating them."""
+        widths = {"obs": obs_dim, "act": act_dim}
+        bytes_per_slot = sum(widths.get(w, w) * np.dtype(t).itemsize for w, t, _ in EpisodeReplay.FIELDS.values())
+        return (N + 4 * max_episode_len) * bytes_per_slot
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
         start, length = self.episodes.popleft()
-        sl = slice(start, start + length)
-        self.n_far -= int(is_far_policy(self.rho[sl], self.cmax).sum())
-        self.valid[sl] = self.truncated_last[sl] = False
+        steps = slice(start, start + length)
+        self.n_far -= int(is_far_policy(self.rho[steps], self.cmax).sum())
+        self.valid[steps] = False
+        self.truncated_last[steps] = False
         self.size -= length
 
     def add_episode(
-        self, obs, act, mu_mean, mu_std, rew, val, terminated: bool, final_val: float = 0.0, final_obs=None
+        self, obs, action, mu_mean, mu_std, reward, value, terminated: bool, final_value: float = 0.0, final_obs=None
     ) -> None:
-        """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's."""
-        L = len(rew)
-        if L == 0:
+        """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's.
+        final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination)."""
+        length = len(reward)
+        if length == 0:
             return
-        if L > self.cap - self.N:
-            raise ValueError(f"episode of {L} steps is longer than the memory's slack {self.cap - self.N}")
-        lo = 0 if self.head + L > self.cap else self.head  # the write head jumps to 0 if the episode does not fit
-        hi = lo + L
-        while self.episodes and self.episodes[0][0] < hi and self.episodes[0][0] + self.episodes[0][1] > lo:
-            self._remove_oldest()  # the region ahead of the head holds the oldest episodes
+        if length > self.capacity - self.N:
+            raise ValueError(f"episode of {length} steps is longer than the memory's slack {self.capacity - self.N}")
+        # the write head jumps to 0 if the episode does not fit before the end
+        start = 0 if self.head + length > self.capacity else self.head
+        stop = start + length
+        last = stop - 1
+        # the region ahead of the head holds the oldest episodes
+        while self.episodes and self.episodes[0][0] < stop and self.episodes[0][0] + self.episodes[0][1] > start:
+            self._remove_oldest()
             self.forced_removals += 1
-        sl = slice(lo, hi)
-        self.obs[sl], self.act[sl], self.mu_mean[sl], self.mu_std[sl] = obs, act, mu_mean, mu_std
-        self.rew[sl], self.rs[sl], self.val[sl] = rew, np.asarray(rew) / self.reward_scale, val
-        self.rho[sl], self.la[sl] = 1.0, np.log(self.gamma)
+        steps = slice(start, stop)
+        self.obs[steps] = obs
+        self.action[steps] = action
+        self.mu_mean[steps] = mu_mean
+        self.mu_std[steps] = mu_std
+        self.reward[steps] = reward
+        self.scaled_reward[steps] = np.asarray(reward) / self.reward_scale
+        self.value[steps] = value
+        self.rho[steps] = 1.0
+        self.log_trace[steps] = np.log(self.gamma)
         # counted as `_remove_oldest` uncounts them: rho = 1 is far when c_max <= 1 (--refer none --C 0)
-        self.n_far += int(is_far_policy(self.rho[sl], self.cmax).sum())
-        self.prio[sl] = self.max_prio  # PER: new samples get the maximal priority
-        # PER: the new steps have no rank until the next re-sort (a recycled slot does not keep its old occupant's)
-        self.ranked[sl] = False
+        self.n_far += int(is_far_policy(self.rho[steps], self.cmax).sum())
+        # PER: new samples get the maximal priority, and no rank until the next re-sort (a recycled slot does not
+        # keep its old occupant's)
+        self.priority[steps] = self.max_priority
+        self.ranked[steps] = False
         self.per_cdf = None
-        self.ep_start[sl], self.ep_last[sl], self.valid[sl] = lo, hi - 1, True
-        self.vboot[hi - 1] = 0.0 if terminated else final_val  # App. C Alg. 2 remark 2
-        self.truncated_last[hi - 1] = not terminated
+        self.episode_start[steps] = start
+        self.episode_last[steps] = last
+        self.valid[steps] = True
+        self.boot_value[last] = 0.0 if terminated else final_value  # App. C Alg. 2 remark 2
+        self.truncated_last[last] = not terminated
         if not terminated and final_obs is not None:
-            self.boot_obs[hi - 1] = final_obs
-        vals = np.append(np.asarray(val, np.float64), self.vboot[hi - 1])
-        vt = vtbc_targets(self.rs[sl], vals, np.ones(L), self.gamma, terminated)
-        self.qret[sl] = self.rs[sl] + self.gamma * np.append(vt[1:], self.vboot[hi - 1])  # Q^ret_t = r + gamma V^tbc_{t+1}
-        self.episodes.append((lo, L))
-        self.size, self.head, self.hi, self.max_len = self.size + L, hi, max(self.hi, hi), max(self.max_len, L)
-        while self.episodes and self.size - self.episodes[0][1] >= self.N:  # FIFO: keep >= N samples
+            self.boot_obs[last] = final_obs
+        values = np.append(np.asarray(value, np.float64), self.boot_value[last])
+        vtbc = vtbc_targets(self.scaled_reward[steps], values, np.ones(length), self.gamma, terminated)
+        # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
+        self.qret[steps] = self.scaled_reward[steps] + self.gamma * np.append(vtbc[1:], self.boot_value[last])
+        self.episodes.append((start, length))
+        self.size += length
+        self.head = stop
+        self.high_water = max(self.high_water, stop)
+        # FIFO: keep >= N samples
+        while self.episodes and self.size - self.episodes[0][1] >= self.N:
             self._remove_oldest()
 
     # -- sampling
@@ -474,19 +532,20 @@ class EpisodeReplay:
         if self.size < B:
             raise ValueError(f"replay holds {self.size} samples < batch size {B}")
         for _ in range(8):
-            cand = rng.integers(0, self.hi, size=B + B // 2 + 16)
-            cand = np.unique(cand[self.valid[cand]])
-            if len(cand) >= B:
-                return rng.permutation(cand)[:B]  # a uniformly random B-subset (the draws are exchangeable)
-        return rng.choice(np.flatnonzero(self.valid[: self.hi]), size=B, replace=False)
+            candidates = rng.integers(0, self.high_water, size=B + B // 2 + 16)
+            candidates = np.unique(candidates[self.valid[candidates]])
+            if len(candidates) >= B:
+                # a uniformly random B-subset (the draws are exchangeable)
+                return rng.permutation(candidates)[:B]
+        return rng.choice(np.flatnonzero(self.valid[: self.high_water]), size=B, replace=False)
 
     def per_rebuild(self) -> None:
         """Rank-based PER: sort the stored steps by decreasing priority (done every stats_every steps)."""
-        idx = np.flatnonzero(self.valid[: self.hi])
-        self.per_order = idx[np.argsort(-self.prio[idx], kind="stable")]
-        self.per_p = np.arange(1, len(idx) + 1, dtype=np.float64) ** -self.per_alpha  # P(rank k) ~ k^-alpha
+        stored = np.flatnonzero(self.valid[: self.high_water])
+        self.per_order = stored[np.argsort(-self.priority[stored], kind="stable")]
+        self.per_rank_prob = np.arange(1, len(stored) + 1, dtype=np.float64) ** -self.per_alpha  # P(rank k) ~ k^-alpha
         self.ranked[:] = False
-        self.ranked[idx] = True
+        self.ranked[stored] = True
         self.per_cdf = None
 
     def sample_per(self, B: int, rng: np.random.Generator, alpha: float, beta_is: float):
@@ -497,105 +556,143 @@ class EpisodeReplay:
         if self.per_order is None or alpha != self.per_alpha:
             self.per_alpha = alpha
             self.per_rebuild()
-        if self.per_cdf is None:  # the memory changed since the last draw: the ranks still stored, the new steps
+        # the memory changed since the last draw: find the ranks still stored and the new steps
+        if self.per_cdf is None:
             still_stored = self.valid[self.per_order] & self.ranked[self.per_order]
-            self.per_cdf = np.cumsum(np.where(still_stored, self.per_p, 0.0))
-            self.per_new = np.flatnonzero(self.valid[: self.hi] & ~self.ranked[: self.hi])
+            self.per_cdf = np.cumsum(np.where(still_stored, self.per_rank_prob, 0.0))
+            in_use = slice(0, self.high_water)
+            self.per_unranked = np.flatnonzero(self.valid[in_use] & ~self.ranked[in_use])
         n = self.size
-        new_share = len(self.per_new) / n
+        new_share = len(self.per_unranked) / n
         is_new = rng.uniform(size=B) < new_share
         n_ranked = B - int(is_new.sum())
         idx = np.empty(B, dtype=np.int64)
         prob = np.empty(B)
-        idx[is_new] = self.per_new[rng.integers(0, len(self.per_new), B - n_ranked)]
+        idx[is_new] = self.per_unranked[rng.integers(0, len(self.per_unranked), B - n_ranked)]
         prob[is_new] = 1.0 / n
         # side="right": a removed step's rank (zero probability, a flat step of the cdf) is never chosen
         ranks = np.searchsorted(self.per_cdf, rng.uniform(0.0, self.per_cdf[-1], n_ranked), side="right")
         idx[~is_new] = self.per_order[ranks]
-        prob[~is_new] = (1.0 - new_share) * self.per_p[ranks] / self.per_cdf[-1]
-        w = (n * prob) ** -beta_is  # (n P)^-beta
-        return idx, w / w.max()
+        prob[~is_new] = (1.0 - new_share) * self.per_rank_prob[ranks] / self.per_cdf[-1]
+        weights = (n * prob) ** -beta_is  # (n P)^-beta
+        return idx, weights / weights.max()
 
     # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
     def update_samples(
-        self, idx: np.ndarray, rho: np.ndarray, val: np.ndarray, boot_idx=None, boot_val=None, prio=None
-    ) -> None:
-        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8))."""
-        idx, rho, val = np.asarray(idx), np.asarray(rho, np.float64), np.asarray(val, np.float64)
-        if len(np.unique(idx)) < len(idx):  # (PER draws with replacement) keep the last value of each slot
+        self, idx: np.ndarray, rho: np.ndarray, value: np.ndarray, boot_idx=None, boot_value=None, priority=None
+    ):
+        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8)).
+        boot_idx, boot_value: sampled last steps of truncated episodes and their V(s_L) from the current network."""
+        idx = np.asarray(idx)
+        rho = np.asarray(rho, np.float64)
+        value = np.asarray(value, np.float64)
+        # PER draws with replacement: keep the last value of each slot
+        if len(np.unique(idx)) < len(idx):
             keep = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
-            idx, rho, val, prio = idx[keep], rho[keep], val[keep], None if prio is None else prio[keep]
+            idx = idx[keep]
+            rho = rho[keep]
+            value = value[keep]
+            priority = None if priority is None else priority[keep]
         self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
-        c_old = np.minimum(1.0, self.rho[idx])
-        vtbc_old = (1.0 - c_old) * self.val[idx] + c_old * self.qret[idx]  # Eq. (7) with the stored V, rho
-        self.rho[idx], self.val[idx] = rho, val
-        self._set_la(idx)
-        if prio is not None:
-            self.prio[idx] = prio
-            self.max_prio = max(self.max_prio, float(prio.max()))
-        if boot_idx is not None and len(boot_idx):  # truncated ends: V(s_L) refreshed with the current network
-            self.vboot[boot_idx] = boot_val
-            self.qret[boot_idx] = self.rs[boot_idx] + self.gamma * boot_val
+        trace_old = np.minimum(1.0, self.rho[idx])  # Eq. (7) with the stored V and rho
+        vtbc_old = (1.0 - trace_old) * self.value[idx] + trace_old * self.qret[idx]
+        self.rho[idx] = rho
+        self.value[idx] = value
+        self._set_log_trace(idx)
+        if priority is not None:
+            self.priority[idx] = priority
+            self.max_priority = max(self.max_priority, float(priority.max()))
+        if boot_idx is not None and len(boot_idx):
+            self.boot_value[boot_idx] = boot_value
+            self.qret[boot_idx] = self.scaled_reward[boot_idx] + self.gamma * boot_value
         self.refresh_delta(idx, vtbc_old)
 
-    def _set_la(self, idx) -> None:  # a cut trace (rho = 0) gives e^-690, i.e. 0 in every product that matters
-        self.la[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
+    def _set_log_trace(self, idx) -> None:
+        # a cut trace (rho = 0) gives e^-690, i.e. 0 in every product that matters
+        self.log_trace[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
+
+    def recompute_qret(self, top: np.ndarray, start: np.ndarray) -> None:
+        """Eq. (8) as the backward recursion over time, in every episode from its step `top` down to its first step
+        `start` (all episodes at once, one pass per time step), from the stored V, rho and Q^ret_top:
+
+            V^tbc_t = V(s_t) + c_t (Q^ret_t - V(s_t))   (Eq. (7)),   Q^ret_{t-1} = r_t + gamma V^tbc_t."""
+        t = np.asarray(top)
+        start = np.asarray(start)
+        while len(t):
+            # an episode's first step has no predecessor to update
+            has_prev = t > start
+            t = t[has_prev]
+            start = start[has_prev]
+            trace = np.minimum(1.0, self.rho[t])
+            vtbc = self.value[t] + trace * (self.qret[t] - self.value[t])
+            self.qret[t - 1] = self.scaled_reward[t - 1] + self.gamma * vtbc
+            t = t - 1
 
     def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
         """Eq. (8) for every step before each sampled step of its episode (App. C Alg. 3), as a change of Q^ret.
 
+        The recursion this computes is `recompute_qret(latest sampled step of each episode, its first step)`; this form
+        is kept because it makes the learner step faster (tests/benchmarks/bench_vracer_refer.py, "refresh").
         Eq. (8) is linear between two sampled steps: a change delta_u of V^tbc_u changes V^tbc_j (j < u, down to the
-        previous sample) by prod_{i=j}^{u-1} gamma min(1, rho_i) delta_u (one cumulative sum of log(gamma min(1, rho))
-        over the concatenated prefixes; underflow to 0 is the right limit), and Q^ret_{j-1} by gamma times that. The
-        deltas of one episode's samples are chained top-down (a short loop over a sample's rank in its episode)."""
-        starts = self.ep_start[idx]
-        order = np.lexsort((-idx, starts))  # by episode, latest sampled first
-        t, st, vo = idx[order], starts[order], vtbc_old[order]
-        n, first = len(t), np.append(True, st[1:] != st[:-1])  # first: the latest sample of its episode
-        ep_first = np.flatnonzero(first)
-        rank = np.arange(n) - np.repeat(ep_first, np.diff(np.append(ep_first, n)))
-        m, s = t[first], st[first]
-        lens = m - s + 1
-        offs = np.cumsum(lens) - lens
-        j = np.repeat(s - offs, lens) + np.arange(int(lens.sum()))  # concatenated slot indices of all prefixes [s, m]
-        p_samp = np.repeat(offs - s, np.diff(np.append(ep_first, n))) + t  # positions of the samples in it
-        R = np.cumsum(self.la[j][::-1])[::-1]  # R_p = sum_{q >= p} log a_q (differences give in-episode products)
-        c = np.minimum(1.0, self.rho[t])
-        base = (1.0 - c) * self.val[t]
+        previous sample) by prod_{i=j}^{u-1} gamma c_i delta_u (one cumulative sum of log(gamma c) over the concatenated
+        prefixes; underflow to 0 is the right limit), and Q^ret_{j-1} by gamma times that. The deltas of one episode's
+        samples are chained top-down (a short loop over a sample's rank in its episode)."""
+        starts = self.episode_start[idx]
+        # by episode, latest sampled first
+        order = np.lexsort((-idx, starts))
+        sampled = idx[order]
+        sampled_starts = starts[order]
+        vtbc_old = vtbc_old[order]
+        n = len(sampled)
+        # the latest sample of each episode
+        is_latest = np.append(True, sampled_starts[1:] != sampled_starts[:-1])
+        latest_pos = np.flatnonzero(is_latest)
+        rank = np.arange(n) - np.repeat(latest_pos, np.diff(np.append(latest_pos, n)))
+        latest = sampled[is_latest]
+        first = sampled_starts[is_latest]
+        prefix_len = latest - first + 1
+        offsets = np.cumsum(prefix_len) - prefix_len
+        # the slots of all prefixes [first, latest], concatenated, and the positions of the samples in them
+        slots = np.repeat(first - offsets, prefix_len) + np.arange(int(prefix_len.sum()))
+        sample_pos = np.repeat(offsets - first, np.diff(np.append(latest_pos, n))) + sampled
+        # R_p = sum_{q >= p} log(gamma c_q): differences give products within an episode
+        log_tail = np.cumsum(self.log_trace[slots][::-1])[::-1]
+        trace = np.minimum(1.0, self.rho[sampled])
+        base = (1.0 - trace) * self.value[sampled]
         delta = np.zeros(n)
-        for r in range(int(rank.max()) + 1):  # chain the samples of each episode from the latest one down
+        # chain the samples of each episode from the latest one down
+        for r in range(int(rank.max()) + 1):
             sel = np.flatnonzero(rank == r)
-            q = self.qret[t[sel]]
-            if r > 0:  # Q^ret_t already moved by the change coming down from the sample above
-                up = sel - 1
-                q = q + self.gamma * np.exp(R[p_samp[sel] + 1] - R[p_samp[up]]) * delta[up]
-            delta[sel] = base[sel] + c[sel] * q - vo[sel]  # Eq. (7): new V^tbc_t - old V^tbc_t
-        by_pos = np.argsort(p_samp)  # pieces (previous sample, this sample] tile the concatenation
-        piece = np.diff(np.append(-1, p_samp[by_pos]))
-        # change of V^tbc_j (Eq. (8), linear between samples), times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
-        dq = np.exp(R - np.repeat(R[p_samp[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
-        dq[offs] = 0.0  # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
-        self.qret[j - 1] += dq
+            q = self.qret[sampled[sel]]
+            # Q^ret_t already moved by the change coming down from the sample above
+            if r > 0:
+                above = sel - 1
+                q = q + self.gamma * np.exp(log_tail[sample_pos[sel] + 1] - log_tail[sample_pos[above]]) * delta[above]
+            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]  # Eq. (7): new V^tbc_t - old V^tbc_t
+        # the pieces (previous sample, this sample] tile the concatenation
+        by_pos = np.argsort(sample_pos)
+        piece = np.diff(np.append(-1, sample_pos[by_pos]))
+        # the change of V^tbc_j (Eq. (8), linear between samples) times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
+        dq = np.exp(log_tail - np.repeat(log_tail[sample_pos[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
+        # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
+        dq[offsets] = 0.0
+        self.qret[slots - 1] += dq
 
     def recompute_all(self) -> None:
-        """Q^ret of every stored step from the stored V, rho and the current reward scale (one scan over the RM)."""
-        if (n := self.hi) == 0:
+        """Q^ret of every stored step from the stored V, rho and the current reward scale (Eq. (8) backwards)."""
+        if not self.episodes:
             return
-        valid = self.valid[:n]
-        c = np.where(valid, np.minimum(1.0, self.rho[:n]), 0.0)
-        last = valid & (np.arange(n) == self.ep_last[:n])
-        a = np.where(last, 0.0, self.gamma * c)
-        b = np.where(valid, (1.0 - c) * self.val[:n] + c * self.rs[:n], 0.0)
-        b[last] += self.gamma * c[last] * self.vboot[:n][last]  # (a = 0 on empty slots: c = 0 there)
-        x = reverse_linear_scan(a, b, self.max_len)
-        nxt = np.append(x[1:], 0.0)
-        nxt[last] = self.vboot[:n][last]
-        self.qret[:n] = np.where(valid, self.rs[:n] + self.gamma * nxt, 0.0)
+        first = np.array([start for start, _ in self.episodes])
+        last = self.episode_last[first]
+        # Q^ret_{L-1} = r_L + gamma V(s_L) (V(s_L) = 0 after a termination)
+        self.qret[last] = self.scaled_reward[last] + self.gamma * self.boot_value[last]
+        self.recompute_qret(last, first)
 
     def recount_far(self, cmax: float) -> None:
         """Exact n_far with the current c_max."""
         self.cmax = cmax
-        self.n_far = int((is_far_policy(self.rho[: self.hi], cmax) & self.valid[: self.hi]).sum())
+        in_use = slice(0, self.high_water)
+        self.n_far = int((is_far_policy(self.rho[in_use], cmax) & self.valid[in_use]).sum())
 
     def far_fraction(self) -> float:
         return self.n_far / max(1, self.size)
@@ -603,87 +700,93 @@ class EpisodeReplay:
     # -- statistics (App. B)
     def state_stats(self):
         """Eqs. (14)-(15): mean and std (+ eps 1e-7) of the stored states; a constant input: std 1 (authors' code)."""
-        o = self.obs[: self.hi][self.valid[: self.hi]].astype(np.float64)
-        std = o.std(0)
-        return o.mean(0), np.where(std < 1e-7, 1.0, std) + 1e-7
+        in_use = slice(0, self.high_water)
+        states = self.obs[in_use][self.valid[in_use]].astype(np.float64)
+        std = states.std(0)
+        return states.mean(0), np.where(std < 1e-7, 1.0, std) + 1e-7
 
     def update_reward_scale(self, eps: float = 1e-7) -> float:
         """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret."""
-        r = self.rew[: self.hi][self.valid[: self.hi]]
+        in_use = slice(0, self.high_water)
+        r = self.reward[in_use][self.valid[in_use]]
         self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
-        self.rs[: self.hi] = self.rew[: self.hi] / self.reward_scale
+        self.scaled_reward[in_use] = self.reward[in_use] / self.reward_scale
         self.recompute_all()
         return self.reward_scale
 
     def state_dict(self) -> dict:
-        return (
-            {k: getattr(self, k)[: self.hi].copy() for k in self.ARRAYS if k not in self.NOT_SAVED}
-            | {k: getattr(self, k) for k in self.SCALARS}
-            | {"episodes": list(self.episodes)}
-        )
+        fields = {k: getattr(self, k)[: self.high_water].copy() for k in self.FIELDS if k not in self.NOT_SAVED}
+        scalars = {k: getattr(self, k) for k in self.SCALARS}
+        return fields | scalars | {"episodes": list(self.episodes)}
 
-    def load_state_dict(self, d: dict) -> None:
-        if d["N"] != self.N or d["cap"] != self.cap:
-            raise SystemExit(f"error: checkpoint replay has N={d['N']}, this run N={self.N}")
-        for k in self.ARRAYS.keys() - set(self.NOT_SAVED):
-            getattr(self, k)[: len(d[k])] = d[k]
+    def load_state_dict(self, saved: dict) -> None:
+        if "capacity" not in saved:
+            raise SystemExit("error: the checkpoint's replay memory has the field names of an older vracer_refer.py")
+        if saved["N"] != self.N or saved["capacity"] != self.capacity:
+            raise SystemExit(f"error: checkpoint replay has N={saved['N']}, this run N={self.N}")
+        for k in self.FIELDS.keys() - set(self.NOT_SAVED):
+            getattr(self, k)[: len(saved[k])] = saved[k]
         for k in self.SCALARS:
-            setattr(self, k, d[k])
-        self.episodes = deque(tuple(e) for e in d["episodes"])
-        self._set_la(np.arange(self.hi))
+            setattr(self, k, saved[k])
+        self.episodes = deque(tuple(e) for e in saved["episodes"])
+        self._set_log_trace(np.arange(self.high_water))
 
 
 # LEARNER STEP (App. C Alg. 3)
-def train_step(
-    agent,
-    optimizer,
-    rm: EpisodeReplay,
-    state: dict,
-    args: Args,
-    device,
-    rng: np.random.Generator,
-    obs_mean: torch.Tensor,
-    obs_std: torch.Tensor,
-    bookkeeping: bool = True,
-) -> torch.Tensor:
+class Learner(NamedTuple):
+    """The learner's handles. obs_mean, obs_std: the state statistics (Eqs. (14)-(15)), moved in place."""
+
+    agent: Agent
+    optimizer: torch.optim.Optimizer
+    replay: EpisodeReplay
+    obs_mean: torch.Tensor
+    obs_std: torch.Tensor
+    rng: np.random.Generator
+    device: torch.device
+
+
+# The scalar statistics `train_step` returns, in this order (averaged and logged under these names).
+STEP_STATS = ("losses/loss", "losses/policy_loss", "losses/value_loss", "refer/kl", "refer/far_batch_frac", "refer/avg_rho")
+
+
+def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = True) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
-    k, beta). Returns CPU stats [loss, policy_loss, value_loss, kl_mu_pi, far_in_batch, mean_rho]; a non-finite
-    loss raises FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
+    k, beta). Returns the CPU tensor of STEP_STATS (kl: the mean D_KL(mu || pi)); a non-finite loss raises
+    FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
     bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
+    replay = learner.replay
+    device = learner.device
     k = state["k"]
-    rm.cmax = cmax = refer_cmax(k, args.C, args.A)  # Eq. (13); --refer none: only to count far-policy samples
-    for g in optimizer.param_groups:
-        g["lr"] = annealed_lr(k, args.learning_rate, args.A)  # Eq. (13)
+    # Eq. (13); with --refer none c_max only counts the far-policy samples
+    cmax = refer_cmax(k, args.C, args.A)
+    replay.cmax = cmax
+    for group in learner.optimizer.param_groups:
+        group["lr"] = annealed_lr(k, args.learning_rate, args.A)
+    weights = None
     if args.per == "rank":
         beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
-        idx, w = rm.sample_per(args.batch_size, rng, args.per_alpha, beta_is)
-        weights = torch.as_tensor(w, dtype=torch.float32, device=device)
+        idx, per_weights = replay.sample_per(args.batch_size, learner.rng, args.per_alpha, beta_is)
+        weights = torch.as_tensor(per_weights, dtype=torch.float32, device=device)
     else:
-        idx, weights = rm.sample(args.batch_size, rng), None
-    boot_idx = idx[rm.truncated_last[idx]]  # truncated last steps: also refresh V(s_L)
-    obs = np.concatenate([rm.obs[idx], rm.boot_obs[boot_idx]]) if len(boot_idx) else rm.obs[idx]
-    obs_t = (torch.as_tensor(obs, device=device) - obs_mean) / obs_std
-    act, mu_mean, mu_std = (torch.as_tensor(x[idx], device=device) for x in (rm.act, rm.mu_mean, rm.mu_std))
-    qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32, device=device)
-    mean, std, value = agent(obs_t)
+        idx = replay.sample(args.batch_size, learner.rng)
+    # sampled last steps of truncated episodes: V(s_L) is refreshed too
+    boot_idx = idx[replay.truncated_last[idx]]
+    obs = np.concatenate([replay.obs[idx], replay.boot_obs[boot_idx]]) if len(boot_idx) else replay.obs[idx]
+    obs = (torch.as_tensor(obs, device=device) - learner.obs_mean) / learner.obs_std
+    batch = Batch(
+        action=torch.as_tensor(replay.action[idx], device=device),
+        mu_mean=torch.as_tensor(replay.mu_mean[idx], device=device),
+        mu_std=torch.as_tensor(replay.mu_std[idx], device=device),
+        qret=torch.as_tensor(replay.qret[idx], dtype=torch.float32, device=device),
+        weights=weights,
+    )
+    mean, std, value = learner.agent(obs)
     B = args.batch_size
     loss, info = refer_loss(
-        mean[:B],
-        std[:B],
-        value[:B],
-        act,
-        mu_mean,
-        mu_std,
-        qret,
-        state["beta"],
-        cmax,
-        args.refer,
-        args.kl_direction,
-        args.logrho_clip,
-        weights,
+        mean[:B], std[:B], value[:B], batch, state["beta"], cmax, args.refer, args.kl_direction, args.logrho_clip
     )
-    # one device->host copy per step: per-sample rho, V, |err|, V(s_L) and the scalar stats
-    stats = torch.stack(
+    # STEP_STATS, in that order
+    step_stats = torch.stack(
         [
             loss.detach(),
             info["policy_loss"],
@@ -693,74 +796,104 @@ def train_step(
             info["rho"].mean(),
         ]
     )
-    host = torch.cat([info["rho"], value.detach(), info["abs_err"], stats]).double().cpu().numpy()
-    # NaN guard before the step, so the weights and Adam's moments stay finite; on the loss terms only (a masked or
-    # weight-0 D_KL may be inf)
-    if not np.isfinite(host[-6:-3]).all():
-        raise FloatingPointError(f"non-finite loss at gradient step {k}: loss, policy, value = {host[-6:-3]}")
-    optimizer.zero_grad(set_to_none=True)
+    # one device->host copy per step: per-sample rho, V(s) then V(s_L), |err| and the STEP_STATS
+    host = torch.cat([info["rho"], value.detach(), info["abs_err"], step_stats]).double().cpu().numpy()
+    n_boot = len(boot_idx)
+    rho, value_now, boot_value, abs_err, stats = np.split(host, np.cumsum([B, B, n_boot, B]))
+    losses = stats[:3]
+    # The NaN guard comes before the step, so that the weights and Adam's moments stay finite. It looks at the loss
+    # terms only: a masked or weight-0 D_KL may be inf.
+    if not np.isfinite(losses).all():
+        raise FloatingPointError(f"non-finite loss at gradient step {k}: loss, policy, value = {losses}")
+    learner.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    optimizer.step()
-    nb = len(boot_idx)
-    if bookkeeping:  # host = [rho (B) | V(s) (B) | V(s_L) (nb) | |err| (B) | stats (6)]
-        rm.update_samples(
-            idx,
-            host[:B],
-            host[B : 2 * B],
-            boot_idx,
-            host[2 * B : 2 * B + nb],
-            prio=host[2 * B + nb : 3 * B + nb] if args.per == "rank" else None,
-        )
-    if args.refer != "none":  # Eq. (12), far fraction from each stored step's most recent rho
-        state["beta"] = refer_beta_update(state["beta"], rm.far_fraction(), args.D, args.beta_lr)
+    learner.optimizer.step()
+    if bookkeeping:
+        priority = abs_err if args.per == "rank" else None
+        replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
+    # Eq. (12), with the far fraction from each stored step's most recent rho
+    if args.refer != "none":
+        state["beta"] = refer_beta_update(state["beta"], replay.far_fraction(), args.D, args.beta_lr)
     state["k"] = k + 1
-    return torch.from_numpy(host[-6:])
+    return torch.from_numpy(stats)
 
 
-def learn(
-    agent,
-    optimizer,
-    rm: EpisodeReplay,
-    state: dict,
-    args: Args,
-    device,
-    rng: np.random.Generator,
-    obs_mean: torch.Tensor,
-    obs_std: torch.Tensor,
-    steps_due: float,
-    stats_sum: torch.Tensor,
-    publish,
-) -> int:
+def learn(learner: Learner, state: dict, args: Args, steps_due: float, stats_sum: torch.Tensor, publish) -> int:
     """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
     at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
     the new weights to the actors. Adds train_step's stats to `stats_sum`; moves obs_mean, obs_std in place (with
     --state-stats-rate). Returns the number of gradient steps done."""
+    replay = learner.replay
     done = 0
     while state["k"] < steps_due and done < GRAD_STEPS_PER_READ:
         k = state["k"]
-        if k > 0 and k % args.stats_every == 0:  # App. B: every 1000 steps
-            rm.update_reward_scale()
-            rm.recount_far(refer_cmax(k, args.C, args.A))
+        # App. B: every 1000 steps
+        if k > 0 and k % args.stats_every == 0:
+            replay.update_reward_scale()
+            replay.recount_far(refer_cmax(k, args.C, args.A))
             if args.per == "rank":
-                rm.per_rebuild()
-            for current, target in zip((obs_mean, obs_std), rm.state_stats() if args.state_stats_rate else ()):
-                current += args.state_stats_rate * (torch.as_tensor(target, device=device) - current)
-        stats_sum += train_step(agent, optimizer, rm, state, args, device, rng, obs_mean, obs_std)
+                replay.per_rebuild()
+            if args.state_stats_rate:
+                for current, target in zip((learner.obs_mean, learner.obs_std), replay.state_stats()):
+                    current += args.state_stats_rate * (torch.as_tensor(target, device=learner.device) - current)
+        stats_sum += train_step(learner, state, args)
         done += 1
     if done:
         publish()
     return done
 
 
-# ACTOR PROCESS (module-level so spawn can pickle it)
-def ring_width(obs_dim: int, act_dim: int) -> int:
-    """Columns of one ring row: [s_t | u_t | mean | std | V(s_t), r_{t+1}, terminated, truncated | s_T (truncated
-    ends) | V(s_T), episodic return, episodic length]."""
-    return 2 * obs_dim + 3 * act_dim + 7
+# ACTOR PROCESSES (module level, so that spawn can pickle them)
+# The ring of each actor holds one row per transition, one shared array per field: name -> (width, dtype).
+RING_FIELDS = {
+    "obs": ("obs", torch.float64),  # s_t
+    "action": ("act", torch.float64),  # u_t
+    "mu_mean": ("act", torch.float64),  # mu_t = N(mu_mean, mu_std^2)
+    "mu_std": ("act", torch.float64),
+    "value": (1, torch.float64),  # V(s_t)
+    "reward": (1, torch.float64),  # r_{t+1}
+    "terminated": (1, torch.bool),
+    "truncated": (1, torch.bool),  # ended by a time limit, not terminated
+    "final_obs": ("obs", torch.float64),  # truncated ends: s_T (else 0)
+    "final_value": (1, torch.float64),  # truncated ends: V(s_T) (else 0)
+    "episode_return": (1, torch.float64),  # the episode's return so far
+    "episode_length": (1, torch.int64),  # the episode's length so far
+}
+
+
+class SharedHandles(NamedTuple):
+    """The shared memory of the learner and the actor processes."""
+
+    weights: torch.Tensor  # the network's parameters as one vector
+    state_stats: torch.Tensor  # (2, obs_dim): state mean and std (Eqs. (14)-(15))
+    control: torch.Tensor  # [env steps the actors may have taken in all, weights version]
+    rings: dict  # RING_FIELDS name -> (num_actors, ring_size, width)
+    written: torch.Tensor  # (num_actors,): rows each actor has written
+    read: torch.Tensor  # (num_actors,): rows of each actor the learner has read
+    stop_event: object
+
+
+def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: int, num_params: int, stop_event):
+    """Zero-filled SharedHandles in shared memory."""
+
+    def shared(*shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype).share_memory_()
+
+    widths = {"obs": (obs_dim,), "act": (act_dim,), 1: ()}
+    rings = {name: shared(num_actors, ring_size, *widths[width], dtype=dtype) for name, (width, dtype) in RING_FIELDS.items()}
+    return SharedHandles(
+        weights=shared(num_params),
+        state_stats=shared(2, obs_dim),
+        control=shared(2, dtype=torch.int64),
+        rings=rings,
+        written=shared(num_actors, dtype=torch.int64),
+        read=shared(num_actors, dtype=torch.int64),
+        stop_event=stop_event,
+    )
 
 
 def numpy_params(agent: Agent, std_map: str, norm: np.ndarray) -> dict:
-    """float64 numpy copies of the weights, sigma and the state statistics for `numpy_forward`."""
+    """float64 numpy copies of the weights, sigma and the state statistics (mean, std) for `numpy_forward`."""
     net = {name: p.detach().cpu().numpy().astype(np.float64) for name, p in agent.named_parameters()}
     std = std_from_param(agent.std_param.detach().cpu(), std_map).numpy().astype(np.float64)
     return net | {"std": std, "norm": np.array(norm, dtype=np.float64)}
@@ -778,253 +911,275 @@ def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
     return out[1:], net["std"], float(out[0])
 
 
-def actor_loop(
-    actor_id: int,
-    args: Args,
-    obs_dim: int,
-    act_dim: int,
-    shared_weights: torch.Tensor,
-    shared_norm: torch.Tensor,
-    control: torch.Tensor,
-    rings: torch.Tensor,
-    written: torch.Tensor,
-    read: torch.Tensor,
-    seed: int,
-    run_name: str,
-    stop_event,
-) -> None:
-    """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring.
-    control = [allowed total env steps, weights version]; written[i]/read[i]: ring counters of actor i."""
+def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: SharedHandles, seed: int, run_name: str):
+    """Step one env with the latest shared weights; write each transition with mu = (mean, std) and V(s) to the ring
+    (App. C Alg. 2)."""
     env = make_env(args.env_id, seed, args.capture_video and actor_id == 0, run_name)
-    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    low = env.action_space.low.astype(np.float64)
+    high = env.action_space.high.astype(np.float64)
     rng = np.random.default_rng(seed)
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
-    version, net, ep_ret, ep_len = -1, {}, 0.0, 0
-    ring, R = rings[actor_id].numpy(), rings.shape[1]
-    written_np, read_np, control_np = written.numpy(), read.numpy(), control.numpy()
+    ring = {name: rings[actor_id].numpy() for name, rings in shared.rings.items()}
+    ring_size = len(ring["obs"])
+    written = shared.written.numpy()
+    read = shared.read.numpy()
+    control = shared.control.numpy()
+    version = -1
+    net = {}
+    episode_return = 0.0
+    episode_length = 0
     obs, _ = env.reset(seed=seed)
-    while not stop_event.is_set():
-        n = int(written_np[actor_id])
-        if n - int(read_np[actor_id]) >= R or int(written_np.sum()) >= int(control_np[0]):  # ring full or F gate
-            time.sleep(0.002)  # gated by the learner: a 2 ms nap costs nothing against >= 32 steps of slack
+    while not shared.stop_event.is_set():
+        n = int(written[actor_id])
+        # Wait while the ring is full or the learner's F gate is closed: a 2 ms nap costs nothing against >= 32 steps
+        # of slack.
+        if n - int(read[actor_id]) >= ring_size or int(written.sum()) >= int(control[0]):
+            time.sleep(0.002)
             continue
-        if int(control_np[1]) != version:  # latest weights and state statistics (shared memory)
-            version = int(control_np[1])
-            torch.nn.utils.vector_to_parameters(shared_weights.clone(), agent.parameters())
-            net = numpy_params(agent, args.std_map, shared_norm.numpy().reshape(2, obs_dim))
-        mean, std, v = numpy_forward(net, obs, args.residual)
-        u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # a ~ mu_t (App. C Alg. 2)
-        next_obs, r, term, trunc, _ = env.step(to_env_action(u, low, high, args.clip_actions))
-        ep_ret, ep_len = ep_ret + float(r), ep_len + 1
-        truncated = trunc and not term  # time limit: s_T and V(s_T) for the bootstrap
-        end = (next_obs, numpy_forward(net, next_obs, args.residual)[2]) if truncated else (np.zeros(obs_dim), 0.0)
-        ring[n % R] = np.concatenate([obs, u, mean, std, (v, r, term, truncated), end[0], (end[1], ep_ret, ep_len)])
-        written_np[actor_id] = n + 1  # publish after the row is complete
+        # the latest weights and state statistics
+        if int(control[1]) != version:
+            version = int(control[1])
+            torch.nn.utils.vector_to_parameters(shared.weights.clone(), agent.parameters())
+            net = numpy_params(agent, args.std_map, shared.state_stats.numpy())
+        mean, std, value = numpy_forward(net, obs, args.residual)
+        u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # u ~ mu_t (App. C Alg. 2)
+        next_obs, reward, terminated, time_limit, _ = env.step(to_env_action(u, low, high, args.clip_actions))
+        episode_return += float(reward)
+        episode_length += 1
+        # a time limit that is not also a termination: the learner bootstraps from s_T and V(s_T)
+        truncated = time_limit and not terminated
+        transition = {
+            "obs": obs,
+            "action": u,
+            "mu_mean": mean,
+            "mu_std": std,
+            "value": value,
+            "reward": reward,
+            "terminated": terminated,
+            "truncated": truncated,
+            "final_obs": next_obs if truncated else 0.0,
+            "final_value": numpy_forward(net, next_obs, args.residual)[2] if truncated else 0.0,
+            "episode_return": episode_return,
+            "episode_length": episode_length,
+        }
+        for name, field in transition.items():
+            ring[name][n % ring_size] = field
+        # publish the row after it is complete
+        written[actor_id] = n + 1
         obs = next_obs
-        if term or trunc:
-            (obs, _), ep_ret, ep_len = env.reset(), 0.0, 0
+        if terminated or time_limit:
+            obs, _ = env.reset()
+            episode_return = 0.0
+            episode_length = 0
     env.close()
 
 
-def store_episodes(ring, written, read, partial: list, rm: EpisodeReplay, obs_dim: int, act_dim: int) -> tuple:
+def store_episodes(shared: SharedHandles, actor_id: int, partial: list, replay: EpisodeReplay) -> tuple:
     """The learner's reader: take one actor's new ring rows (read..written, modulo the ring size), advance `read`,
-    append them to its running episode `partial` (row blocks) and store every episode they complete (App. C Alg. 2);
-    returns (rows read, [(return, length)] of those episodes)."""
-    n_written = int(written)
-    rows = ring.numpy()[np.arange(int(read), n_written) % len(ring)]  # a copy (fancy indexing)
-    read.fill_(n_written)  # the actor may overwrite these rows now
-    p, q = obs_dim, obs_dim + 3 * act_dim
-    finished, prev = [], 0
-    for e in np.flatnonzero(rows[:, q + 2] + rows[:, q + 3] > 0):  # terminated or truncated at row e
-        ep = np.concatenate(partial + [rows[prev : e + 1]])
+    append them to its running episode `partial` (blocks of rows) and store every episode they complete (App. C
+    Alg. 2); returns (rows read, [(return, length)] of those episodes)."""
+    n_written = int(shared.written[actor_id])
+    ring_size = shared.rings["obs"].shape[1]
+    positions = np.arange(int(shared.read[actor_id]), n_written) % ring_size
+    # fancy indexing copies the rows, so the actor may overwrite them once `read` has moved on
+    rows = {name: rings[actor_id].numpy()[positions] for name, rings in shared.rings.items()}
+    shared.read[actor_id] = n_written
+    finished = []
+    begin = 0
+    for end in np.flatnonzero(rows["terminated"] | rows["truncated"]):
+        episode = {
+            name: np.concatenate([block[name] for block in partial] + [field[begin : end + 1]]) for name, field in rows.items()
+        }
         partial.clear()
-        prev, last = e + 1, ep[-1]
-        rm.add_episode(
-            ep[:, :p],
-            ep[:, p : p + act_dim],
-            ep[:, p + act_dim : p + 2 * act_dim],
-            ep[:, p + 2 * act_dim : q],
-            ep[:, q + 1],
-            ep[:, q],
-            bool(last[q + 2]),
-            final_val=float(last[q + 4 + obs_dim]),
-            final_obs=last[q + 4 : q + 4 + obs_dim],
+        begin = end + 1
+        replay.add_episode(
+            episode["obs"],
+            episode["action"],
+            episode["mu_mean"],
+            episode["mu_std"],
+            episode["reward"],
+            episode["value"],
+            bool(episode["terminated"][-1]),
+            final_value=float(episode["final_value"][-1]),
+            final_obs=episode["final_obs"][-1],
         )
-        finished.append((float(last[-2]), int(last[-1])))
-    if prev < len(rows):
-        partial.append(rows[prev:])
-    return len(rows), finished
+        finished.append((float(episode["episode_return"][-1]), int(episode["episode_length"][-1])))
+    if begin < len(positions):
+        partial.append({name: field[begin:] for name, field in rows.items()})
+    return len(positions), finished
 
 
 @torch.no_grad()
 def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, device, clip: bool = False) -> list[float]:
     """Deterministic policy (mean action) returns."""
     env = make_env(env_id, seed)
-    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    low = env.action_space.low.astype(np.float64)
+    high = env.action_space.high.astype(np.float64)
     returns = []
-    for ep in range(episodes):
+    for episode in range(episodes):
         # a stop signal ends the evaluation between episodes
         check_stop()
-        (obs, _), done, ret = env.reset(seed=seed + ep), False, 0.0
+        obs, _ = env.reset(seed=seed + episode)
+        done = False
+        episode_return = 0.0
         while not done:
-            x = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
-            m = agent(x)[0][0].cpu().numpy().astype(np.float64)
-            obs, r, term, trunc, _ = env.step(to_env_action(m, low, high, clip))
-            ret, done = ret + float(r), term or trunc
-        returns.append(ret)
+            standardised = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
+            mean_action = agent(standardised)[0][0].cpu().numpy().astype(np.float64)
+            obs, reward, terminated, truncated, _ = env.step(to_env_action(mean_action, low, high, clip))
+            episode_return += float(reward)
+            done = terminated or truncated
+        returns.append(episode_return)
     env.close()
     return returns
 
 
 if __name__ == "__main__":
-    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    # SIGINT (even when inherited as ignored) and SIGTERM stop every process and write summary.json
+    stop_on_signals()
+    # with --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME)
-    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
-    refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts  # env steps before a gradient step
-    if left <= refill:  # a run, resumed or not, that would end before it learns
+    # all checks come before anything heavy and before the run folder is made
+    validate_args(args)
+    steps_left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
+    # env steps before the first gradient step (none when the checkpoint brings its replay memory)
+    refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts
+    # a run, resumed or not, that would end before it learns
+    if steps_left <= refill:
         raise SystemExit(
-            f"error: --total-timesteps {args.total_timesteps:,} leaves {left:,} env steps, not more than the "
+            f"error: --total-timesteps {args.total_timesteps:,} leaves {steps_left:,} env steps, not more than the "
             f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
             f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})"
         )
 
     # MEMORY: the replay's RAM, refused at start-up when it cannot fit
     probe = make_env(args.env_id, args.seed)
-    obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
+    obs_dim = probe.observation_space.shape[0]
+    act_dim = probe.action_space.shape[0]
     max_ep_len = probe.spec.max_episode_steps or 1000
     probe.close()
     check_memory(EpisodeReplay.bytes_needed(args.buffer_size, obs_dim, act_dim, max_ep_len), "--buffer-size")
 
-    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's run folder
+    logger = start_run(args, ckpt, args.env_id)
     run_name = logger.run_name
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    set_learner_threads(args.num_actors)  # the cores the actors leave free
+    # the learner takes the cores the actors leave free
+    set_learner_threads(args.num_actors)
 
     # SETUP: network, optimizer, replay, shared memory for the actors
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
-    rm = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
-    rng = np.random.default_rng(args.seed)
-    obs_mean, obs_std = torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device)
-    state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
-    global_step, t0, started, stats_ready = 0, 0, False, False
-    if ckpt:  # restore, then one line; with the replay memory, learning continues at once
-        started = ckpt["replay"] is not None
-        load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=rm if started else None)
-        state, global_step, t0, stats_ready, rng, rm.reward_scale = (
-            ckpt[k] for k in ("state", "global_step", "t0", "stats_ready", "np_rng", "reward_scale")
-        )
-        obs_mean, obs_std = ckpt["obs_mean"].to(device), ckpt["obs_std"].to(device)
+    replay = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
+    # a fresh run's values, or the checkpoint's
+    rng = ckpt["np_rng"] if ckpt else np.random.default_rng(args.seed)
+    obs_mean = ckpt["obs_mean"].to(device) if ckpt else torch.zeros(obs_dim, device=device)
+    obs_std = ckpt["obs_std"].to(device) if ckpt else torch.ones(obs_dim, device=device)
+    state = ckpt["state"] if ckpt else {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
+    global_step = ckpt["global_step"] if ckpt else 0
+    # the env step from which k keeps up with (t - t0)/F
+    t0 = ckpt["t0"] if ckpt else 0
+    # learning has started (the replay held N_start samples); the state statistics have been computed
+    started = bool(ckpt) and ckpt["replay"] is not None
+    stats_ready = ckpt["stats_ready"] if ckpt else False
+    # restore the rest, then one line; with the replay memory, learning continues at once
+    if ckpt:
+        load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=replay if started else None)
+        replay.reward_scale = ckpt["reward_scale"]
         set_rng_state(ckpt["rng"])
-        replay = f"replay memory ({rm.size:,} samples)" if started else f"no replay memory (refilled in {refill:,}+ steps)"
+        if started:
+            replay_note = f"replay memory ({replay.size:,} samples)"
+        else:
+            replay_note = f"no replay memory (refilled in {refill:,}+ steps)"
         print(
             f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, statistics, RNGs, "
-            f"{replay}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
+            f"{replay_note}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
             f"{args.total_timesteps:,}",
             flush=True,
         )
+    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
 
     procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
-
-    def shared(*shape, dtype=torch.float32) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype).share_memory_()
-
-    shared_weights, shared_norm = shared(sum(p.numel() for p in agent.parameters())), shared(2 * obs_dim)
-    control = shared(2, dtype=torch.int64)  # [allowed env steps, weights version]
-    rings = shared(args.num_actors, args.ring_size, ring_width(obs_dim, act_dim), dtype=torch.float64)
-    written, read = shared(args.num_actors, dtype=torch.int64), shared(args.num_actors, dtype=torch.int64)
+    num_params = sum(p.numel() for p in agent.parameters())
+    shared = make_shared_handles(args.num_actors, args.ring_size, obs_dim, act_dim, num_params, procs.stop_event)
 
     def publish() -> None:
-        shared_weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
-        shared_norm.copy_(torch.cat([obs_mean, obs_std]).cpu())
-        control[1] += 1
+        shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
+        shared.state_stats.copy_(torch.stack([obs_mean, obs_std]).cpu())
+        shared.control[1] += 1
 
-    def allow_steps() -> None:  # App. C Alg. 1: "while t < F k: advance the environment", 32 steps/actor of slack
+    def allow_steps() -> None:
+        """App. C Alg. 1: "while t < F k: advance the environment", with 32 steps of slack per actor."""
         limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
-        control[0] = min(args.total_timesteps, limit) - base_step
+        shared.control[0] = min(args.total_timesteps, limit) - base_step
 
-    base_step = global_step  # actors count env steps from 0 in this process: control[0] is relative to it
+    # the actors count env steps from 0 in this process: control[0] is relative to this step
+    base_step = global_step
     publish()
     allow_steps()
 
-    partial = [[] for _ in range(args.num_actors)]  # rows of each actor's running episode
+    # blocks of ring rows of each actor's running episode
+    partial = [[] for _ in range(args.num_actors)]
     recent_returns: deque = deque(maxlen=20)
-    acc, acc_n, last_log_k, last_ckpt, error = torch.zeros(6, dtype=torch.float64), 0, state["k"], global_step, None
-    start_time, last_time, last_step = time.time(), time.time(), global_step
+    # the sums of train_step's STEP_STATS since the last metric line, and their count
+    stats_sum = torch.zeros(len(STEP_STATS), dtype=torch.float64)
+    stats_count = 0
+    last_log_k = state["k"]
+    last_ckpt = global_step
+    error = None
+    start_time = time.time()
+    last_time = start_time
+    last_step = global_step
     try:
         for i in range(args.num_actors):
-            actor_seed = args.seed + 1000 * i + global_step  # resumed runs do not replay the same noise
-            procs.start(
-                actor_loop,
-                (
-                    i,
-                    args,
-                    obs_dim,
-                    act_dim,
-                    shared_weights,
-                    shared_norm,
-                    control,
-                    rings,
-                    written,
-                    read,
-                    actor_seed,
-                    run_name,
-                    procs.stop_event,
-                ),
-                name=f"actor-{i}",
-            )
+            # resumed runs do not replay the same noise
+            actor_seed = args.seed + 1000 * i + global_step
+            procs.start(actor_loop, (i, args, obs_dim, act_dim, shared, actor_seed, run_name), name=f"actor-{i}")
         while True:
             # COLLECT: read the actor rings, assemble whole episodes, store them (App. C Alg. 2)
             for i in range(args.num_actors):
-                n_rows, finished = store_episodes(rings[i], written[i], read[i], partial[i], rm, obs_dim, act_dim)
+                n_rows, finished = store_episodes(shared, i, partial[i], replay)
                 global_step += n_rows
                 for ep_return, ep_length in finished:
                     recent_returns.append(ep_return)
                     logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
-            if not started and rm.size >= args.learning_starts:
+            if not started and replay.size >= args.learning_starts:
                 # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
                 if not stats_ready:
-                    obs_mean, obs_std = (torch.as_tensor(x, dtype=torch.float32, device=device) for x in rm.state_stats())
+                    mean, std = replay.state_stats()
+                    obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+                    obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
                     stats_ready = True
-                rm.update_reward_scale()
-                rm.recount_far(refer_cmax(state["k"], args.C, args.A))
-                started, t0 = True, global_step - int(state["k"] * args.F)  # resumed runs: k continues at once
+                replay.update_reward_scale()
+                replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+                started = True
+                # a resumed run's k continues at once
+                t0 = global_step - int(state["k"] * args.F)
                 publish()
-                print(f"learning starts at env step {global_step} (replay holds {rm.size} samples)", flush=True)
+                print(f"learning starts at env step {global_step} (replay holds {replay.size} samples)", flush=True)
 
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
-            did = 0
+            grad_steps = 0
             if started:
-                did = learn(
-                    agent,
-                    optimizer,
-                    rm,
-                    state,
-                    args,
-                    device,
-                    rng,
-                    obs_mean,
-                    obs_std,
-                    (global_step - t0) / args.F,
-                    acc,
-                    publish,
-                )
-                acc_n += did
+                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, stats_sum, publish)
+                stats_count += grad_steps
             allow_steps()
 
             # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected
             k = state["k"]
-            if (k - last_log_k >= args.log_every and acc_n) if started else global_step - last_step >= 10_000:
+            if started:
+                log_due = k - last_log_k >= args.log_every and stats_count > 0
+            else:
+                log_due = global_step - last_step >= 10_000
+            if log_due:
                 now = time.time()
                 sps = (global_step - last_step) / max(1e-9, now - last_time)
-                loss, extra = None, f"collecting {rm.size}"
+                loss = None
+                extra = f"collecting {replay.size}"
                 if started:
-                    a = (acc / acc_n).tolist()
+                    means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
                     sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
                     logger.log(
                         global_step,
@@ -1032,27 +1187,24 @@ if __name__ == "__main__":
                             "charts/SPS": sps,
                             "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
                             "charts/grad_steps": k,
-                            "losses/loss": a[0],
-                            "losses/policy_loss": a[1],
-                            "losses/value_loss": a[2],
-                            "refer/kl": a[3],
-                            "refer/far_policy_frac": rm.far_fraction(),
-                            "refer/far_batch_frac": a[4],
-                            "refer/avg_rho": a[5],
+                            **means,
+                            "refer/far_policy_frac": replay.far_fraction(),
                             "refer/beta": state["beta"],
                             "refer/c_max": refer_cmax(k, args.C, args.A),
-                            "stats/reward_scale": rm.reward_scale,
+                            "stats/reward_scale": replay.reward_scale,
                             "stats/sigma_mean": sigma,
-                            "stats/replay_size": rm.size,
+                            "stats/replay_size": replay.size,
                         },
                     )
-                    loss, extra = a[2], f"beta {state['beta']:.3f} far {rm.far_fraction():.3f} kl {a[3]:.3g}"
-                    acc.zero_()
-                    acc_n, last_log_k = 0, k
-                logger.progress(
-                    global_step, sps, np.mean(recent_returns) if recent_returns else None, "value_loss", loss, extra
-                )
-                last_time, last_step = now, global_step
+                    loss = means["losses/value_loss"]
+                    extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
+                    stats_sum.zero_()
+                    stats_count = 0
+                    last_log_k = k
+                mean_return = np.mean(recent_returns) if recent_returns else None
+                logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
+                last_time = now
+                last_step = global_step
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
@@ -1069,11 +1221,11 @@ if __name__ == "__main__":
                         "stats_ready": stats_ready,
                         "obs_mean": obs_mean.cpu(),
                         "obs_std": obs_std.cpu(),
-                        "reward_scale": rm.reward_scale,
+                        "reward_scale": replay.reward_scale,
                         "np_rng": rng,
                         "rng": rng_state(),
                         **state_dicts(
-                            model=agent, optimizer=optimizer, replay=rm if args.checkpoint_replay and started else None
+                            model=agent, optimizer=optimizer, replay=replay if args.checkpoint_replay and started else None
                         ),
                     },
                 )
@@ -1081,28 +1233,29 @@ if __name__ == "__main__":
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
                 break
-            procs.check()  # every iteration: a dead actor stops the run with its reason
-            if not did:
+            # every iteration: a dead actor stops the run with its reason
+            procs.check()
+            if not grad_steps:
                 time.sleep(0.0005)
-    except (KeyboardInterrupt, StopRun, FloatingPointError) as e:  # FloatingPointError: train_step's NaN guard
+    # FloatingPointError: train_step's NaN guard
+    except (KeyboardInterrupt, StopRun, FloatingPointError) as e:
         error = e
     finally:
         procs.stop()
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     def save_model():
+        path = logger.dir / f"{args.exp_name}.model"
         torch.save(
-            {"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu()},
-            path := logger.dir / f"{args.exp_name}.model",
+            {"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu()}, path
         )
         return path
 
     def final_eval() -> dict:
-        returns = evaluate(
-            agent, args.env_id, args.seed + 10_000, args.eval_episodes, obs_mean, obs_std, device, args.clip_actions
-        )
-        for r in returns:
-            logger.log(global_step, {"eval/episodic_return": r})
+        eval_seed = args.seed + 10_000
+        returns = evaluate(agent, args.env_id, eval_seed, args.eval_episodes, obs_mean, obs_std, device, args.clip_actions)
+        for episode_return in returns:
+            logger.log(global_step, {"eval/episodic_return": episode_return})
         return {"eval_return_mean": float(np.mean(returns))}
 
     finish_run(

@@ -76,20 +76,26 @@ def test_vtbc_edge_cases():
     np.testing.assert_allclose(vr.vtbc_targets(r, v, np.full(30, 1e-12), 0.99, False), v[:30], atol=1e-9)
 
 
-def test_reverse_linear_scan_segments():
+def test_recompute_qret_runs_the_recursion_in_every_episode_at_once():
+    """`EpisodeReplay.recompute_qret(top, start)`: from Q^ret at each episode's step `top`, Q^ret_{t-1} = r_t + gamma V^tbc_t
+    with V^tbc_t = V_t + min(1, rho_t)(Q^ret_t - V_t), down to the episode's first step, as a loop over one episode does;
+    the steps after `top` stay as they were."""
     rng = np.random.default_rng(2)
-    for _ in range(50):
-        n = int(rng.integers(1, 200))
-        a = rng.uniform(0, 1, n)
-        a[rng.uniform(size=n) < 0.1] = 0.0
-        a[-1] = 0.0
-        b = rng.normal(size=n)
-        x = np.zeros(n)
-        nxt = 0.0
-        for t in reversed(range(n)):
-            x[t] = b[t] + a[t] * nxt
-            nxt = x[t]
-        np.testing.assert_allclose(vr.reverse_linear_scan(a, b), x, rtol=1e-10, atol=1e-10)
+    for _ in range(10):
+        rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
+        fill(rm, rng, 30)
+        rm.rho[:] = np.exp(rng.normal(size=rm.capacity))
+        rm.rho[rng.uniform(size=rm.capacity) < 0.05] = 0.0
+        rm.qret[:] = rng.normal(size=rm.capacity)
+        start = np.array([s for s, _ in rm.episodes])
+        top = start + np.array([int(rng.integers(0, L)) for _, L in rm.episodes])
+        expected = rm.qret.copy()
+        for first, t_top in zip(start, top):
+            for t in range(t_top, first, -1):
+                vtbc = rm.value[t] + min(1.0, rm.rho[t]) * (expected[t] - rm.value[t])
+                expected[t - 1] = rm.scaled_reward[t - 1] + rm.gamma * vtbc
+        rm.recompute_qret(top, start)
+        np.testing.assert_allclose(rm.qret, expected, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- ReF-ER schedules (Eqs. (12), (13))
@@ -110,7 +116,10 @@ def test_refer_beta_update():
 
     rng = np.random.default_rng(3)
     for _ in range(100):
-        beta, frac, D, eta = rng.uniform(), rng.uniform(0, 0.3), rng.uniform(0.01, 0.3), rng.uniform(1e-5, 0.1)
+        beta = rng.uniform()
+        frac = rng.uniform(0, 0.3)
+        D = rng.uniform(0.01, 0.3)
+        eta = rng.uniform(1e-5, 0.1)
         assert vr.refer_beta_update(beta, frac, D, eta) == pytest.approx(textbook(beta, frac, D, eta))
     # fixed points: 0 when too many far-policy samples, 1 otherwise; stays in [0, 1]
     assert vr.refer_beta_update(0.0, 0.5, 0.1, 1e-4) == 0.0
@@ -125,11 +134,10 @@ def test_refer_beta_update():
 # ---------------------------------------------------------------- KL (Eq. (11)) and the per-sample gradient (Eq. (10))
 def test_gaussian_kl_both_directions_against_torch():
     g = torch.Generator().manual_seed(0)
-    m1, m2 = torch.randn(50, 6, generator=g, dtype=torch.float64), torch.randn(50, 6, generator=g, dtype=torch.float64)
-    s1, s2 = (
-        torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1,
-        torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1,
-    )
+    m1 = torch.randn(50, 6, generator=g, dtype=torch.float64)
+    m2 = torch.randn(50, 6, generator=g, dtype=torch.float64)
+    s1 = torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1
+    s2 = torch.rand(50, 6, generator=g, dtype=torch.float64) + 0.1
     N = torch.distributions.Normal
     ref_mu_pi = torch.distributions.kl_divergence(N(m1, s1), N(m2, s2)).sum(-1)
     ref_pi_mu = torch.distributions.kl_divergence(N(m2, s2), N(m1, s1)).sum(-1)
@@ -146,7 +154,9 @@ def hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_d
     logmu = (-0.5 * ((act - mu_mean) / mu_std) ** 2 - np.log(mu_std) - 0.5 * np.log(2 * np.pi)).sum(-1)
     rho = np.exp(np.clip(logp - logmu, -7, 7))
     adv = qret - value
-    gm, gs, gv = np.zeros_like(mean), np.zeros_like(std), np.zeros_like(value)
+    gm = np.zeros_like(mean)
+    gs = np.zeros_like(std)
+    gv = np.zeros_like(value)
     for i in range(B):
         d = mean[i] - mu_mean[i]
         if kl_direction == "mu_pi":  # D_KL(mu || pi)
@@ -169,21 +179,25 @@ def hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_d
 @pytest.mark.parametrize("kl_direction", ["mu_pi", "pi_mu"])
 def test_per_sample_gradient_matches_hand_derivation(kl_direction):
     rng = np.random.default_rng(4)
-    B, dA = 12, 3
-    mean, mu_mean = rng.normal(size=(B, dA)), rng.normal(size=(B, dA)) * 0.3
-    std, mu_std = rng.uniform(0.3, 1.0, (B, dA)), rng.uniform(0.3, 1.0, (B, dA))
+    B = 12
+    dA = 3
+    mean = rng.normal(size=(B, dA))
+    mu_mean = rng.normal(size=(B, dA)) * 0.3
+    std = rng.uniform(0.3, 1.0, (B, dA))
+    mu_std = rng.uniform(0.3, 1.0, (B, dA))
     mean[:4] = mu_mean[:4] + 0.01  # some near-policy samples
     std[:4] = mu_std[:4]
     act = mu_mean + mu_std * rng.normal(size=(B, dA))
-    value, qret = rng.normal(size=B), rng.normal(size=B)
-    beta, cmax = 0.3, 2.0
+    value = rng.normal(size=B)
+    qret = rng.normal(size=B)
+    beta = 0.3
+    cmax = 2.0
     t = {
         k: torch.tensor(v, requires_grad=k in ("mean", "std", "value"))
         for k, v in dict(mean=mean, std=std, value=value, act=act, mu_mean=mu_mean, mu_std=mu_std, qret=qret).items()
     }
-    loss, info = vr.refer_loss(
-        t["mean"], t["std"], t["value"], t["act"], t["mu_mean"], t["mu_std"], t["qret"], beta, cmax, "full", kl_direction
-    )
+    batch = vr.Batch(t["act"], t["mu_mean"], t["mu_std"], t["qret"])
+    loss, info = vr.refer_loss(t["mean"], t["std"], t["value"], batch, beta, cmax, "full", kl_direction)
     loss.backward()
     gm, gs, gv, rho = hand_gradient(mean, std, value, act, mu_mean, mu_std, qret, beta, cmax, kl_direction)
     far = ~((rho > 1 / cmax) & (rho < cmax))
@@ -198,7 +212,8 @@ def test_per_sample_gradient_matches_hand_derivation(kl_direction):
 
 def test_ablations_change_the_gradient_as_described():
     rng = np.random.default_rng(5)
-    B, dA = 16, 2
+    B = 16
+    dA = 2
     args = [
         torch.tensor(x)
         for x in (
@@ -214,7 +229,7 @@ def test_ablations_change_the_gradient_as_described():
 
     def grads(refer, beta):
         ps = [a.clone().requires_grad_(i < 3) for i, a in enumerate(args)]
-        loss, info = vr.refer_loss(*ps, beta=beta, cmax=1.5, refer=refer)
+        loss, info = vr.refer_loss(*ps[:3], vr.Batch(*ps[3:]), beta=beta, cmax=1.5, refer=refer)
         loss.backward()
         return ps[0].grad, ps[2].grad, info["far"]
 
@@ -234,20 +249,34 @@ def test_overflowing_sample_leaves_loss_and_gradient_finite():
     select (torch.where) instead of multiplying (0 * inf = NaN), a NaN rho counts as far, and the KL is skipped where
     its weight 1 - beta is 0 (then --refer none, which keeps every sample, stays finite too). float32, as in training."""
     rng = np.random.default_rng(9)
-    B, dA = 8, 2
-    mean, std = rng.normal(size=(B, dA)), rng.uniform(0.3, 1, (B, dA))
-    mu_mean, mu_std = mean + 0.05 * rng.normal(size=(B, dA)), std.copy()
+    B = 8
+    dA = 2
+    mean = rng.normal(size=(B, dA))
+    std = rng.uniform(0.3, 1, (B, dA))
+    mu_mean = mean + 0.05 * rng.normal(size=(B, dA))
+    mu_std = std.copy()
     act = mu_mean + mu_std * rng.normal(size=(B, dA))
-    std[0], act[0] = 1e-20, mean[0] + 1.0  # log pi(a_0) = -inf: rho clamps to e^-7 (far); D_KL(mu_0 || pi_0) = inf
-    mean[1], std[1], mu_mean[1], mu_std[1], act[1] = 0.0, 1e-20, 0.0, 1e-20, 1.0  # log pi = log mu = -inf: rho NaN
-    act[2], std[2], mu_mean[2] = mean[2], 1e-20, mean[2] + 1.0  # log pi finite, D_KL(mu_2 || pi_2) = inf (far)
-    value, qret = rng.normal(size=B), rng.normal(size=B)
+    # sample 0: log pi(a_0) = -inf, so rho clamps to e^-7 (far); D_KL(mu_0 || pi_0) = inf
+    std[0] = 1e-20
+    act[0] = mean[0] + 1.0
+    # sample 1: log pi = log mu = -inf, so rho is NaN
+    mean[1] = 0.0
+    std[1] = 1e-20
+    mu_mean[1] = 0.0
+    mu_std[1] = 1e-20
+    act[1] = 1.0
+    # sample 2: log pi finite, D_KL(mu_2 || pi_2) = inf (far)
+    act[2] = mean[2]
+    std[2] = 1e-20
+    mu_mean[2] = mean[2] + 1.0
+    value = rng.normal(size=B)
+    qret = rng.normal(size=B)
     for refer, beta, rows in (("rule1", 0.5, slice(None)), ("full", 1.0, slice(None)), ("none", 0.5, slice(2, None))):
         ps = [
             torch.tensor(np.asarray(x[rows], np.float32)).requires_grad_(i < 3)
             for i, x in enumerate((mean, std, value, act, mu_mean, mu_std, qret))
         ]
-        loss, info = vr.refer_loss(*ps, beta=beta, cmax=2.0, refer=refer)
+        loss, info = vr.refer_loss(*ps[:3], vr.Batch(*ps[3:]), beta=beta, cmax=2.0, refer=refer)
         loss.backward()
         assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ps[:3]), refer
         if refer != "none":
@@ -270,11 +299,16 @@ def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
             rng.normal(size=L),
             rng.normal(size=L),
             term,
-            final_val=float(rng.normal()),
+            final_value=float(rng.normal()),
             final_obs=rng.normal(size=obs_dim),
         )
         lens.append(L)
     return lens
+
+
+def cpu_learner(agent, optimizer, rm, rng, obs_dim=3):
+    """The learner's handles on the CPU, with state statistics mean 0 and std 1."""
+    return vr.Learner(agent, optimizer, rm, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"))
 
 
 def test_fifo_removal_keeps_at_least_N():
@@ -295,7 +329,7 @@ def test_fifo_removal_keeps_at_least_N():
     assert [s for s, _ in rm.episodes] == order[-len(rm.episodes) :]
     # episodes are contiguous and bookkeeping is consistent
     for s, L in rm.episodes:
-        assert np.all(rm.ep_start[s : s + L] == s) and np.all(rm.ep_last[s : s + L] == s + L - 1)
+        assert np.all(rm.episode_start[s : s + L] == s) and np.all(rm.episode_last[s : s + L] == s + L - 1)
 
 
 def test_empty_and_small_memory():
@@ -317,7 +351,7 @@ def test_sampling_is_distinct_valid_and_roughly_uniform():
     rng = np.random.default_rng(8)
     rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 200)
-    counts = np.zeros(rm.cap)
+    counts = np.zeros(rm.capacity)
     for _ in range(400):
         idx = rm.sample(64, rng)
         assert len(np.unique(idx)) == 64 and rm.valid[idx].all()
@@ -332,9 +366,9 @@ def check_qret_consistent(rm):
     for s, L in rm.episodes:
         sl = slice(s, s + L)
         term = not rm.truncated_last[s + L - 1]
-        vals = np.append(rm.val[sl], rm.vboot[s + L - 1])
+        vals = np.append(rm.value[sl], rm.boot_value[s + L - 1])
         np.testing.assert_allclose(
-            rm.qret[sl], textbook_qret(rm.rs[sl], vals, rm.rho[sl], rm.gamma, term), rtol=1e-9, atol=1e-9
+            rm.qret[sl], textbook_qret(rm.scaled_reward[sl], vals, rm.rho[sl], rm.gamma, term), rtol=1e-9, atol=1e-9
         )
 
 
@@ -366,17 +400,40 @@ def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
     np.testing.assert_allclose(rm.qret[rm.valid], before[rm.valid], rtol=1e-9, atol=1e-9)
 
 
+def test_refresh_delta_equals_the_recursion_from_the_latest_sampled_step():
+    """`refresh_delta`, the vectorised refresh of prior steps, gives the Q^ret of the recursion it stands for: Eq. (8)
+    run backwards (`recompute_qret`) from the latest sampled step of each sampled episode to the episode's first step."""
+    import copy
+
+    rng = np.random.default_rng(16)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
+    fill(rm, rng, 40)
+    recursion = copy.deepcopy(rm)
+    for _ in range(30):
+        idx = rm.sample(32, rng)
+        rho = np.exp(rng.normal(size=32))
+        rho[:2] = 0.0
+        value = rng.normal(size=32)
+        rm.update_samples(idx, rho, value)
+        recursion.rho[idx] = rho
+        recursion.value[idx] = value
+        descending = np.sort(idx)[::-1]
+        latest = descending[np.unique(recursion.episode_start[descending], return_index=True)[1]]
+        recursion.recompute_qret(latest, recursion.episode_start[latest])
+        np.testing.assert_allclose(rm.qret, recursion.qret, rtol=1e-9, atol=1e-9)
+
+
 def test_reward_scaling_is_rms_without_mean_shift():
     rng = np.random.default_rng(10)
     rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 30)
-    for i in range(len(rm.rew)):
-        rm.rew[i] += 5.0 * rm.valid[i]
+    for i in range(len(rm.reward)):
+        rm.reward[i] += 5.0 * rm.valid[i]
     scale = rm.update_reward_scale()
-    r = rm.rew[rm.valid]
+    r = rm.reward[rm.valid]
     assert scale == pytest.approx(np.sqrt(np.mean(r**2)) + 1e-7)  # Eq. (16)
-    np.testing.assert_allclose(rm.rs[rm.valid], r / scale)  # r / (sigma_r + eps), mean kept
-    assert rm.rs[rm.valid].mean() > 0.5
+    np.testing.assert_allclose(rm.scaled_reward[rm.valid], r / scale)  # r / (sigma_r + eps), mean kept
+    assert rm.scaled_reward[rm.valid].mean() > 0.5
     check_qret_consistent(rm)  # targets recomputed in the new scale
     m, s = rm.state_stats()
     np.testing.assert_allclose(m, rm.obs[rm.valid].mean(0), rtol=1e-5)  # Eq. (14)
@@ -387,12 +444,12 @@ def test_rank_per_prefers_high_priorities():
     rng = np.random.default_rng(11)
     rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 100)
-    rm.prio[rm.valid] = rng.uniform(size=rm.valid.sum())
+    rm.priority[rm.valid] = rng.uniform(size=rm.valid.sum())
     rm.per_rebuild()
     idx, w = rm.sample_per(2000, rng, 0.7, 0.5)
     assert rm.valid[idx].all() and w.max() == pytest.approx(1.0) and np.all(w > 0)
-    assert rm.prio[idx].mean() > rm.prio[rm.valid].mean() + 0.1
-    assert np.all(np.diff(w[np.argsort(rm.prio[idx])]) <= 1e-12)  # higher priority -> smaller IS weight
+    assert rm.priority[idx].mean() > rm.priority[rm.valid].mean() + 0.1
+    assert np.all(np.diff(w[np.argsort(rm.priority[idx])]) <= 1e-12)  # higher priority -> smaller IS weight
 
 
 def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
@@ -400,23 +457,25 @@ def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
     removed steps: each is drawn with probability 1/n (n stored steps) as under uniform sampling; the ranked steps
     still stored share the rest by rank, P ~ rank^-alpha; IS weights (n P)^-beta over the batch maximum."""
     rng = np.random.default_rng(21)
-    alpha, beta = 0.5, 0.6
+    alpha = 0.5
+    beta = 0.6
     rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=10)
     fill(rm, rng, 200, lmax=10)
-    rm.prio[rm.valid] = rng.uniform(size=rm.valid.sum())
+    rm.priority[rm.valid] = rng.uniform(size=rm.valid.sum())
     rm.sample_per(1, rng, alpha, beta)  # sorts
     rank_of = {int(slot): r for r, slot in enumerate(rm.per_order, start=1)}
     valid_at_sort = rm.valid.copy()
     fill(rm, rng, 20, lmax=10)
-    new = np.zeros(rm.cap, bool)
+    new = np.zeros(rm.capacity, bool)
     for start, length in list(rm.episodes)[-20:]:
         new[start : start + length] = True
     assert (new & valid_at_sort).sum() >= 20  # recycled slots: before, their new steps inherited the old ranks
     # the textbook probabilities of the rule
-    n, n_new = rm.size, int(new.sum())
+    n = rm.size
+    n_new = int(new.sum())
     ranked = [slot for slot in rank_of if rm.valid[slot] and not new[slot]]
     total = sum(rank_of[slot] ** -alpha for slot in ranked)
-    P = np.zeros(rm.cap)
+    P = np.zeros(rm.capacity)
     P[new] = 1.0 / n
     for slot in ranked:
         P[slot] = (1.0 - n_new / n) * rank_of[slot] ** -alpha / total
@@ -428,7 +487,7 @@ def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
     assert abs(share_new - n_new / n) < 4 * np.sqrt(n_new / n / draws)  # binomial: 4 standard deviations
     np.testing.assert_allclose(w, (n * P[idx]) ** -beta / ((n * P[idx]) ** -beta).max(), rtol=1e-9)
     top = [slot for slot in ranked if rank_of[slot] <= 20]  # the most likely ranked steps, drawn as often as P says
-    counts = np.bincount(idx, minlength=rm.cap)
+    counts = np.bincount(idx, minlength=rm.capacity)
     np.testing.assert_allclose(counts[top] / draws, P[top], rtol=0.1)
     rm.per_rebuild()  # the next re-sort ranks the new steps too
     assert rm.ranked[rm.valid].all() and not rm.ranked[~rm.valid].any()
@@ -439,13 +498,13 @@ def test_episode_stored_after_a_reward_scale_update_is_scaled():
     rng = np.random.default_rng(22)
     rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 20)
-    rm.rew[rm.valid] *= 5.0
+    rm.reward[rm.valid] *= 5.0
     scale = rm.update_reward_scale()
     assert scale > 3.0
     fill(rm, rng, 3)
     for start, length in list(rm.episodes)[-3:]:
         sl = slice(start, start + length)
-        np.testing.assert_allclose(rm.rs[sl], rm.rew[sl] / scale, rtol=1e-12)
+        np.testing.assert_allclose(rm.scaled_reward[sl], rm.reward[sl] / scale, rtol=1e-12)
     check_qret_consistent(rm)
 
 
@@ -464,7 +523,7 @@ def test_far_count_stays_exact_when_cmax_is_one():
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
     state = {"k": 0, "beta": 1.0}
     for _ in range(10):
-        vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
         fill(rm, rng, 1)
         assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
         assert 0.0 <= rm.far_fraction() <= 1.0
@@ -479,8 +538,8 @@ def test_replay_and_train_step_with_one_action_dimension():
     rm.add_episode(
         rng.normal(size=(7, 3)), act, np.zeros((7, 1)), np.ones((7, 1)), rng.normal(size=7), rng.normal(size=7), True
     )
-    assert rm.act.shape == rm.mu_mean.shape == rm.mu_std.shape == (rm.cap, 1)
-    np.testing.assert_array_equal(rm.act[:7], act.astype(np.float32))
+    assert rm.action.shape == rm.mu_mean.shape == rm.mu_std.shape == (rm.capacity, 1)
+    np.testing.assert_array_equal(rm.action[:7], act.astype(np.float32))
     fill(rm, rng, 30, act_dim=1)
     rm.update_reward_scale()
     agent = vr.Agent(3, 1)
@@ -489,12 +548,12 @@ def test_replay_and_train_step_with_one_action_dimension():
     for per in ("none", "rank"):
         args = vr.Args(batch_size=16, buffer_size=300, per=per)
         for _ in range(5):
-            stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+            stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
             assert torch.isfinite(stats).all()
     check_qret_consistent(rm)
     restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
     restored.load_state_dict(rm.state_dict())
-    np.testing.assert_array_equal(restored.act, rm.act)
+    np.testing.assert_array_equal(restored.action, rm.action)
     np.testing.assert_array_equal(restored.qret, rm.qret)
 
 
@@ -505,7 +564,8 @@ def test_noise_and_action_scaling():
     z = vr.sample_noise(rng, (200_000,), "smarties")
     assert np.abs(z).max() <= 3.0
     assert np.abs(vr.sample_noise(rng, (200_000,), "normal")).max() > 3.0
-    low, high = np.array([-0.4, 0.0]), np.array([0.4, 2.0])
+    low = np.array([-0.4, 0.0])
+    high = np.array([0.4, 2.0])
     np.testing.assert_allclose(vr.to_env_action(np.array([-1.0, 1.0]), low, high), [-0.4, 2.0])
     np.testing.assert_allclose(vr.to_env_action(np.array([0.0, 0.0]), low, high), [0.0, 1.0])
     np.testing.assert_allclose(vr.to_env_action(np.array([2.0, -3.0]), low, high, clip=True), [0.4, 0.0])
@@ -726,7 +786,7 @@ def test_train_step_nan_guard():
 
     def step(state, refer):
         args = vr.Args(batch_size=16, buffer_size=300, refer=refer)
-        return vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        return vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
 
     state = {"k": 0, "beta": 0.5}
     assert torch.isfinite(step(state, "full")).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
@@ -763,7 +823,7 @@ def test_train_step_all_variants(refer, per):
     opt = torch.optim.Adam(agent.parameters(), lr=1e-2)
     state = {"k": 0, "beta": 1.0 if refer == "none" else 0.0}
     for _ in range(30):
-        stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
         assert torch.isfinite(stats).all()
     check_qret_consistent(rm)  # the refresh keeps Q^ret equal to the full recursion in every variant
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
@@ -782,11 +842,11 @@ def test_train_step_anneals_learning_rate_and_cmax():
     opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-12)
     state = {"k": 3, "beta": 0.5}
     before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
-    vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
     moved = (torch.nn.utils.parameters_to_vector(agent.parameters()).detach() - before).abs().max()
     assert float(moved) == pytest.approx(vr.annealed_lr(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
     for k in range(4, 8):
-        vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+        vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
         assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_lr(k, 1e-3, 0.1))
         assert rm.cmax == pytest.approx(vr.refer_cmax(k, 2.0, 0.1))
     assert state["k"] == 8
@@ -801,7 +861,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 40)
     rm.update_reward_scale()
-    rm.prio[rm.valid] = rng.uniform(0.1, 2.0, rm.valid.sum())
+    rm.priority[rm.valid] = rng.uniform(0.1, 2.0, rm.valid.sum())
     rm.per_rebuild()
     args = vr.Args(batch_size=32, buffer_size=400, per="rank", A=0.1)
     torch.manual_seed(3)
@@ -812,19 +872,20 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * 2)
     idx, w = rm.sample_per(args.batch_size, copy.deepcopy(rng), args.per_alpha, beta_is)
     assert w.min() < 0.9  # weights that matter
-    act, mu_mean, mu_std = (torch.as_tensor(x[idx]) for x in (rm.act, rm.mu_mean, rm.mu_std))
+    act = torch.as_tensor(rm.action[idx])
+    mu_mean = torch.as_tensor(rm.mu_mean[idx])
+    mu_std = torch.as_tensor(rm.mu_std[idx])
     qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32)
     with torch.no_grad():
         mean, std, value = agent(torch.as_tensor(rm.obs[idx]))
     cmax = vr.refer_cmax(2, args.C, args.A)
-    weighted, info = vr.refer_loss(
-        mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax, weights=torch.as_tensor(w, dtype=torch.float32)
-    )
-    unweighted, _ = vr.refer_loss(mean, std, value, act, mu_mean, mu_std, qret, 0.5, cmax)
+    weights = torch.as_tensor(w, dtype=torch.float32)
+    weighted, info = vr.refer_loss(mean, std, value, vr.Batch(act, mu_mean, mu_std, qret, weights), 0.5, cmax)
+    unweighted, _ = vr.refer_loss(mean, std, value, vr.Batch(act, mu_mean, mu_std, qret), 0.5, cmax)
     assert abs(float(weighted) - float(unweighted)) > 0.01 * abs(float(unweighted))
-    stats = vr.train_step(agent, opt, rm, state, args, torch.device("cpu"), rng, torch.zeros(3), torch.ones(3))
+    stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
     assert float(stats[0]) == pytest.approx(float(weighted), rel=1e-5)
-    np.testing.assert_allclose(rm.prio[idx], info["abs_err"].double().numpy(), rtol=1e-5)
+    np.testing.assert_allclose(rm.priority[idx], info["abs_err"].double().numpy(), rtol=1e-5)
 
 
 def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
@@ -835,12 +896,13 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
     fill(rm, rng, 40)
     scale_before = rm.update_reward_scale()
-    rm.rew[rm.valid] *= 10.0  # the next reward-scale update must see this
+    rm.reward[rm.valid] *= 10.0  # the next reward-scale update must see this
     args = vr.Args(batch_size=16, buffer_size=400, stats_every=5, state_stats_rate=0.5, per="rank")
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
     state = {"k": 0, "beta": 0.0}
-    obs_mean, obs_std = torch.zeros(3), torch.ones(3)
+    obs_mean = torch.zeros(3)
+    obs_std = torch.ones(3)
     stats_sum = torch.zeros(6, dtype=torch.float64)
     published = []  # the weights each publish() hands to the actors
 
@@ -848,20 +910,8 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
         return torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
 
     def learn_until(steps_due):
-        return vr.learn(
-            agent,
-            opt,
-            rm,
-            state,
-            args,
-            torch.device("cpu"),
-            rng,
-            obs_mean,
-            obs_std,
-            steps_due,
-            stats_sum,
-            lambda: published.append(weights()),
-        )
+        learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"))
+        return vr.learn(learner, state, args, steps_due, stats_sum, lambda: published.append(weights()))
 
     initial = weights()
     assert learn_until(5) == 5 and state["k"] == 5
@@ -872,9 +922,9 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     fill(rm, rng, 2)  # new steps, unranked until the re-sort
     assert learn_until(5.5) == 1 and state["k"] == 6 and len(published) == 2
     torch.testing.assert_close(published[1], weights())
-    r = rm.rew[rm.valid]
+    r = rm.reward[rm.valid]
     assert rm.reward_scale == pytest.approx(np.sqrt(np.mean(r * r)) + 1e-7)
-    np.testing.assert_allclose(rm.rs[rm.valid], r / rm.reward_scale)
+    np.testing.assert_allclose(rm.scaled_reward[rm.valid], r / rm.reward_scale)
     assert rm.ranked[rm.valid].all()  # re-sorted
     target_mean, target_std = rm.state_stats()
     torch.testing.assert_close(obs_mean, 0.5 * torch.as_tensor(target_mean, dtype=torch.float32))
@@ -888,7 +938,8 @@ def test_evaluate_standardises_the_state(monkeypatch):
     network was trained; the direct rollout here is written from that."""
     from common.mujoco_env import make_mujoco_env
 
-    limit, seed = 30, 7
+    limit = 30
+    seed = 7
     monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=limit))
     torch.manual_seed(2)
     agent = vr.Agent(11, 3)
@@ -899,16 +950,20 @@ def test_evaluate_standardises_the_state(monkeypatch):
     obs_std = torch.tensor(rng.uniform(0.2, 0.5, 11), dtype=torch.float32)
     returns = vr.evaluate(agent, "Hopper-v5", seed, 2, obs_mean, obs_std, torch.device("cpu"))
     env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
-    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    low = env.action_space.low.astype(np.float64)
+    high = env.action_space.high.astype(np.float64)
     expected = []
     for episode in range(2):
-        (obs, _), done, ret = env.reset(seed=seed + episode), False, 0.0
+        obs, _ = env.reset(seed=seed + episode)
+        done = False
+        ret = 0.0
         while not done:
             standardised = (torch.as_tensor(obs, dtype=torch.float32) - obs_mean) / obs_std
             with torch.no_grad():
                 action = agent(standardised[None])[0][0].numpy().astype(np.float64)
             obs, r, term, trunc, _ = env.step(vr.to_env_action(action, low, high))
-            ret, done = ret + float(r), term or trunc
+            ret += float(r)
+            done = term or trunc
         expected.append(ret)
     np.testing.assert_allclose(returns, expected, rtol=1e-9)
     raw = vr.evaluate(agent, "Hopper-v5", seed, 2, torch.zeros(11), torch.ones(11), torch.device("cpu"))
@@ -926,47 +981,52 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
 
     from common.mujoco_env import make_mujoco_env
 
-    limit, seed, steps = 25, 3, 400
+    limit = 25
+    seed = 3
+    steps = 400
     monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=limit))
     args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=48)  # the ring wraps 8 times, read while written
-    obs_dim, act_dim = 11, 3
+    obs_dim = 11
+    act_dim = 3
     torch.manual_seed(0)
     agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
     rng = np.random.default_rng(0)
     norm = np.stack([0.1 * rng.normal(size=obs_dim), rng.uniform(0.5, 2.0, obs_dim)])  # state statistics (App. B)
-    shared_weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
-    shared_norm = torch.tensor(norm.reshape(-1), dtype=torch.float32)
-    control = torch.tensor([steps, 1], dtype=torch.int64)  # the F gate lets the actor run `steps` env steps
-    rings = torch.zeros(1, args.ring_size, vr.ring_width(obs_dim, act_dim), dtype=torch.float64)
-    written, read, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), threading.Event()
-    actor = threading.Thread(
-        target=vr.actor_loop,
-        args=(0, args, obs_dim, act_dim, shared_weights, shared_norm, control, rings, written, read, seed, "test", stop),
-        daemon=True,
-    )
-    rm, partial = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit), []
-    n_read = n_finished = 0
+    weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+    shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, len(weights), threading.Event())
+    shared.weights.copy_(weights)
+    shared.state_stats.copy_(torch.tensor(norm, dtype=torch.float32))
+    shared.control[0] = steps  # the F gate lets the actor run `steps` env steps
+    shared.control[1] = 1
+    actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared, seed, "test"), daemon=True)
+    rm = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit)
+    partial = []
+    n_read = 0
+    n_finished = 0
     actor.start()
     try:
         for _ in range(6000):  # the main loop's COLLECT: drain the ring while the actor fills it
-            n, finished = vr.store_episodes(rings[0], written[0], read[0], partial, rm, obs_dim, act_dim)
-            n_read, n_finished = n_read + n, n_finished + len(finished)
+            n, finished = vr.store_episodes(shared, 0, partial, rm)
+            n_read += n
+            n_finished += len(finished)
             if n_read >= steps:
                 break
             threading.Event().wait(0.002)
     finally:
         # whatever raised above, stop the actor: a thread left running keeps pytest from exiting
-        stop.set()
+        shared.stop_event.set()
         actor.join()
-    assert n_read == steps == int(read[0]) and n_finished == len(rm.episodes)
+    assert n_read == steps == int(shared.read[0]) and n_finished == len(rm.episodes)
 
     # the direct rollout (independent of the ring format): a ~ mu = N(mean, std) with the actor's noise stream
     env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
-    net = vr.numpy_params(agent, args.std_map, shared_norm.numpy().reshape(2, obs_dim))
-    low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+    net = vr.numpy_params(agent, args.std_map, shared.state_stats.numpy())
+    low = env.action_space.low.astype(np.float64)
+    high = env.action_space.high.astype(np.float64)
     noise = np.random.default_rng(seed)
     obs, _ = env.reset(seed=seed)
-    episodes, cur = [], []
+    episodes = []
+    cur = []
     for t in range(steps):
         mean, std, v = vr.numpy_forward(net, obs)
         u = mean + std * vr.sample_noise(noise, act_dim, args.action_noise)
@@ -975,25 +1035,26 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
         if term or trunc:
             boot = (nxt, vr.numpy_forward(net, nxt)[2]) if not term else None
             episodes.append((cur, term, boot))
-            cur, (obs, _) = [], env.reset()
+            cur = []
+            obs, _ = env.reset()
         else:
             obs = nxt
     kinds = {term for _, term, _ in episodes}
     assert kinds == {True, False}, "need both terminated and truncated episodes"
-    assert len(rm.episodes) == len(episodes) and sum(len(p) for p in partial) == len(cur)
+    assert len(rm.episodes) == len(episodes) and sum(len(block["reward"]) for block in partial) == len(cur)
     for (start, L), (steps_, term, boot) in zip(rm.episodes, episodes):
         sl = slice(start, start + L)
         o, u, mean, std, r, v = (np.array([s[k] for s in steps_]) for k in range(6))
         assert L == len(steps_)
         np.testing.assert_allclose(rm.obs[sl], o, rtol=1e-6)
-        np.testing.assert_allclose(rm.act[sl], u, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rm.action[sl], u, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(rm.mu_mean[sl], mean, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(rm.mu_std[sl], std, rtol=1e-5)
-        np.testing.assert_allclose(rm.rew[sl], r, rtol=1e-12)
-        np.testing.assert_allclose(rm.val[sl], v, rtol=1e-12)
+        np.testing.assert_allclose(rm.reward[sl], r, rtol=1e-12)
+        np.testing.assert_allclose(rm.value[sl], v, rtol=1e-12)
         assert rm.truncated_last[start + L - 1] == (not term)
         if term:
-            assert rm.vboot[start + L - 1] == 0.0
+            assert rm.boot_value[start + L - 1] == 0.0
         else:
             np.testing.assert_allclose(rm.boot_obs[start + L - 1], boot[0], rtol=1e-6)
-            assert rm.vboot[start + L - 1] == pytest.approx(boot[1], rel=1e-12)
+            assert rm.boot_value[start + L - 1] == pytest.approx(boot[1], rel=1e-12)

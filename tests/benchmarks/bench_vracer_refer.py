@@ -4,7 +4,14 @@
    with the full ReF-ER bookkeeping (rho/V write-back, n_far, Q^ret refresh of prior steps, beta) against the same
    learner with `--refer none` (V-RACER with conventional ER, which still refreshes its Retrace targets) and against a
    bare learner with no write-back/refresh at all, interleaved in one process; plus a breakdown of the time.
-2. Actors: env steps/s with `--num-actors` actor processes (policy forward + shared-memory ring) against env-only
+2. Forms (`--skip-forms` to leave out): the recursion over time against the vectorised form, interleaved in one
+   process on the same memory, for the three places the script computes Eq. (8):
+   - the refresh of prior steps after each gradient step: `refresh_delta` (vectorised, kept) against
+     `recompute_qret` run from the latest sampled step of each episode (the recursion), as learner steps/s;
+   - `recompute_all` at every reward-scale update (every `stats_every` steps): the recursion (the script's form)
+     against the doubling scan the script used before, per call and per gradient step;
+   - `vtbc_targets` at each episode's insertion: the loop (the script's form) against the doubling scan.
+3. Actors: env steps/s with `--num-actors` actor processes (policy forward + shared-memory ring) against env-only
    stepping of the same task in this process.
 
 Usage: python tests/benchmarks/bench_vracer_refer.py [--steps 300] [--buffer-size 262144] [--env-id Hopper-v5]
@@ -35,7 +42,7 @@ def filled_replay(N, obs_dim, act_dim, ep_len, rng):
             rng.normal(size=L),
             np.zeros(L),
             term,
-            final_val=0.0,
+            final_value=0.0,
             final_obs=np.zeros(obs_dim),
         )
     rm.update_reward_scale()
@@ -45,7 +52,8 @@ def filled_replay(N, obs_dim, act_dim, ep_len, rng):
 def bench_learner(a):
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
-    obs_dim, act_dim = 11, 3
+    obs_dim = 11
+    act_dim = 3
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     rm = filled_replay(a.buffer_size, obs_dim, act_dim, 1000, rng)
     setups = {}
@@ -54,20 +62,23 @@ def bench_learner(a):
         agent = vr.Agent(obs_dim, act_dim).to(device)
         opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
         state = {"k": 0, "beta": 0.5 if refer == "full" else 1.0}
-        setups[refer] = (args, agent, opt, state)
-    mean0, std0 = torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device)
+        learner = vr.Learner(
+            agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device
+        )
+        setups[refer] = (args, learner, state)
     wall = {k: 0.0 for k in setups}
     cpu = {k: 0.0 for k in setups}
-    for refer, (args, agent, opt, state) in setups.items():
+    for refer, (args, learner, state) in setups.items():
         for _ in range(20):  # warm-up
-            vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0)
+            vr.train_step(learner, state, args)
     for rep in range(a.reps):  # interleave short chunks of the two learners so machine load hits both alike
-        for refer, (args, agent, opt, state) in setups.items():
+        for refer, (args, learner, state) in setups.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t, c = time.perf_counter(), time.process_time()
+            t = time.perf_counter()
+            c = time.process_time()
             for _ in range(a.steps):
-                vr.train_step(agent, opt, rm, state, args, device, rng, mean0, std0, bookkeeping=refer != "bare")
+                vr.train_step(learner, state, args, bookkeeping=refer != "bare")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall[refer] += time.perf_counter() - t
@@ -119,15 +130,158 @@ def bench_learner(a):
     )
 
 
+def latest_sampled(rm, idx):
+    """The latest sampled step of each sampled episode (episodes are contiguous: the largest slot)."""
+    descending = np.sort(idx)[::-1]
+    return descending[np.unique(rm.episode_start[descending], return_index=True)[1]]
+
+
+def refresh_by_recursion(rm, idx, vtbc_old):
+    """What `refresh_delta` computes, as the recursion: Eq. (8) backwards from the latest sampled step of each episode
+    down to its first step (`vtbc_old`, the vectorised form's input, is not needed)."""
+    latest = latest_sampled(rm, idx)
+    rm.recompute_qret(latest, rm.episode_start[latest])
+
+
+def doubling_scan(a, b, max_len=None):
+    """x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0; segments end with a_t = 0) by
+    Hillis-Steele doubling, ceil(log2(max_len)) numpy passes: the vectorised form the script used before for
+    `vtbc_targets` and `recompute_all`."""
+    x = np.array(b, dtype=np.float64)
+    a = np.array(a, dtype=np.float64)
+    stop = len(x) if max_len is None else min(len(x), max_len)
+    shift = 1
+    while shift < stop:
+        # numpy resolves the overlap as if from the old values
+        x[:-shift] += a[:-shift] * x[shift:]
+        a[:-shift] *= a[shift:]
+        shift *= 2
+    return x
+
+
+def vtbc_by_scan(rewards, values, rhos, gamma, terminated):
+    """`vtbc_targets` by the doubling scan: x_t = b_t + a_t x_{t+1}, a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}."""
+    length = len(rewards)
+    c = np.minimum(1.0, rhos)
+    a = gamma * c
+    b = (1.0 - c) * values[:length] + c * rewards
+    b[-1] += a[-1] * (0.0 if terminated else values[length])
+    a[-1] = 0.0
+    return doubling_scan(a, b)
+
+
+def recompute_all_by_scan(rm):
+    """`recompute_all` by one doubling scan over the whole memory (the empty slots have a = b = 0)."""
+    n = rm.high_water
+    valid = rm.valid[:n]
+    c = np.where(valid, np.minimum(1.0, rm.rho[:n]), 0.0)
+    last = valid & (np.arange(n) == rm.episode_last[:n])
+    a = np.where(last, 0.0, rm.gamma * c)
+    b = np.where(valid, (1.0 - c) * rm.value[:n] + c * rm.scaled_reward[:n], 0.0)
+    b[last] += rm.gamma * c[last] * rm.boot_value[:n][last]
+    x = doubling_scan(a, b, max(length for _, length in rm.episodes))
+    next_vtbc = np.append(x[1:], 0.0)
+    next_vtbc[last] = rm.boot_value[:n][last]
+    rm.qret[:n] = np.where(valid, rm.scaled_reward[:n] + rm.gamma * next_vtbc, 0.0)
+
+
+def bench_forms(a):
+    """The recursion over time against the vectorised form, interleaved in one process on the same memory."""
+    torch.set_num_threads(a.threads)
+    rng = np.random.default_rng(1)
+    obs_dim = 11
+    act_dim = 3
+    device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
+    rm = filled_replay(a.buffer_size, obs_dim, act_dim, 1000, rng)
+    args = vr.Args(batch_size=a.batch_size, buffer_size=a.buffer_size)
+    agent = vr.Agent(obs_dim, act_dim).to(device)
+    opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    learner = vr.Learner(agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device)
+    state = {"k": 0, "beta": 0.5}
+
+    def use(form):
+        if form == "recursion":
+            rm.refresh_delta = lambda idx, vtbc_old: refresh_by_recursion(rm, idx, vtbc_old)
+        else:
+            vars(rm).pop("refresh_delta", None)
+
+    wall = {"vectorised": 0.0, "recursion": 0.0}
+    cpu = {"vectorised": 0.0, "recursion": 0.0}
+    for form in wall:  # warm-up
+        use(form)
+        for _ in range(3):
+            vr.train_step(learner, state, args)
+    for _ in range(a.form_reps):
+        for form in wall:
+            use(form)
+            t = time.perf_counter()
+            c = time.process_time()
+            for _ in range(a.form_steps):
+                vr.train_step(learner, state, args)
+            wall[form] += time.perf_counter() - t
+            cpu[form] += time.process_time() - c
+    use("vectorised")
+    n = a.form_reps * a.form_steps
+    step_ms = {form: 1e3 * seconds / n for form, seconds in wall.items()}
+    cpu_ms = {form: 1e3 * seconds / n for form, seconds in cpu.items()}
+    print(f"forms ({device}, B={a.batch_size}, N={a.buffer_size}, {n} learner steps each, interleaved):")
+    print(
+        f"  refresh of prior steps: learner step {step_ms['vectorised']:.2f} ms wall ({cpu_ms['vectorised']:.2f} ms CPU) "
+        f"with refresh_delta (vectorised) vs {step_ms['recursion']:.2f} ms ({cpu_ms['recursion']:.2f} ms) with the "
+        f"recursion: vectorised {step_ms['recursion'] / step_ms['vectorised']:.2f}x wall "
+        f"({cpu_ms['recursion'] / cpu_ms['vectorised']:.2f}x CPU)"
+    )
+    per_call = {"recursion": 0.0, "doubling scan": 0.0}
+    for _ in range(a.form_reps):
+        t = time.perf_counter()
+        rm.recompute_all()
+        per_call["recursion"] += time.perf_counter() - t
+        t = time.perf_counter()
+        recompute_all_by_scan(rm)
+        per_call["doubling scan"] += time.perf_counter() - t
+    call_ms = {form: 1e3 * seconds / a.form_reps for form, seconds in per_call.items()}
+    step = step_ms["vectorised"]
+    per_step = {form: ms / args.stats_every for form, ms in call_ms.items()}
+    print(
+        f"  recompute_all (every {args.stats_every} steps): {call_ms['recursion']:.1f} ms by the recursion vs "
+        f"{call_ms['doubling scan']:.1f} ms by the doubling scan; learner step with it amortised: "
+        f"{step + per_step['recursion']:.3f} vs {step + per_step['doubling scan']:.3f} ms: doubling scan "
+        f"{(step + per_step['recursion']) / (step + per_step['doubling scan']):.3f}x"
+    )
+    episodes = [
+        (rng.normal(size=1000), rng.normal(size=1001), np.exp(0.3 * rng.normal(size=1000)), bool(i % 2)) for i in range(20)
+    ]
+    per_episode = {"loop": 0.0, "doubling scan": 0.0}
+    for _ in range(a.form_reps):
+        t = time.perf_counter()
+        for episode in episodes:
+            vr.vtbc_targets(*episode[:3], 0.995, episode[3])
+        per_episode["loop"] += time.perf_counter() - t
+        t = time.perf_counter()
+        for episode in episodes:
+            vtbc_by_scan(*episode[:3], 0.995, episode[3])
+        per_episode["doubling scan"] += time.perf_counter() - t
+    # one insertion per 1000-step episode, one env step per gradient step (F = 1)
+    episode_ms = {form: 1e3 * seconds / (a.form_reps * len(episodes)) for form, seconds in per_episode.items()}
+    print(
+        f"  vtbc_targets at insertion (1000-step episode): {episode_ms['loop']:.2f} ms by the loop vs "
+        f"{episode_ms['doubling scan']:.2f} ms by the doubling scan; learner step with it amortised (F = 1): "
+        f"{step + episode_ms['loop'] / 1000:.3f} vs {step + episode_ms['doubling scan'] / 1000:.3f} ms: doubling scan "
+        f"{(step + episode_ms['loop'] / 1000) / (step + episode_ms['doubling scan'] / 1000):.3f}x"
+    )
+
+
 def bench_actors(a):
     import torch.multiprocessing as mp
 
     from common.processes import ProcessGroup
 
     env = vr.make_env(a.env_id, 0)
-    obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
+    obs_dim = env.observation_space.shape[0]
+    act_dim = env.action_space.shape[0]
     env.reset(seed=0)
-    n, t = 0, time.perf_counter()
+    n = 0
+    t = time.perf_counter()
     while time.perf_counter() - t < a.seconds:
         _, _, term, trunc, _ = env.step(env.action_space.sample())
         n += 1
@@ -137,28 +291,25 @@ def bench_actors(a):
     env.close()
     args = vr.Args(env_id=a.env_id, num_actors=a.num_actors)
     agent = vr.Agent(obs_dim, act_dim)
-    shared_w = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone().share_memory_()
-    shared_norm = torch.cat([torch.zeros(obs_dim), torch.ones(obs_dim)]).share_memory_()
-    control = torch.tensor([10**12, 1], dtype=torch.int64).share_memory_()
-    R = 4096
-    rings = torch.zeros(a.num_actors, R, vr.ring_width(obs_dim, act_dim), dtype=torch.float64).share_memory_()
-    written = torch.zeros(a.num_actors, dtype=torch.int64).share_memory_()
-    read = torch.zeros(a.num_actors, dtype=torch.int64).share_memory_()
+    weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
     procs = ProcessGroup(mp.get_context("spawn"))
+    shared = vr.make_shared_handles(a.num_actors, 4096, obs_dim, act_dim, len(weights), procs.stop_event)
+    shared.weights.copy_(weights)
+    shared.state_stats[1] = 1.0
+    shared.control[0] = 10**12
+    shared.control[1] = 1
+    written = shared.written
     for i in range(a.num_actors):
-        procs.start(
-            vr.actor_loop,
-            (i, args, obs_dim, act_dim, shared_w, shared_norm, control, rings, written, read, i, "bench", procs.stop_event),
-            name=f"actor-{i}",
-        )
+        procs.start(vr.actor_loop, (i, args, obs_dim, act_dim, shared, i, "bench"), name=f"actor-{i}")
     try:
         while int(written.sum()) == 0:  # start-up (spawn + imports)
             procs.check()
             time.sleep(0.05)
-        n0, t = int(written.sum()), time.perf_counter()
+        n0 = int(written.sum())
+        t = time.perf_counter()
         while time.perf_counter() - t < a.seconds:
-            read.copy_(written)  # a learner that consumes everything at once
-            control[1] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
+            shared.read.copy_(written)  # a learner that consumes everything at once
+            shared.control[1] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
             time.sleep(0.01)
             procs.check()
         actors = (int(written.sum()) - n0) / (time.perf_counter() - t)
@@ -183,8 +334,13 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--skip-actors", action="store_true")
     p.add_argument("--skip-learner", action="store_true")
+    p.add_argument("--skip-forms", action="store_true")
+    p.add_argument("--form-steps", type=int, default=10)
+    p.add_argument("--form-reps", type=int, default=6)
     a = p.parse_args()
     if not a.skip_learner:
         bench_learner(a)
+    if not a.skip_forms:
+        bench_forms(a)
     if not a.skip_actors:
         bench_actors(a)
