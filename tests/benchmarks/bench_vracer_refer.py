@@ -11,6 +11,9 @@
    - `recompute_all` at every reward-scale update (every `stats_every` steps): the recursion (the script's form)
      against the doubling scan the script used before, per call and per gradient step;
    - `vtbc_targets` at each episode's insertion: the loop (the script's form) against the doubling scan.
+   With `--sac`: SB3's SAC (the CleanRL/Zoo baseline: 2 x 256 ReLU actor and twin critics, B = 256, one
+   gradient step per env step) in the same interleaved loop, on a replay of random Hopper-v5 transitions; installs
+   stable-baselines3==2.9.2 into this environment when it is missing (benchmark only, not in requirements.txt).
 3. Actors: env steps/s with `--num-actors` actor processes (policy forward + shared-memory ring) against env-only
    stepping of the same task in this process.
 
@@ -49,6 +52,32 @@ def filled_replay(N, obs_dim, act_dim, ep_len, rng):
     return rm
 
 
+def make_sac(env_id, device, transitions=10_000):
+    """SB3 SAC with its defaults, its replay filled with random transitions, ready for `model.train(steps, 256)`."""
+    try:
+        import stable_baselines3  # noqa: F401
+    except ImportError:
+        import subprocess
+
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "stable-baselines3==2.9.2"])
+    import gymnasium as gym
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.logger import configure
+
+    env = gym.make(env_id)
+    model = SAC("MlpPolicy", env, batch_size=256, learning_starts=0, device=device, seed=0)
+    model.set_logger(configure(None, []))
+    obs, _ = env.reset(seed=0)
+    for _ in range(transitions):
+        action = env.action_space.sample()
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        model.replay_buffer.add(obs, next_obs, action, np.array([reward]), np.array([terminated]), [{}])
+        obs = next_obs
+        if terminated or truncated:
+            obs, _ = env.reset()
+    return model
+
+
 def bench_learner(a):
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
@@ -66,9 +95,14 @@ def bench_learner(a):
             agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device
         )
         setups[refer] = (args, learner, state)
+    if a.sac:
+        setups["sac"] = (None, make_sac(a.env_id, device), None)
     wall = {k: 0.0 for k in setups}
     cpu = {k: 0.0 for k in setups}
     for refer, (args, learner, state) in setups.items():
+        if refer == "sac":
+            learner.train(gradient_steps=20, batch_size=a.batch_size)
+            continue
         for _ in range(20):  # warm-up
             vr.train_step(learner, state, args)
     for rep in range(a.reps):  # interleave short chunks of the two learners so machine load hits both alike
@@ -77,7 +111,9 @@ def bench_learner(a):
                 torch.cuda.synchronize()
             t = time.perf_counter()
             c = time.process_time()
-            for _ in range(a.steps):
+            if refer == "sac":
+                learner.train(gradient_steps=a.steps, batch_size=a.batch_size)
+            for _ in range(a.steps if refer != "sac" else 0):
                 vr.train_step(learner, state, args, bookkeeping=refer != "bare")
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -96,6 +132,9 @@ def bench_learner(a):
         ("bare", "bare learner (--refer none, no write-back, no refresh, no n_far)"),
     ):
         print(f"  {name}: {sps[k]:.0f} ({cps[k]:.0f})")
+    if a.sac:
+        ratio = sps["full"] / sps["sac"]
+        print(f"  SB3 SAC (B={a.batch_size}): {sps['sac']:.0f} ({cps['sac']:.0f}); full ReF-ER / SAC: {ratio:.2f}x")
     print(
         f"  full vs --refer none: {100 * (sps['none'] / sps['full'] - 1):.1f}% wall, "
         f"{100 * (cps['none'] / cps['full'] - 1):.1f}% CPU; full vs bare: "
@@ -335,6 +374,7 @@ if __name__ == "__main__":
     p.add_argument("--skip-actors", action="store_true")
     p.add_argument("--skip-learner", action="store_true")
     p.add_argument("--skip-forms", action="store_true")
+    p.add_argument("--sac", action="store_true", help="add SB3 SAC to the learner comparison (installs it if missing)")
     p.add_argument("--form-steps", type=int, default=10)
     p.add_argument("--form-reps", type=int, default=6)
     a = p.parse_args()
