@@ -575,8 +575,8 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_path, start_step=0):
     """Run the real `actor_loop` of every actor process in a thread with the script's shared structures (a slot per
-    env, meta, one full queue per network, a semaphore per slot) and collect `unrolls` published pairs per slot:
-    {slot: [{field: [2, T+1, ...], "meta": [6], "queue": the network whose queue it came through}, ...]}."""
+    env, its SlotInfo entries, one full queue per network, a semaphore per slot) and collect `unrolls` published pairs
+    per slot: {slot: [{field: [2, T+1, ...], "info": {SlotInfo field: int}, "queue": the network it came through}, ...]}."""
     import queue
     import threading
 
@@ -585,38 +585,26 @@ def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_pa
         k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
         for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()
     }
-    meta = torch.zeros(N, 6, dtype=torch.int64)
+    slot_info = ci.SlotInfo.zeros(N)
     full_queues = [queue.SimpleQueue() for _ in shared_models]
-    stats = queue.SimpleQueue()
     slot_free = [threading.Semaphore(1) for _ in range(N)]
     stop = threading.Event()
-    global_step = SimpleNamespace(value=start_step)
-    policy_version = SimpleNamespace(value=0)
-    ckpt_request = SimpleNamespace(value=0)
+    handles = ci.ActorHandles(
+        shared_models=shared_models,
+        slots=slots,
+        slot_info=slot_info,
+        full_queues=full_queues,
+        slot_free=slot_free,
+        global_step=SimpleNamespace(value=start_step),
+        policy_version=SimpleNamespace(value=0),
+        frames_done=[0] * A,
+        stop=stop,
+        stats_queue=queue.SimpleQueue(),
+        checkpoint_request=SimpleNamespace(value=0),
+        run_dir=str(tmp_path),
+    )
     threads = [
-        threading.Thread(
-            target=ci.actor_loop,
-            daemon=True,
-            args=(
-                i,
-                args,
-                obs_shape,
-                num_actions,
-                shared_models,
-                slots,
-                meta,
-                full_queues,
-                slot_free,
-                global_step,
-                policy_version,
-                [0] * A,
-                stop,
-                stats,
-                ckpt_request,
-                str(tmp_path),
-            ),
-        )
-        for i in range(A)
+        threading.Thread(target=ci.actor_loop, daemon=True, args=(i, args, obs_shape, num_actions, handles)) for i in range(A)
     ]
     for th in threads:
         th.start()
@@ -629,7 +617,8 @@ def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_pa
                 if full.empty():
                     continue
                 i = full.get()
-                pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"meta": meta[i].clone(), "queue": net})
+                info = {name: int(entries[i]) for name, entries in slot_info._asdict().items()}
+                pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"info": info, "queue": net})
                 if len(pairs[i]) < unrolls:
                     slot_free[i].release()
             time.sleep(0.001)
@@ -773,7 +762,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         new_halves = earlier[p]
         previous = None
         for n, pair in enumerate(published):
-            new = {k: v[0] for k, v in pair.items() if k not in ("meta", "queue")}
+            new = {k: v[0] for k, v in pair.items() if k not in ("info", "queue")}
             if n == 0:
                 assert (new["obs"][0] == torch.from_numpy(obs)).all()
             else:  # row 0 repeats the previous unroll's last row
@@ -802,8 +791,8 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
             previous = new
     for i, published in pairs.items():  # a replay half is an unroll of the same process, published no later
         for pair in published:
-            rep = {k: v[1] for k, v in pair.items() if k not in ("meta", "queue")}
-            assert int(pair["meta"][3]) == 1
+            rep = {k: v[1] for k, v in pair.items() if k not in ("info", "queue")}
+            assert pair["info"]["replay_valid"] == 1
             assert any(all(torch.equal(rep[k], h[k]) for k in h) for h in earlier[i // E])
     assert ends["terminated"] > 0 and ends["truncated"] > 0, ends
     # the learner: the real batch hand-off and loss on the slots as the loop left them, a different network
@@ -832,8 +821,11 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
             real = gradients(learner, ci.learner_loss(learner, batch, which, term_args, cpu)[0])
             slow_grads = gradients(learner, slow_clear_loss(learner, halves, which, args)[term])
             assert any(g.abs().max() > 1e-6 for g in slow_grads.values()), term
+            # float32 sums over T x B rows: a parameter whose gradient nearly cancels (a bias) is compared against a
+            # thousandth of the term's largest gradient too, not only its own magnitude
+            term_scale = max(float(g.abs().max()) for g in slow_grads.values())
             for name, grad in slow_grads.items():
-                scale = float(grad.abs().max()) + 1e-6
+                scale = float(grad.abs().max()) + 1e-3 * term_scale + 1e-6
                 error = float((real[name] - grad).abs().max()) / scale
                 assert error < 2e-4, (term, name, error)
 
@@ -872,6 +864,19 @@ def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
     assert slot_free[1].step_seen is None and slot_free[2].step_seen is None
 
 
+def test_slot_info_select_copies_the_chosen_slots_in_batch_order():
+    """The learner's copy of what the pairs in its batch are: in the batch's slot order, and unchanged when an actor
+    rewrites its slot's entries after the learner freed it."""
+    slot_info = ci.SlotInfo.zeros(4)
+    for field_index, entries in enumerate(slot_info):
+        entries.copy_(torch.arange(4) * 10 + field_index)
+    chosen = slot_info.select([2, 0])
+    slot_info.task[2] = -5
+    assert chosen.task.tolist() == [20, 0]
+    assert chosen.buffer_size.tolist() == [25, 5]
+    assert chosen._fields == ("task", "start_step", "policy_version", "replay_valid", "replay_task", "buffer_size")
+
+
 @pytest.mark.parametrize("mode, envs_per_actor", [("simultaneous", 3), ("separate", 2)])
 def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode, envs_per_actor):
     """simultaneous: env slot i plays task i mod K, so tasks mix within a process; separate: every env of process p
@@ -904,9 +909,9 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
         env = ci.make_env(args.env_ids[task], seed + e, args)
         obs, _ = env.reset(seed=seed + 1_000_003 * e)
         for pair in published:
-            assert int(pair["meta"][0]) == task
+            assert pair["info"]["task"] == task
             assert pair["queue"] == (task if mode == "separate" else 0)
-            new = {k: v[0] for k, v in pair.items() if k not in ("meta", "queue")}
+            new = {k: v[0] for k, v in pair.items() if k not in ("info", "queue")}
             obs = check_direct_rollout(env, obs, new, network, args.unroll_length)
     if mode == "simultaneous":
         assert tasks_seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
