@@ -483,33 +483,13 @@ def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-TINY = [
-    "--env-ids",
-    "MiniGrid-Empty-5x5-v0",
-    "MiniGrid-LavaGapS5-v0",
-    "--steps-per-task",
-    "240",
-    "--num-actors",
-    "2",
-    "--batch-size",
-    "2",
-    "--unroll-length",
-    "20",
-    "--num-test-actors",
-    "1",
-    "--test-actor-max-sps",
-    "300",
-    "--start-method",
-    "forkserver",
-    "--no-progress",
-    "--no-cuda",
-    # a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock
-    # logging could skip task 0 and a test actor could finish no 100-step episode before the end
-    "--log-every-seconds",
-    "0",
-    "--minigrid-max-steps",
-    "8",
-]
+# a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock logging could
+# skip task 0 and a test actor could finish no 100-step episode before the end
+TINY = (
+    "--env-ids MiniGrid-Empty-5x5-v0 MiniGrid-LavaGapS5-v0 --steps-per-task 240 --num-actors 2 --batch-size 2 "
+    "--unroll-length 20 --num-test-actors 1 --test-actor-max-sps 300 --start-method forkserver --no-progress "
+    "--no-cuda --log-every-seconds 0 --minigrid-max-steps 8"
+).split()
 
 
 def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):

@@ -24,97 +24,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # tiny configurations: (script, flags that make a run start fast; an experiment-changing flag for the resume test)
 TINY = {
-    "clear_impala.py": [
-        "--env-ids",
-        "MiniGrid-Empty-5x5-v0",
-        "MiniGrid-LavaGapS5-v0",
-        "--num-actors",
-        "2",
-        "--batch-size",
-        "2",
-        "--unroll-length",
-        "20",
-        "--num-test-actors",
-        "1",
-        "--test-actor-max-sps",
-        "300",
-        "--start-method",
-        "forkserver",
-        "--log-every-seconds",
-        "0.5",
-        "--no-cuda",
-        "--no-progress",
-    ],
-    "reactor.py": [
-        "--num-actors",
-        "2",
-        "--replay-size",
-        "1200",
-        "--learning-starts",
-        "100",
-        "--replay-ratio",
-        "60",
-        "--ratio-slack",
-        "32",
-        "--log-every",
-        "1",
-        "--lstm-size",
-        "32",
-        "--num-atoms",
-        "11",
-        "--sequence-length",
-        "8",
-        "--batch-size",
-        "2",
-        "--start-method",
-        "forkserver",
-        "--eval-episodes",
-        "0",
-        "--no-cuda",
-        "--no-progress",
-    ],
-    "plr_ppo.py": [
-        "--env-id",
-        "MultiRoom-N4-Random",
-        "--num-envs",
-        "4",
-        "--num-steps",
-        "32",
-        "--num-minibatches",
-        "2",
-        "--num-train-levels",
-        "20",
-        "--eval-every",
-        "0",
-        "--final-eval-episodes",
-        "0",
-        "--num-eval-envs",
-        "1",
-        "--num-workers",
-        "1",
-        "--no-cuda",
-        "--no-progress",
-    ],
-    "vracer_refer.py": [
-        "--env-id",
-        "Hopper-v5",
-        "--num-actors",
-        "2",
-        "--learning-starts",
-        "500",
-        "--buffer-size",
-        "500",
-        "--batch-size",
-        "32",
-        "--log-every",
-        "100",
-        "--stats-every",
-        "200",
-        "--eval-episodes",
-        "0",
-        "--no-cuda",
-        "--no-progress",
-    ],
+    "clear_impala.py": (
+        "--env-ids MiniGrid-Empty-5x5-v0 MiniGrid-LavaGapS5-v0 --num-actors 2 --batch-size 2 --unroll-length 20 "
+        "--num-test-actors 1 --test-actor-max-sps 300 --start-method forkserver --log-every-seconds 0.5 "
+        "--no-cuda --no-progress"
+    ).split(),
+    "reactor.py": (
+        "--num-actors 2 --replay-size 1200 --learning-starts 100 --replay-ratio 60 --ratio-slack 32 "
+        "--log-every 1 --lstm-size 32 --num-atoms 11 --sequence-length 8 --batch-size 2 "
+        "--start-method forkserver --eval-episodes 0 --no-cuda --no-progress"
+    ).split(),
+    "plr_ppo.py": (
+        "--env-id MultiRoom-N4-Random --num-envs 4 --num-steps 32 --num-minibatches 2 --num-train-levels 20 "
+        "--eval-every 0 --final-eval-episodes 0 --num-eval-envs 1 --num-workers 1 --no-cuda --no-progress"
+    ).split(),
+    "vracer_refer.py": (
+        "--env-id Hopper-v5 --num-actors 2 --learning-starts 500 --buffer-size 500 --batch-size 32 "
+        "--log-every 100 --stats-every 200 --eval-episodes 0 --no-cuda --no-progress"
+    ).split(),
 }
 # a budget that does not end during a test, one that ends quickly, and a longer one to resume to
 LONG = {

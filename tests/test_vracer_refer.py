@@ -594,22 +594,10 @@ def run_script(tmp_path, *flags, timeout=120):
     )
 
 
-SMALL = [
-    "--env-id",
-    "Hopper-v5",
-    "--num-actors",
-    "2",
-    "--learning-starts",
-    "500",
-    "--buffer-size",
-    "500",
-    "--batch-size",
-    "32",
-    "--log-every",
-    "100",
-    "--stats-every",
-    "200",
-]
+SMALL = (
+    "--env-id Hopper-v5 --num-actors 2 --learning-starts 500 --buffer-size 500 --batch-size 32 --log-every 100 "
+    "--stats-every 200"
+).split()
 
 
 def test_smoke_two_actors_and_resume_round_trip(tmp_path):
