@@ -4,6 +4,10 @@
 Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional
 Retrace and a policy head with beta-LOO, from prioritized replay of 33-observation sequences.
 
+Symbols: x_t frame, a_t action, r_t reward, gamma discount, pi policy, mu behaviour policy, rho = pi / mu, traces
+c = lambda min(1, rho), atoms z_i of probabilities q_i(x, a), Q = sum_i q_i z_i, alpha n-step backup weights, R(A) Retrace
+return, p priority, p_hat its estimate. Shapes: B sequences, T transitions, L = T + 1 frames, A actions, K atoms, H units.
+
 Paper parts, in file order
 - Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
   policy, CReLU `ReactorNetwork`.
@@ -13,8 +17,8 @@ Paper parts, in file order
 - beta-LOO (Eq. (10), beta = min(c, 1/mu(A))) `beta_loo_policy_loss`; TISLR ablation (3.1) `tislr_policy_loss`.
 - Prioritized sequence replay, lazy initialization (3.3) `LazyPriorities`, `SequenceReplay`; priorities = mean |TD|
   (ND) or total variation (distributional) in `reactor_loss`.
-- Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the target
-  network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games, real scores (4.1) `evaluate`.
+- Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
+  target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
@@ -36,7 +40,7 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -57,7 +61,6 @@ from common.checkpoint import (
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.processes import (
-    ChunkChannel,
     ProcessGroup,
     StopRun,
     check_memory,
@@ -70,8 +73,9 @@ from common.sum_tree import SumTree
 from common.video import check_video_support
 
 
+# CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
 @dataclass
-class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
+class Args(CommonArgs):
     # --- algorithm specific arguments ---
     env_id: str = "ALE/Pong-v5"
     """an Atari game (gymnasium ALE id, e.g. ALE/Pong-v5) or a MinAtar game (MinAtar/Breakout-v0, ...)"""
@@ -151,7 +155,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
-# the flags a resumed run may not change (environment, seed, network, method; the replay is per actor), range rules
+# the flags a resumed run may not change (environment, seed, network, method; the replay is per actor)
 FIXED_ON_RESUME = (
     "env_id",
     "seed",
@@ -206,36 +210,38 @@ def validate_args(args: Args) -> None:
     require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
     require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
     require(0 < args.memory_fraction <= 1, f"--memory-fraction must be in (0, 1], got {args.memory_fraction!r}")
-    minatar, slots = args.env_id in MINATAR_ENV_IDS, 2 * (args.sequence_length + 1) + args.actor_chunk + 2
-    for bad, msg in (
-        (
-            args.env_id not in ATARI_ENV_IDS and not minatar,
-            f"reactor.py is for Atari and MinAtar (discrete actions, image "
-            f"frames): {args.env_id!r} is neither a registered ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)",
-        ),
-        (minatar and args.torso == "paper", "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)"),
-        (minatar and args.capture_video, "--capture-video needs an Atari game (MinAtar envs render no frames here)"),
-        (
-            args.total_timesteps <= args.learning_starts,
-            f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})",
-        ),
-        (args.v_max <= args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})"),
-        (
-            args.policy_gradient == "tislr" and args.policy_uniform_eps == 0,
-            "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions",
-        ),
-        (
-            args.replay_size // args.num_actors < slots,
-            f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots} slots",
-        ),
-    ):
-        if bad:
-            raise SystemExit(f"error: {msg}")
-    try:
-        if args.capture_video:
+    # the checks between flags
+    minatar = args.env_id in MINATAR_ENV_IDS
+    require(
+        args.env_id in ATARI_ENV_IDS or minatar,
+        f"reactor.py is for Atari and MinAtar (discrete actions, image frames): {args.env_id!r} is neither a registered "
+        "ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)",
+    )
+    require(
+        not (minatar and args.torso == "paper"),
+        "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)",
+    )
+    require(not (minatar and args.capture_video), "--capture-video needs an Atari game (MinAtar envs render no frames here)")
+    require(
+        args.total_timesteps > args.learning_starts,
+        f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})",
+    )
+    require(args.v_max > args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
+    require(
+        not (args.policy_gradient == "tislr" and args.policy_uniform_eps == 0),
+        "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions",
+    )
+    slots_per_actor = 2 * (args.sequence_length + 1) + args.actor_chunk + 2
+    require(
+        args.replay_size // args.num_actors >= slots_per_actor,
+        f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots_per_actor} "
+        "slots",
+    )
+    if args.capture_video:
+        try:
             check_video_support()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
@@ -260,8 +266,9 @@ def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, vi
 class CReLU(nn.Module):
     """Concatenated ReLU: [relu(x), relu(-x)] along the feature axis (doubles the width)."""
 
-    def forward(self, x):
-        return torch.cat([x, x.neg()], dim=1).relu_()  # = cat([relu(x), relu(-x)]), values and gradients, fewer passes
+    def forward(self, inputs):
+        # = cat([relu(inputs), relu(-inputs)]) in values and gradients, in fewer passes
+        return torch.cat([inputs, inputs.neg()], dim=1).relu_()
 
 
 class NetOut(NamedTuple):
@@ -286,93 +293,123 @@ class ReactorNetwork(nn.Module):
         obs_scale: float = 255.0,
     ):
         super().__init__()
-        (act, m), c = ((CReLU, 2) if crelu else (nn.ReLU, 1)), obs_shape[0]
-        self.num_actions, self.num_atoms, self.lstm_size, self.obs_shape = num_actions, num_atoms, lstm_size, tuple(obs_shape)
-        self.distributional, self.policy_uniform_eps, self.obs_scale = distributional, policy_uniform_eps, obs_scale
-        if torso == "paper":  # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
+        self.num_actions = num_actions
+        self.num_atoms = num_atoms
+        self.lstm_size = lstm_size
+        self.obs_shape = tuple(obs_shape)
+        self.distributional = distributional
+        self.policy_uniform_eps = policy_uniform_eps
+        self.obs_scale = obs_scale
+        activation = CReLU if crelu else nn.ReLU
+        # CReLU doubles the width of each layer's output
+        width = 2 if crelu else 1
+        channels = obs_shape[0]
+        if torso == "paper":
+            # layer sizes: not recovered (unconfirmed recollection of the paper's Table 3)
             convs = [
-                nn.Conv2d(c, 16, 8, stride=4),
-                act(),
-                nn.Conv2d(16 * m, 32, 4, stride=2),
-                act(),
-                nn.Conv2d(32 * m, 32, 3, stride=1),
-                act(),
+                nn.Conv2d(channels, 16, 8, stride=4),
+                activation(),
+                nn.Conv2d(16 * width, 32, 4, stride=2),
+                activation(),
+                nn.Conv2d(32 * width, 32, 3, stride=1),
+                activation(),
                 nn.Flatten(),
             ]
-        else:  # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels
-            convs = [nn.Conv2d(c, 16, 3, stride=1), act(), nn.Flatten()]
-        with torch.no_grad():  # the size of the flattened conv output
-            n = nn.Sequential(*convs)(torch.zeros(1, *self.obs_shape)).shape[1]
-        self.torso = nn.Sequential(*convs, nn.Linear(n, 128), act())
-        self.q_lstm, self.pi_lstm = (nn.LSTM(128 * m, lstm_size, batch_first=True) for _ in "qp")  # fused (cuDNN on a GPU)
-        self.q_hidden, self.pi_hidden = (nn.Sequential(nn.Linear(lstm_size, 32), act()) for _ in "qp")
-        k = num_atoms if distributional else 1
-        self.value_logits = nn.Linear(32 * m, k)  # state-value logits
-        self.action_logits = nn.Linear(32 * m, num_actions * k)  # action-specific logits
-        self.pi_logits = nn.Linear(32 * m, num_actions)
+        else:
+            # MinAtar's network (Young & Tian 2019): one 3x3 conv with 16 channels
+            convs = [nn.Conv2d(channels, 16, 3, stride=1), activation(), nn.Flatten()]
+        with torch.no_grad():
+            conv_output_size = nn.Sequential(*convs)(torch.zeros(1, *self.obs_shape)).shape[1]
+        self.torso = nn.Sequential(*convs, nn.Linear(conv_output_size, 128), activation())
+        # nn.LSTM runs a whole sequence in one fused call (cuDNN on a GPU)
+        self.q_lstm = nn.LSTM(128 * width, lstm_size, batch_first=True)
+        self.pi_lstm = nn.LSTM(128 * width, lstm_size, batch_first=True)
+        self.q_hidden = nn.Sequential(nn.Linear(lstm_size, 32), activation())
+        self.pi_hidden = nn.Sequential(nn.Linear(lstm_size, 32), activation())
+        logits_per_action = num_atoms if distributional else 1
+        self.value_logits = nn.Linear(32 * width, logits_per_action)
+        self.action_logits = nn.Linear(32 * width, num_actions * logits_per_action)
+        self.pi_logits = nn.Linear(32 * width, num_actions)
 
     def initial_state(self, batch: int, device=None):
+        """The zero state (h_q, c_q, h_pi, c_pi), each [batch, H]."""
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
-        """obs [B, L, C, H, W] uint8, first [B, L] (episode starts: LSTM state reset before that frame). policy=False
-        (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are None."""
-        B, L = obs.shape[:2]
-        x = self.torso(obs.reshape(B * L, *self.obs_shape).float() / self.obs_scale).reshape(B, L, -1)
-        hq, cq, hp, cp = (h.unsqueeze(0) for h in state)
+        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that frame).
+        policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are
+        None."""
+        batch_size, length = obs.shape[:2]
+        frames = obs.reshape(batch_size * length, *self.obs_shape).float() / self.obs_scale
+        features = self.torso(frames).reshape(batch_size, length, -1)
+        h_q, c_q, h_pi, c_pi = (part.unsqueeze(0) for part in state)
         keep = (~first.bool()).float().T[:, None, :, None]  # [L, 1, B, 1]
         # cut where any sequence starts an episode: fused pieces, the state reset at each cut (= step-by-step resets)
-        cuts = [0, *(torch.nonzero(first[:, 1:].any(0)).flatten() + 1).tolist(), L]
-        q_out, pi_out = [], []
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            hq, cq = hq * keep[a], cq * keep[a]
-            yq, (hq, cq) = self.q_lstm(x[:, a:b], (hq, cq))
-            q_out.append(yq)
-            if policy:  # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
-                hp, cp = hp * keep[a], cp * keep[a]
-                yp, (hp, cp) = self.pi_lstm(x[:, a:b].detach(), (hp, cp))
-                pi_out.append(yp)
-        hq_all = self.q_hidden(torch.cat(q_out, 1).reshape(B * L, -1))
+        episode_starts = torch.nonzero(first[:, 1:].any(0)).flatten() + 1
+        cuts = [0, *episode_starts.tolist(), length]
+        q_out = []
+        pi_out = []
+        for start, end in zip(cuts[:-1], cuts[1:]):
+            h_q = h_q * keep[start]
+            c_q = c_q * keep[start]
+            q_lstm_out, (h_q, c_q) = self.q_lstm(features[:, start:end], (h_q, c_q))
+            q_out.append(q_lstm_out)
+            if policy:
+                h_pi = h_pi * keep[start]
+                c_pi = c_pi * keep[start]
+                # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
+                pi_lstm_out, (h_pi, c_pi) = self.pi_lstm(features[:, start:end].detach(), (h_pi, c_pi))
+                pi_out.append(pi_lstm_out)
+        q_hidden = self.q_hidden(torch.cat(q_out, 1).reshape(batch_size * length, -1))
         # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
-        q = self.value_logits(hq_all).unsqueeze(1) + self.action_logits(hq_all).view(B * L, self.num_actions, -1)
-        q = q.view(B, L, *q.shape[1:]) if self.distributional else q.view(B, L, self.num_actions)
+        action_logits = self.action_logits(q_hidden).view(batch_size * length, self.num_actions, -1)
+        q = self.value_logits(q_hidden).unsqueeze(1) + action_logits
+        q = q.view(batch_size, length, *q.shape[1:]) if self.distributional else q.view(batch_size, length, self.num_actions)
         if not policy:
-            return NetOut(q, None, (hq[0], cq[0], None, None))
-        hp_all = self.pi_hidden(torch.cat(pi_out, 1).reshape(B * L, -1))
+            return NetOut(q, None, (h_q[0], c_q[0], None, None))
+        pi_hidden = self.pi_hidden(torch.cat(pi_out, 1).reshape(batch_size * length, -1))
         # policy: softmax mixed with a fixed uniform distribution (3.4.1)
-        pi = (1 - self.policy_uniform_eps) * F.softmax(self.pi_logits(hp_all), -1) + self.policy_uniform_eps / self.num_actions
-        return NetOut(q, pi.view(B, L, self.num_actions), (hq[0], cq[0], hp[0], cp[0]))
+        eps = self.policy_uniform_eps
+        pi = (1 - eps) * F.softmax(self.pi_logits(pi_hidden), -1) + eps / self.num_actions
+        return NetOut(q, pi.view(batch_size, length, self.num_actions), (h_q[0], c_q[0], h_pi[0], c_pi[0]))
 
 
 def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
     """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
     minatar = args.env_id in MINATAR_ENV_IDS
-    torso = ("minatar" if minatar else "paper") if args.torso == "auto" else args.torso
+    torso = args.torso
+    if torso == "auto":
+        torso = "minatar" if minatar else "paper"
     return ReactorNetwork(
         num_actions,
         obs_shape,
-        args.num_atoms,
-        args.lstm_size,
-        args.crelu,
-        args.distributional,
-        args.policy_uniform_eps,
-        torso,
+        num_atoms=args.num_atoms,
+        lstm_size=args.lstm_size,
+        crelu=args.crelu,
+        distributional=args.distributional,
+        policy_uniform_eps=args.policy_uniform_eps,
+        torso=torso,
         obs_scale=1.0 if minatar else 255.0,
     )
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
     """The network, its target copy and Adam (3.4.1); channels-last convs, fused Adam: same up to rounding, faster on CPU."""
-    net, target_net = (make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last) for _ in "ab")
-    target_net.load_state_dict(net.state_dict())  # Adam's beta2 and eps: torch's defaults (not in the recovered paper)
-    return net, target_net, torch.optim.Adam(net.parameters(), args.learning_rate, (args.adam_beta1, 0.999), fused=True)
+    net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
+    target_net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
+    target_net.load_state_dict(net.state_dict())
+    # Adam's beta2 and eps: torch's defaults (not in the recovered paper)
+    optimizer = torch.optim.Adam(net.parameters(), args.learning_rate, (args.adam_beta1, 0.999), fused=True)
+    return net, target_net, optimizer
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def _at(x: torch.Tensor, a: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x at the actions a [...] (a gather): x [..., A] -> [...] (dim -1), or x [..., A, K] -> [..., K] (dim -2)."""
-    idx = a.long().unsqueeze(-1)
-    return torch.take_along_dim(x, idx if dim == -1 else idx.unsqueeze(-1), dim).squeeze(dim)
+def _at(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """values at the actions [...] (a gather): values [..., A] -> [...] (dim -1), or [..., A, K] -> [..., K] (dim -2)."""
+    index = actions.long().unsqueeze(-1)
+    if dim != -1:
+        index = index.unsqueeze(-1)
+    return torch.take_along_dim(values, index, dim).squeeze(dim)
 
 
 def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -380,36 +417,39 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
     out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1). atoms,
     probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M)."""
     atoms, probs = torch.broadcast_tensors(atoms, probs)
-    K, v_min, v_max = support.shape[0], float(support[0]), float(support[-1])
-    b = ((atoms - v_min) / ((v_max - v_min) / (K - 1))).clamp_(0, K - 1)  # grid position, atoms clipped to the range
-    lower = b.floor()
-    upper_w = probs * b.sub_(lower)  # the upper neighbour's share: 0 for an atom on a grid point
+    num_atoms = support.shape[0]
+    v_min = float(support[0])
+    v_max = float(support[-1])
+    # each atom's position on the grid (b_j in C51), atoms outside [v_min, v_max] clipped to its ends
+    position = ((atoms - v_min) / ((v_max - v_min) / (num_atoms - 1))).clamp_(0, num_atoms - 1)
+    lower = position.floor()
+    # the upper neighbour's share: 0 for an atom on a grid point
+    upper_weight = probs * position.sub_(lower)
     lower = lower.long()
-    out = probs.new_zeros(*probs.shape[:-1], K).scatter_add_(-1, lower, probs - upper_w)
-    return out.scatter_add_(-1, (lower + 1).clamp_(max=K - 1), upper_w)
+    out = probs.new_zeros(*probs.shape[:-1], num_atoms).scatter_add_(-1, lower, probs - upper_weight)
+    return out.scatter_add_(-1, (lower + 1).clamp_(max=num_atoms - 1), upper_weight)
 
 
-def _window_products(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """x [B, T] -> P [B, T(t), T(j)], P[t, j] = prod_{i=t}^{j} x_i (inclusive) or prod_{i=t}^{j-1} x_i for j >= t, by a
-    cumulative product with 1 before t (zeros in x, cut traces or terminal discounts, stay exact); j < t: garbage."""
-    later = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu()  # [t, i]: i >= t
-    incl = torch.cumprod(torch.where(later, x[:, None, :], torch.ones((), dtype=x.dtype, device=x.device)), dim=-1)
-    return incl if inclusive else torch.cat([torch.ones_like(incl[..., :1]), incl[..., :-1]], dim=-1)
+def _cut_at_sequence_end(c_next: torch.Tensor) -> torch.Tensor:
+    """c_{t+1} with the last one set to 0: nothing is known after the sequence's last frame, so its trace is cut."""
+    return torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
 
 
 def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
-    """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) on a sequence of T transitions: the backward recursion
-        Q^ret_t = r_t + gamma_t [ E_pi Q(x_{t+1}, .) - c_{t+1} Q(x_{t+1}, a_{t+1}) + c_{t+1} Q^ret_{t+1} ]
-    (= Q(x_t,a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s), unrolled for all t at once: Q^ret_t =
-    sum_{s>=t} (prod_{u=t}^{s-1} gamma_u c_{u+1}) x_s, x_s = r_s + gamma_s [E_pi Q(x_{s+1}, .) - c_{s+1} Q(x_{s+1}, a_{s+1})].
-    All [B, T]: rewards r_t, discounts gamma_t (0 after a termination), c_next = c_{t+1} (the last one taken as 0),
-    v_next = E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1})."""
-    T = rewards.shape[1]
-    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)  # the sequence end cuts the trace
-    x = rewards + discounts * (v_next - c * q_next_a)
-    later = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # s >= t
-    weights = torch.where(later, _window_products(discounts * c, inclusive=False), 0.0)  # [B, T(t), T(s)]
-    return (weights @ x.unsqueeze(-1)).squeeze(-1)
+    """Scalar Retrace target Q^ret(x_t, a_t) (Eqs. (3)-(4)) for every t of a sequence of T transitions, by the backward
+    recursion over t
+        Q^ret_t = r_t + gamma_t [E_pi Q(x_{t+1}, .) + c_{t+1} (Q^ret_{t+1} - Q(x_{t+1}, a_{t+1}))]
+    (= Q(x_t, a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s). All [B, T]: rewards r_t, discounts gamma_t (0 after
+    a termination), c_next = c_{t+1} (the last one taken as 0: the sequence end cuts the trace), v_next =
+    E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1})."""
+    c = _cut_at_sequence_end(c_next)
+    # Q^ret_{t+1} after the last transition: multiplied by the cut trace c = 0
+    next_return = torch.zeros_like(rewards[:, 0])
+    returns = []
+    for t in reversed(range(rewards.shape[1])):
+        next_return = rewards[:, t] + discounts[:, t] * (v_next[:, t] + c[:, t] * (next_return - q_next_a[:, t]))
+        returns.append(next_return)
+    return torch.stack(returns[::-1], 1)
 
 
 def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a_next, support):
@@ -417,55 +457,68 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
         q*_i(x_t,a_t) = sum_{n>=1} sum_a alpha_{n,a} sum_j q_j(x_{t+n}, a) h_{z_i}(z^n_j),
         alpha_{n,a} = (c_{t+1}...c_{t+n-1}) (pi(a|x_{t+n}) - 1{a = a_{t+n}} c_{t+n}),
         z^n_j = sum_{s=t}^{t+n-1} gamma^{s-t} r_s + gamma^n z_j.
-    rewards, discounts (gamma_t, 0 after termination), c_next (c_{t+1}), a_next (a_{t+1}): [B, T]; pi_next: [B, T, A];
-    q_next (target-network probabilities): [B, T, A, K]; support z: [K]. The sequence end cuts the trace (c_{t+T} := 0):
-    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). [B, T, K], from the T (T + 1) / 2 pairs."""
-    B, T, A, K = q_next.shape
-    c = torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)  # c_{t+K} := 0 at the end of the sequence
-    # Y_s = sum_a (pi(a|x_s) - 1{a=a_s} c_s) q(x_s, a) = E_pi q(x_s) - c_s q(x_s, a_s)       [B, T(s), K]
+    The n-step backups of t are those of t+1 one step further back, plus the 1-step backup: before the projection, by a
+    backward recursion over t on atoms and weights,
+        Z_t = r_t + gamma_t [Y_{t+1} + c_{t+1} Z_{t+1}],   Y_s = sum_a (pi(a|x_s) - 1{a = a_s} c_s) q(x_s, a),
+    each Z_t projected once, as in the sum (shifting a projected Z_{t+1} would project twice). rewards, discounts
+    (gamma_t, 0 after termination), c_next (c_{t+1}), a_next (a_{t+1}): [B, T]; pi_next: [B, T, A]; q_next
+    (target-network probabilities): [B, T, A, K]; support z: [K]. The sequence end cuts the trace (c_{t+T} := 0):
+    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). Returns [B, T, K]."""
+    batch_size, num_steps, _, num_atoms = q_next.shape
+    c = _cut_at_sequence_end(c_next)
+    # Y_{t+1} = E_pi q(x_{t+1}) - c_{t+1} q(x_{t+1}, a_{t+1}), the 1-step backup's signed weights   [B, T, K]
     y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * _at(q_next, a_next, dim=-2)
-    trace = _window_products(c, inclusive=False)  # [t, j]: c_{t+1} ... c_{s-1} for s = j + 1
-    disc_incl = _window_products(discounts, inclusive=True)  # gamma^n (with cuts): prod_{u=t}^{s-1} gamma_u
-    disc_excl = _window_products(discounts, inclusive=False)  # prod_{u=t}^{j-1} gamma_u: discount of r_j
-    valid = torch.ones(T, T, dtype=torch.bool, device=rewards.device).triu()  # j >= t, i.e. n = j - t + 1 >= 1
-    ret = torch.cumsum(torch.where(valid, disc_excl * rewards[:, None, :], 0.0), dim=-1)  # sum gamma^{s-t} r_s
-    t_idx, j_idx = torch.triu_indices(T, T, device=rewards.device)  # the pairs (t, j >= t), t-major
-    weights = trace[:, t_idx, j_idx, None] * y[:, j_idx]  # alpha-weighted q_j                               [B, P, K]
-    atoms = ret[:, t_idx, j_idx, None] + disc_incl[:, t_idx, j_idx, None] * support  # z^n_j                [B, P, K]
-    projected = categorical_projection(atoms, weights, support)  # each pair's K atoms                   [B, P, K]
-    return projected.new_zeros(B, T, K).index_add_(1, t_idx, projected)  # summed over n, for each t
+    # Z_{t+1} after the last transition: empty (its trace is cut)
+    atoms = rewards.new_zeros(batch_size, 0)
+    weights = rewards.new_zeros(batch_size, 0)
+    grid = support.expand(batch_size, num_atoms)
+    targets = []
+    for t in reversed(range(num_steps)):
+        # z^n_j of t: r_t + gamma_t (the 1-step atoms z_j, then the atoms of t+1)               [B, (T - t) K]
+        atoms = rewards[:, t, None] + discounts[:, t, None] * torch.cat([grid, atoms], 1)
+        weights = torch.cat([y[:, t], c[:, t, None] * weights], 1)
+        targets.append(categorical_projection(atoms, weights, support))
+    return torch.stack(targets[::-1], 1)
 
 
 def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
     """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)],
     beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants."""
-    beta, q = torch.clamp(1.0 / mu_a, max=c), q.detach()
+    beta = torch.clamp(1.0 / mu_a, max=c)
+    q = q.detach()
     return -(beta * (returns - _at(q, actions)).detach() * _at(pi, actions) + (q * pi).sum(-1))
 
 
 def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
     """Negative TISLR surrogate (ACER; paper 3.1), beta-LOO's ablation: min(c, rho(A)) (R(A) - V) grad log pi(A) +
     sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it."""
-    q, pi_d, log_pi = q.detach(), pi.detach(), torch.log(pi)
-    rho, v = pi_d / mu, (pi_d * q).sum(-1)
-    term1 = torch.clamp(_at(rho, actions), max=c) * (returns - v).detach() * _at(log_pi, actions)
-    return -(term1 + (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1))
+    q = q.detach()
+    pi_const = pi.detach()
+    log_pi = torch.log(pi)
+    rho = pi_const / mu
+    v = (pi_const * q).sum(-1)
+    truncated_term = torch.clamp(_at(rho, actions), max=c) * (returns - v).detach() * _at(log_pi, actions)
+    bias_correction = (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1)
+    return -(truncated_term + bias_correction)
 
 
 def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
     """Discounts gamma_t, traces c_{t+1} (c_s = lambda min(1, rho_s), Eq. (4)) and loss mask from T+1 slots ([B, T+1]).
     An episode end cuts them: a termination at t gives gamma_t = 0, c_{t+1} = 0; a time-limit truncation at t is followed
     by a pad slot holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
-    no transition (mask 0, gamma 0). Returns (disc [B, T], c_next [B, T], mask [B, T])."""
-    term, pad, first = term.to(rho.dtype), pad.to(rho.dtype), first.to(rho.dtype)
+    no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T])."""
+    term = term.to(rho.dtype)
+    pad = pad.to(rho.dtype)
+    first = first.to(rho.dtype)
     mask = 1.0 - pad[:, :-1]
-    disc = gamma * (1.0 - term[:, :-1]) * mask
-    c_next = lam * torch.clamp(rho[:, 1:], max=1.0) * (1.0 - first[:, 1:]) * (1.0 - pad[:, 1:]) * mask  # Eq. (4)
-    return disc, c_next, mask
+    discounts = gamma * (1.0 - term[:, :-1]) * mask
+    # Eq. (4)
+    c_next = lam * torch.clamp(rho[:, 1:], max=1.0) * (1.0 - first[:, 1:]) * (1.0 - pad[:, 1:]) * mask
+    return discounts, c_next, mask
 
 
 class Batch(NamedTuple):
-    obs: torch.Tensor  # [B, T+1, C, H, W] uint8
+    obs: torch.Tensor  # [B, T+1, channels, height, width] uint8
     actions: torch.Tensor  # [B, T+1]
     rewards: torch.Tensor  # [B, T+1] (r of the transition leaving each slot)
     term: torch.Tensor  # [B, T+1] transition from this slot terminated
@@ -480,50 +533,69 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors)."""
     out = net(batch.obs, batch.first, batch.state)
     with torch.no_grad():
-        tout = target_net(batch.obs, batch.first, batch.state, policy=False)  # (its policy is never used)
-    T, pi, a = batch.obs.shape[1] - 1, out.pi, batch.actions.long()  # pi: [B, T+1, A]
-    pi_d, mu_a = pi.detach(), _at(batch.mu, a)
-    rho = _at(pi_d, a) / mu_a
-    disc, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
-    rewards = batch.rewards[:, :T].float()
+        # (the target network's policy is never used)
+        target_out = target_net(batch.obs, batch.first, batch.state, policy=False)
+    num_steps = batch.obs.shape[1] - 1
+    pi = out.pi  # [B, T+1, A]
+    actions = batch.actions.long()
+    pi_const = pi.detach()
+    mu_a = _at(batch.mu, actions)
+    rho = _at(pi_const, actions) / mu_a
+    discounts, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
+    rewards = batch.rewards[:, :num_steps].float()
     if args.distributional:
-        logq = F.log_softmax(out.q, -1)  # [B, T+1, A, K]
-        q_online = (logq.exp() * support).sum(-1).detach()  # Eq. (5): Q = sum_i q_i z_i
-        q_next = F.softmax(tout.q[:, 1:], -1)
-        qbar_next = (q_next * support).sum(-1)
+        log_q = F.log_softmax(out.q, -1)  # [B, T+1, A, K]
+        # Eq. (5): Q = sum_i q_i z_i
+        q_online = (log_q.exp() * support).sum(-1).detach()
+        q_next = F.softmax(target_out.q[:, 1:], -1)
+        q_mean_next = (q_next * support).sum(-1)
     else:
-        q_online, qbar_next = out.q.detach(), tout.q[:, 1:]
-    v_next, q_next_a = (pi_d[:, 1:] * qbar_next).sum(-1), _at(qbar_next, a[:, 1:])
-    returns = retrace_returns(rewards, disc, c_next, v_next, q_next_a)  # R(A), Eq. (3)
+        q_online = out.q.detach()
+        q_mean_next = target_out.q[:, 1:]
+    v_next = (pi_const[:, 1:] * q_mean_next).sum(-1)
+    q_next_a = _at(q_mean_next, actions[:, 1:])
+    # R(A), Eq. (3)
+    returns = retrace_returns(rewards, discounts, c_next, v_next, q_next_a)
+    taken = actions[:, :num_steps]
     if args.distributional:
-        target = distributional_retrace_target(rewards, disc, c_next, pi_d[:, 1:], q_next, a[:, 1:], support)
-        logq_a = _at(logq[:, :T], a[:, :T], dim=-2)
-        value_loss = -(target * logq_a).sum(-1)  # Eq. (12): cross-entropy with the (signed) target
-        td_size = 0.5 * (target - logq_a.exp()).abs().sum(-1)  # total variation (3.3)
+        target = distributional_retrace_target(rewards, discounts, c_next, pi_const[:, 1:], q_next, actions[:, 1:], support)
+        log_q_a = _at(log_q[:, :num_steps], taken, dim=-2)
+        # Eq. (12): cross-entropy with the (signed) target
+        value_loss = -(target * log_q_a).sum(-1)
+        # total variation (3.3)
+        td_size = 0.5 * (target - log_q_a.exp()).abs().sum(-1)
     else:
-        q_taken = _at(out.q[:, :T], a[:, :T])
+        q_taken = _at(out.q[:, :num_steps], taken)
         value_loss = 0.5 * (returns - q_taken) ** 2
-        td_size = (returns - q_taken).abs().detach()  # |TD| along the sequence (3.3)
+        # |TD| along the sequence (3.3)
+        td_size = (returns - q_taken).abs().detach()
+    pi_steps = pi[:, :num_steps]
+    q_steps = q_online[:, :num_steps]
     if args.policy_gradient == "beta-loo":
-        policy_loss = beta_loo_policy_loss(pi[:, :T], q_online[:, :T], a[:, :T], returns, mu_a[:, :T], args.beta_loo_c)
+        policy_loss = beta_loo_policy_loss(pi_steps, q_steps, taken, returns, mu_a[:, :num_steps], args.beta_loo_c)
     else:
-        policy_loss = tislr_policy_loss(pi[:, :T], q_online[:, :T], a[:, :T], returns, batch.mu[:, :T], args.tislr_c)
-    entropy = -(pi[:, :T] * torch.log(pi[:, :T])).sum(-1)
+        policy_loss = tislr_policy_loss(pi_steps, q_steps, taken, returns, batch.mu[:, :num_steps], args.tislr_c)
+    entropy = -(pi_steps * torch.log(pi_steps)).sum(-1)
     per_step = value_loss + policy_loss - args.entropy_coef * entropy
-    denom, n = mask.sum(1).clamp(min=1.0), mask.sum().clamp(min=1.0)
-    loss = (batch.weights * (per_step * mask).sum(1) / denom).mean()  # IS-weighted mean over the valid steps
-    priorities = (td_size.detach() * mask).sum(1) / denom  # mean |TD| (ND) or mean total variation
+    valid_steps = mask.sum(1).clamp(min=1.0)
+    # IS-weighted mean over the valid steps
+    loss = (batch.weights * (per_step * mask).sum(1) / valid_steps).mean()
+    # mean |TD| (ND) or mean total variation
+    priorities = (td_size.detach() * mask).sum(1) / valid_steps
     stats = {
         "losses/value_loss": value_loss,
         "losses/policy_loss": policy_loss,
         "losses/entropy": entropy,
-        "losses/q_values": _at(q_online, a)[:, :T],
+        "losses/q_values": _at(q_online, actions)[:, :num_steps],
         "losses/retrace_return": returns,
-        "replay/rho_mean": rho[:, :T],
+        "replay/rho_mean": rho[:, :num_steps],
         "replay/trace_mean": c_next,
+        # traces below 0.99 (episode ends too)
         "replay/trace_cut_fraction": (c_next < 0.99).float(),
-    }  # c < 0.99 (episode ends too)
-    return loss, priorities, {k: (x.detach() * mask).sum() / n for k, x in stats.items()}  # means over the valid steps
+    }
+    # means over the valid steps
+    all_valid_steps = mask.sum().clamp(min=1.0)
+    return loss, priorities, {name: (x.detach() * mask).sum() / all_valid_steps for name, x in stats.items()}
 
 
 # PRIORITIZED SEQUENCE REPLAY WITH LAZY INITIALIZATION (paper 3.3)
@@ -539,152 +611,223 @@ class LazyPriorities:
     p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known. Links and sizes of the
     known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`)."""
 
-    num_valid = property(lambda self: int(self.valid.total))
-    num_known = property(lambda self: int(self.known.total))
-
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
-        self.capacity, self.eps = capacity, uniform_eps
-        self.valid, self.known = SumTree(capacity, np.int64), SumTree(capacity, np.int64)  # 0/1 flags
-        self.mass = SumTree(capacity, np.float64)  # the mass of each cell, at its known key
+        self.capacity = capacity
+        self.eps = uniform_eps
+        # 0/1 flags: the valid keys, the known keys
+        self.valid = SumTree(capacity, np.int64)
+        self.known = SumTree(capacity, np.int64)
+        # the mass of each cell, at its known key
+        self.mass = SumTree(capacity, np.float64)
         self.priority = np.zeros(capacity, np.float64)
-        self.prev_known, self.next_known, self.cell_size = np.zeros((3, capacity), np.int64)  # known keys' links, |I|
-        # scalar access to these four arrays (so write them in place only)
-        self._views = tuple(memoryview(a) for a in (self.priority, self.prev_known, self.next_known, self.cell_size))
+        # for each known key: the previous and the next known key (circularly), and the size |I| of its cell
+        self.prev_known = np.zeros(capacity, np.int64)
+        self.next_known = np.zeros(capacity, np.int64)
+        self.cell_size = np.zeros(capacity, np.int64)
 
-    def _is_known(self, k: int) -> bool:
-        return self.known.nodes[k + self.known.size] != 0
+    @property
+    def num_valid(self) -> int:
+        return int(self.valid.total)
 
-    def _owner(self, k: int, guess: int = -1) -> int:
-        """The last known key <= k, circularly (its cell holds k); `guess`, a known key, is checked first in O(1)."""
-        n = self.capacity
-        if guess >= 0 and (k - guess) % n < ((self._views[2][guess] - guess) % n or n):  # k in [guess, next known key)
-            return guess
-        return self.known.last_nonzero_at_or_before(k)
+    @property
+    def num_known(self) -> int:
+        return int(self.known.total)
 
-    def _cell_estimate(self, c: int) -> float:
-        """p_hat of the unknown keys of known key c's cell: the cell-size weighted mean over J (distinct cells)."""
-        p, prev, nxt, size = self._views
-        a, b = prev[c], nxt[c]
-        num, den = size[c] * p[c], size[c]
-        for j in () if a == c else (a,) if b == a else (a, b):  # the distinct neighbour cells in J
-            num, den = num + size[j] * p[j], den + size[j]
-        return num / den
+    def _is_valid(self, key: int) -> bool:
+        return self.valid.get(key) != 0
 
-    def _touched(self, c: int) -> tuple:  # the cells whose mass depends on known key c's priority, size or links
-        return self._views[1][c], c, self._views[2][c]
+    def _is_known(self, key: int) -> bool:
+        return self.known.get(key) != 0
+
+    def _owner(self, key: int, guess: int = -1) -> int:
+        """The last known key <= key, circularly (its cell holds key); `guess`, a known key, is checked first in O(1)."""
+        if guess >= 0:
+            # guess's cell spans the keys [guess, next known key), circularly (every key when guess is the only one)
+            span = (self.next_known[guess] - guess) % self.capacity or self.capacity
+            if (key - guess) % self.capacity < span:
+                return guess
+        return self.known.last_nonzero_at_or_before(key)
+
+    def _cell_estimate(self, cell: int) -> float:
+        """p_hat of the unknown keys of known key `cell`'s cell: the cell-size weighted mean over J (distinct cells)."""
+        # J: the cell, then its neighbour cells, each once (one, two or three cells)
+        cells_in_j = dict.fromkeys((cell, self.prev_known[cell], self.next_known[cell]))
+        weighted_sum = 0.0
+        total_size = 0
+        for j in cells_in_j:
+            weighted_sum += self.cell_size[j] * self.priority[j]
+            total_size += self.cell_size[j]
+        return weighted_sum / total_size
+
+    def _touched(self, cell: int) -> tuple:
+        """The cells whose mass depends on known key `cell`'s priority, size or links."""
+        return self.prev_known[cell], cell, self.next_known[cell]
 
     def _set_masses(self, cells: set) -> None:
         """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
-        cells, (p, _, _, size) = sorted(cells), self._views
-        known, offset, estimate = self.known.nodes, self.known.size, self._cell_estimate
-        self.mass.set_leaves(cells, [p[c] + (size[c] - 1) * estimate(c) if known[c + offset] else 0.0 for c in cells])
+        cells = sorted(int(cell) for cell in cells)
+        masses = []
+        for cell in cells:
+            if self._is_known(cell):
+                masses.append(self.priority[cell] + (self.cell_size[cell] - 1) * self._cell_estimate(cell))
+            else:
+                masses.append(0.0)
+        self.mass.set_leaves(cells, masses)
 
     def add(self, keys) -> None:
         """Keys become valid with an unknown priority (lazy initialization): each joins the cell that holds it."""
-        valid, cells, o, size = self.valid, set(), -1, self._views[3]
-        keys = [k for k in sorted(set(np.asarray(keys, np.int64).ravel().tolist())) if not valid.nodes[k + valid.size]]
-        valid.set_leaves(keys, [1] * len(keys))
-        if self.known.nodes[1]:
-            for k in keys:
-                o = self._owner(k, o)
-                size[o] += 1
-                cells.update(self._touched(o))
-        self._set_masses(cells)
+        new_keys = [key for key in np.unique(np.asarray(keys, np.int64)).tolist() if not self._is_valid(key)]
+        self.valid.set_leaves(new_keys, [1] * len(new_keys))
+        changed = set()
+        if self.num_known:
+            owner = -1
+            for key in new_keys:
+                owner = self._owner(key, guess=owner)
+                self.cell_size[owner] += 1
+                changed.update(self._touched(owner))
+        self._set_masses(changed)
 
     def remove(self, keys) -> None:
         """Evict keys (sequence overwritten): an unknown key leaves its cell, a known key's cell merges into the previous."""
-        valid, known, cells, o = self.valid, self.known, set(), -1
-        _, prev, nxt, size = self._views
-        keys = [k for k in sorted(set(np.asarray(keys, np.int64).ravel().tolist())) if valid.nodes[k + valid.size]]
-        valid.set_leaves(keys, [0] * len(keys))
-        for k in keys:
-            if self._is_known(k):
-                known.add_one(k, -1)
-                cells.add(k)  # (mass 0)
-                a, b = prev[k], nxt[k]
-                o = a if a != k else -1  # (the next owner guess: a, now that k is no longer known)
-                if a != k:  # other keys remain known: unlink k, a's cell takes k's other keys
-                    nxt[a], prev[b] = b, a
-                    size[a] += size[k] - 1
-                    cells.update(self._touched(a))
-            elif known.nodes[1]:  # an unknown key: the cell holding it shrinks by one
-                o = self._owner(k, o)
-                size[o] -= 1
-                cells.update(self._touched(o))
-        self._set_masses(cells)
+        old_keys = [key for key in np.unique(np.asarray(keys, np.int64)).tolist() if self._is_valid(key)]
+        self.valid.set_leaves(old_keys, [0] * len(old_keys))
+        changed = set()
+        owner = -1
+        for key in old_keys:
+            if self._is_known(key):
+                self.known.add_one(key, -1)
+                # (its mass becomes 0)
+                changed.add(key)
+                prev_key = self.prev_known[key]
+                next_key = self.next_known[key]
+                if prev_key == key:
+                    owner = -1
+                    continue
+                # other keys remain known: unlink key; prev_key's cell takes key's other keys
+                self.next_known[prev_key] = next_key
+                self.prev_known[next_key] = prev_key
+                self.cell_size[prev_key] += self.cell_size[key] - 1
+                changed.update(self._touched(prev_key))
+                # (the next owner guess: prev_key holds the keys after key now)
+                owner = prev_key
+            elif self.num_known:
+                # an unknown key: the cell holding it shrinks by one
+                owner = self._owner(key, guess=owner)
+                self.cell_size[owner] -= 1
+                changed.update(self._touched(owner))
+        self._set_masses(changed)
 
     def set_priority(self, keys, priorities) -> None:
         """Priorities of keys just trained on (a repeated key's last; evicted keys skipped); a new known key splits a cell."""
-        valid, known, cells = self.valid, self.known, set()
-        p, prev, nxt, size = self._views
-        last = dict(zip(np.asarray(keys, np.int64).ravel().tolist(), np.asarray(priorities, np.float64).ravel().tolist()))
-        for k in sorted(last):
-            if not valid.nodes[k + valid.size]:
+        keys = np.asarray(keys, np.int64).ravel().tolist()
+        priorities = np.asarray(priorities, np.float64).ravel().tolist()
+        last_priority = dict(zip(keys, priorities))
+        changed = set()
+        for key in sorted(last_priority):
+            if not self._is_valid(key):
                 continue
-            p[k] = last[k]
-            if self._is_known(k):
-                cells.update(self._touched(k))
+            self.priority[key] = last_priority[key]
+            if self._is_known(key):
+                changed.update(self._touched(key))
                 continue
-            if not known.nodes[1]:  # the first known key: one cell of all valid keys
-                known.add_one(k, 1)
-                prev[k], nxt[k], size[k] = k, k, valid.nodes[1]
-                cells.add(k)
+            if not self.num_known:
+                # the first known key: one cell of all valid keys
+                self.known.add_one(key, 1)
+                self.prev_known[key] = key
+                self.next_known[key] = key
+                self.cell_size[key] = self.num_valid
+                changed.add(key)
                 continue
-            o = self._owner(k)  # k splits o's cell: k's cell is the valid keys [k, next known key)
-            b = nxt[o]
-            known.add_one(k, 1)
-            w = valid.count(k, b) if b > k else valid.nodes[1] - valid.count(b, k)
-            size[k], size[o] = w, size[o] - w
-            nxt[o], prev[k], nxt[k], prev[b] = k, o, b, k
-            cells.update((prev[o], o, k, b))  # the cells around the split
-        self._set_masses(cells)
+            # key splits its owner's cell: key's cell is the valid keys [key, next known key), circularly
+            owner = self._owner(key)
+            next_key = self.next_known[owner]
+            self.known.add_one(key, 1)
+            if next_key > key:
+                size = self.valid.count(key, next_key)
+            else:
+                size = self.num_valid - self.valid.count(next_key, key)
+            self.cell_size[key] = size
+            self.cell_size[owner] -= size
+            self.next_known[owner] = key
+            self.prev_known[key] = owner
+            self.next_known[key] = next_key
+            self.prev_known[next_key] = key
+            # the cells around the split
+            changed.update((self.prev_known[owner], owner, key, next_key))
+        self._set_masses(changed)
 
-    def _estimate_one(self, k: int) -> float:  # p_hat of valid key k: its priority if known, else its cell's estimate
-        return self._views[0][k] if self._is_known(k) else self._cell_estimate(self._owner(k))
+    def _estimate_one(self, key: int) -> float:
+        """p_hat of valid key `key`: its priority if known, else its cell's estimate."""
+        if self._is_known(key):
+            return self.priority[key]
+        return self._cell_estimate(self._owner(key))
 
     def estimate(self, keys):
         """p_hat for each (valid) key (NaN while none is known)."""
         keys = np.asarray(keys, np.int64)
         if not self.num_known:
             return np.full(keys.shape, np.nan)
-        return np.array([self._estimate_one(k) for k in keys.ravel().tolist()], np.float64).reshape(keys.shape)
+        return np.array([self._estimate_one(key) for key in keys.ravel().tolist()], np.float64).reshape(keys.shape)
+
+    def known_priorities(self) -> np.ndarray:
+        """The priorities of the known keys."""
+        return self.priority[self.known.get(np.arange(self.capacity)) > 0]
 
     def sample(self, batch: int, rng: np.random.Generator):
         """Sample `batch` valid keys: (keys, probabilities P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k, uniform while
         nothing is known). A draw takes 5 uniforms in [0, 1) (one `rng.random` call): the uniform key's rank, the coin
         for the uniform part (< eps), the mass point, the choice of the cell's known key, the unknown key's offset."""
-        valid, mass, eps = self.valid, self.mass, self.eps
-        n, total = valid.nodes[1], mass.nodes[1]
-        if n == 0:
+        num_valid = self.num_valid
+        total_mass = self.mass.total
+        if num_valid == 0:
             raise ValueError("cannot sample from an empty replay")
-        (p, _, _, size), keys, probs = self._views, [], []
-        prioritized = self.known.nodes[1] > 0 and total > 0
-        for u_rank, u_coin, u_mass, u_known, u_offset in zip(*rng.random((5, batch)).tolist()):
-            if prioritized and u_coin >= eps:  # a cell by mass, then its known key or one of its w - 1 unknown keys
-                c = self._owner(mass.find_one(u_mass * total))  # (a round-off landing on an empty leaf: its cell)
-                w = size[c]
-                if w <= 1 or u_known * mass.nodes[c + mass.size] < p[c]:
-                    k, est = c, p[c]
+        prioritized = self.num_known > 0 and total_mass > 0
+        keys = []
+        probabilities = []
+        for u_rank, u_coin, u_mass, u_known, u_offset in rng.random((5, batch)).T:
+            if prioritized and u_coin >= self.eps:
+                # a cell by mass (a round-off landing on an empty leaf: its cell), then its known key with probability
+                # p_i / m_i, else one of its cell_size - 1 unknown keys
+                cell = self._owner(self.mass.find_one(u_mass * total_mass))
+                cell_size = self.cell_size[cell]
+                if cell_size <= 1 or u_known * self.mass.get(cell) < self.priority[cell]:
+                    key = cell
+                    estimate = self.priority[cell]
                 else:
-                    k, est = valid.nth_after(c, 1 + min(int(u_offset * (w - 1)), w - 2)), self._cell_estimate(c)
-            else:  # uniform
-                k = valid.find_one(min(int(u_rank * n), n - 1))
-                est = self._estimate_one(k) if prioritized else None
-            keys.append(k)
-            probs.append(eps / n + (1 - eps) * est / total if prioritized else 1.0 / n)
-        return np.array(keys, np.int64), np.array(probs, np.float64)
+                    offset = 1 + min(int(u_offset * (cell_size - 1)), cell_size - 2)
+                    key = self.valid.nth_after(cell, offset)
+                    estimate = self._cell_estimate(cell)
+            else:
+                # uniform
+                key = self.valid.find_one(min(int(u_rank * num_valid), num_valid - 1))
+                estimate = self._estimate_one(key) if prioritized else None
+            keys.append(key)
+            if prioritized:
+                probabilities.append(self.eps / num_valid + (1 - self.eps) * estimate / total_mass)
+            else:
+                probabilities.append(1.0 / num_valid)
+        return np.array(keys, np.int64), np.array(probabilities, np.float64)
 
     def state_dict(self):
-        return {k: getattr(self, k).tree.copy() for k in ("valid", "known", "mass")} | {"priority": self.priority.copy()}
+        trees = {name: getattr(self, name).tree.copy() for name in ("valid", "known", "mass")}
+        return trees | {"priority": self.priority.copy()}
 
     def load_state_dict(self, state):
-        self.valid.tree[:], self.known.tree[:], self.mass.tree[:] = state["valid"], state["known"], state["mass"]
+        self.valid.tree[:] = state["valid"]
+        self.known.tree[:] = state["known"]
+        self.mass.tree[:] = state["mass"]
         self.priority[:] = state["priority"]
-        known = np.flatnonzero(self.known.get(np.arange(self.capacity)))  # the links and sizes, from the trees
-        if len(known):
-            nxt, before = np.roll(known, -1), np.r_[0, np.cumsum(self.valid.get(np.arange(self.capacity)))]
-            self.prev_known[known], self.next_known[known] = np.roll(known, 1), nxt
-            self.cell_size[known] = np.where(nxt > known, 0, self.num_valid) + before[nxt] - before[known]
+        # the links and sizes of the known keys, rebuilt from the trees
+        known_keys = np.flatnonzero(self.known.get(np.arange(self.capacity)))
+        if len(known_keys) == 0:
+            return
+        next_keys = np.roll(known_keys, -1)
+        self.prev_known[known_keys] = np.roll(known_keys, 1)
+        self.next_known[known_keys] = next_keys
+        # a cell: the valid keys from its known key up to the next one; the last cell wraps around the end
+        valid_before = np.r_[0, np.cumsum(self.valid.get(np.arange(self.capacity)))]
+        wraps = np.where(next_keys > known_keys, 0, self.num_valid)
+        self.cell_size[known_keys] = wraps + valid_before[next_keys] - valid_before[known_keys]
 
 
 class SequenceReplay:
@@ -719,83 +862,173 @@ class SequenceReplay:
         prioritized: bool = True,
     ):
         self.seg_cap = capacity // num_segments
-        self.capacity = self.seg_cap * num_segments  # (whole segments)
-        self.num_segments, self.seq_len, self.prioritized = num_segments, seq_len, prioritized
+        # (whole segments)
+        self.capacity = self.seg_cap * num_segments
+        self.num_segments = num_segments
+        self.seq_len = seq_len
+        self.prioritized = prioritized
         for name, (dtype, shape) in self.slot_fields(num_actions, lstm_size, obs_shape).items():
             setattr(self, name, np.zeros((self.capacity, *shape), dtype))
-        self.written = np.zeros(num_segments, np.int64)  # slots ever written per segment
+        # slots ever written per segment
+        self.written = np.zeros(num_segments, np.int64)
         self.index = LazyPriorities(self.capacity, uniform_eps if prioritized else 1.0)
 
     @classmethod
     def bytes_needed(cls, capacity: int, num_actions: int, lstm_size: int, obs_shape: tuple) -> int:
         """The slot arrays, plus per key 3 sum trees (2 * 2^ceil(log2) 8-byte nodes) and LazyPriorities' 4 8-byte arrays."""
         fields = cls.slot_fields(num_actions, lstm_size, obs_shape).values()
-        return capacity * (sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in fields) + 3 * 2 * 8 * 2 + 4 * 8)
+        slot_bytes = sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape in fields)
+        return capacity * (slot_bytes + 3 * 2 * 8 * 2 + 4 * 8)
 
     def __len__(self):
         return self.index.num_valid
 
     def add(self, segment: int, chunk: dict) -> None:
         """Append a chunk of slots to one segment: evict the keys being overwritten, write, add the new keys."""
-        m = len(chunk["action"])
-        assert m <= self.seg_cap - self.seq_len - 1, "chunk too large for the segment"
-        abs_t = self.written[segment] + np.arange(m)
-        slots = segment * self.seg_cap + abs_t % self.seg_cap
-        self.index.remove(slots[abs_t >= self.seg_cap])  # key of an overwritten slot
+        num_slots = len(chunk["action"])
+        assert num_slots <= self.seg_cap - self.seq_len - 1, "chunk too large for the segment"
+        # the slots' times in their segment (counted from its first write) and their places in the arrays
+        times = self.written[segment] + np.arange(num_slots)
+        slots = segment * self.seg_cap + times % self.seg_cap
+        # the key of an overwritten slot
+        self.index.remove(slots[times >= self.seg_cap])
         for name in self.FIELDS:
             getattr(self, name)[slots] = chunk[name]
-        self.written[segment] += m
-        new = abs_t[abs_t >= self.seq_len] - self.seq_len  # sequence t .. t+T now complete
-        self.index.add(segment * self.seg_cap + new % self.seg_cap)
+        self.written[segment] += num_slots
+        # the sequences t .. t+T now complete
+        new_starts = times[times >= self.seq_len] - self.seq_len
+        self.index.add(segment * self.seg_cap + new_starts % self.seg_cap)
 
     def sample(self, batch: int, rng: np.random.Generator, device):
         keys, probs = self.index.sample(batch, rng)
-        seg, local = keys // self.seg_cap, keys % self.seg_cap
-        slots = seg[:, None] * self.seg_cap + (local[:, None] + np.arange(self.seq_len + 1)) % self.seg_cap
-        weights = 1.0 / (len(self) * probs)  # PER Eq. (2) with exponent beta = 1 (3.3)
+        segments = keys // self.seg_cap
+        starts = keys % self.seg_cap
+        slots = segments[:, None] * self.seg_cap + (starts[:, None] + np.arange(self.seq_len + 1)) % self.seg_cap
+        # PER Eq. (2) with exponent beta = 1 (3.3)
+        weights = 1.0 / (len(self) * probs)
 
-        def t(x, dtype=None):
+        def to_device(x, dtype=None):
             return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-        st = self.state[keys].astype(np.float32)
+        state = self.state[keys].astype(np.float32)
         return keys, Batch(
-            t(self.obs[slots]),
-            t(self.action[slots], torch.int64),
-            t(self.reward[slots]),
-            t(self.term[slots]),
-            t(self.pad[slots]),
-            t(self.first[slots]),
-            t(self.mu[slots]),
-            tuple(t(st[:, i]) for i in range(4)),
-            t(weights / weights.max(), torch.float32),
+            obs=to_device(self.obs[slots]),
+            actions=to_device(self.action[slots], torch.int64),
+            rewards=to_device(self.reward[slots]),
+            term=to_device(self.term[slots]),
+            pad=to_device(self.pad[slots]),
+            first=to_device(self.first[slots]),
+            mu=to_device(self.mu[slots]),
+            state=tuple(to_device(state[:, part]) for part in range(4)),
+            weights=to_device(weights / weights.max(), torch.float32),
         )
 
     def cut_at_heads(self) -> None:
         """Resume: each segment's last written slot becomes a pad (as after a truncation): no sequence crosses episodes."""
-        seg = np.flatnonzero(self.written > 0)
-        self.pad[seg * self.seg_cap + (self.written[seg] - 1) % self.seg_cap] = True
+        segments = np.flatnonzero(self.written > 0)
+        self.pad[segments * self.seg_cap + (self.written[segments] - 1) % self.seg_cap] = True
 
     def update_priorities(self, keys, priorities, exponent: float = 1.0) -> None:
         if self.prioritized:
             self.index.set_priority(keys, (np.asarray(priorities, np.float64) + 1e-6) ** exponent)
 
     def state_dict(self):
-        return {**{name: getattr(self, name) for name in (*self.FIELDS, "written")}, "index": self.index.state_dict()}
+        arrays = {name: getattr(self, name) for name in (*self.FIELDS, "written")}
+        return arrays | {"index": self.index.state_dict()}
 
-    def load_state_dict(self, d):
+    def load_state_dict(self, state):
         for name in (*self.FIELDS, "written"):
-            getattr(self, name)[:] = d[name]
-        self.index.load_state_dict(d["index"])
+            getattr(self, name)[:] = state[name]
+        self.index.load_state_dict(state["index"])
 
 
 # ACTOR PROCESS (module-level so spawn can pickle it)
-@torch.no_grad()
-def act(net, obs, state, rng: np.random.Generator, device="cpu"):
-    """One step of the policy: (action sampled from pi, pi(.|x) as float64, the network's output)."""
-    out = net(torch.from_numpy(obs)[None, None].to(device), torch.zeros(1, 1, dtype=torch.bool, device=device), state)
-    mu = out.pi[0, 0].cpu().numpy().astype(np.float64)
-    mu /= mu.sum()
-    return int(rng.choice(len(mu), p=mu)), mu, out
+class ChunkMessage(NamedTuple):
+    """The rows an actor wrote into one of its buffers: all that crosses the queue for them."""
+
+    kind: str  # "chunk" (an actor's own messages start with another word)
+    actor: int
+    buffer: int
+    rows: int
+
+
+@dataclass
+class FillingBuffer:
+    """Actor side: the buffer an actor is writing into."""
+
+    buffer: int
+    views: dict  # {field: numpy view of the buffer's rows}
+    rows: int = 0
+
+
+class ChunkChannel:
+    """Actor -> learner transport of rows with fixed fields ({name: (dtype, shape)}), through shared memory.
+
+    Each actor owns `num_buffers` buffers of `rows` rows. It `reserve`s a free buffer, `write`s rows into it and
+    `send`s it: only a `ChunkMessage` (actor, buffer index, row count) crosses the queue, with the actor's own small
+    messages (`post`), so a killed actor can never leave a half-written large message that would block the learner's
+    read. The learner `get`s messages; for a chunk `read` gives (actor, {field: rows}) as views into the buffer, and
+    `release` returns the buffer to its actor once the rows are copied. Pass it to actor processes as a `Process`
+    argument.
+    """
+
+    def __init__(self, ctx, num_actors: int, rows: int, fields: dict, num_buffers: int = 4):
+        self.arrays = {
+            name: torch.from_numpy(np.zeros((num_actors, num_buffers, rows, *shape), dtype)).share_memory_()
+            for name, (dtype, shape) in fields.items()
+        }
+        self.free = [ctx.Queue() for _ in range(num_actors)]
+        for free in self.free:
+            for buffer in range(num_buffers):
+                free.put(buffer)
+        self.queue = ctx.Queue()
+        # actor side: the buffer each actor is writing into
+        self.filling: dict[int, FillingBuffer] = {}
+
+    def reserve(self, actor: int, timeout: float = 0.1) -> bool:
+        """Actor side: hold a free buffer to write into (False if none came back within `timeout` s)."""
+        if actor not in self.filling:
+            try:
+                buffer = self.free[actor].get(timeout=timeout)
+            except queue.Empty:
+                return False
+            views = {name: array[actor, buffer].numpy() for name, array in self.arrays.items()}
+            self.filling[actor] = FillingBuffer(buffer, views)
+        return True
+
+    def write(self, actor: int, *values, **named_values) -> int:
+        """Actor side: one row into the reserved buffer (its values in field order, or by field name); returns its rows."""
+        filling = self.filling[actor]
+        row = dict(zip(filling.views, values)) | named_values
+        for name, value in row.items():
+            filling.views[name][filling.rows] = value
+        filling.rows += 1
+        return filling.rows
+
+    def send(self, actor: int) -> None:
+        """Actor side: send the reserved buffer to the learner (if any row was written)."""
+        if actor in self.filling and self.filling[actor].rows:
+            filling = self.filling.pop(actor)
+            self.queue.put(ChunkMessage("chunk", actor, filling.buffer, filling.rows))
+
+    def post(self, *message) -> None:
+        """Actor side: a small message of the actor's own (its first element must not be "chunk")."""
+        self.queue.put(message)
+
+    def get(self, timeout: float | None = None):
+        """Learner side: the next message; raises queue.Empty (waits up to `timeout` s; None: does not wait)."""
+        if timeout:
+            return self.queue.get(timeout=timeout)
+        return self.queue.get_nowait()
+
+    def read(self, message: ChunkMessage) -> tuple[int, dict]:
+        """Learner side: (actor, {field: its rows, views into the shared buffer}) of a chunk message."""
+        rows = {name: array[message.actor, message.buffer, : message.rows].numpy() for name, array in self.arrays.items()}
+        return message.actor, rows
+
+    def release(self, message: ChunkMessage) -> None:
+        """Learner side: give a read chunk's buffer back to its actor (its rows must have been copied)."""
+        self.free[message.actor].put(message.buffer)
 
 
 def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
@@ -804,56 +1037,104 @@ def make_channel(ctx, args: Args, num_actions: int, obs_shape) -> ChunkChannel:
     return ChunkChannel(ctx, args.num_actors, args.actor_chunk + 1, fields)
 
 
-def actor_loop(
-    actor_id, args, run_name, shared_net, weights_version, actor_steps, learner_steps, ratio_base, channel, stop_event
-):
+class RatioBase(NamedTuple):
+    """Where the acting:learning ratio counts from (learning_starts, or a resume without its replay)."""
+
+    env_step: int
+    learn_step: int
+
+
+class ActorHandles(NamedTuple):
+    """What the learner shares with every actor process."""
+
+    shared_net: nn.Module  # the learner's latest weights, in shared memory
+    weights_version: Any  # the learning step of those weights (the learner writes it)
+    actor_steps: Any  # env steps of each actor (each actor writes its own entry)
+    learner_steps: Any  # learning steps done (the actors' ratio gate reads it)
+    channel: ChunkChannel
+    stop_event: Any  # set by the learner: the actors return
+
+
+@torch.no_grad()
+def act(net, obs, state, rng: np.random.Generator, device="cpu"):
+    """One step of the policy: (action sampled from pi, pi(.|x) as float64, the network's output)."""
+    first = torch.zeros(1, 1, dtype=torch.bool, device=device)
+    out = net(torch.from_numpy(obs)[None, None].to(device), first, state)
+    mu = out.pi[0, 0].cpu().numpy().astype(np.float64)
+    mu /= mu.sum()
+    return int(rng.choice(len(mu), p=mu)), mu, out
+
+
+def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, ratio_base: RatioBase):
     """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio."""
     torch.set_num_threads(1)
     seed = args.seed + 1000 * actor_id
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    video = f"videos/{run_name}" if args.capture_video and actor_id == 0 else None
-    env = make_env(args.env_id, seed, args, video_folder=video)
+    video_folder = f"videos/{run_name}" if args.capture_video and actor_id == 0 else None
+    env = make_env(args.env_id, seed, args, video_folder=video_folder)
     num_actions = env.action_space.n
     net = make_network(args, num_actions, env.observation_space.shape)
+    channel = handles.channel
     obs, _ = env.reset(seed=seed)
-    state, first, version = net.initial_state(1), True, -1
-    steps = actor_steps[actor_id]  # actor 0 starts from the resumed global step
-    while not stop_event.is_set():
-        ahead = sum(actor_steps[:]) - ratio_base[0]  # enforce the acting:learning ratio (actors wait for the learner)
-        if ahead >= 0 and ahead > args.replay_ratio * (learner_steps.value - ratio_base[1]) + args.ratio_slack:
+    state = net.initial_state(1)
+    first = True
+    version = -1
+    # actor 0 starts from the resumed global step
+    steps = handles.actor_steps[actor_id]
+    while not handles.stop_event.is_set():
+        # the acting:learning ratio: wait for the learner while all actors together are ahead of it
+        ahead = sum(handles.actor_steps[:]) - ratio_base.env_step
+        allowed = args.replay_ratio * (handles.learner_steps.value - ratio_base.learn_step) + args.ratio_slack
+        if ahead >= 0 and ahead > allowed:
             channel.send(actor_id)
             time.sleep(0.002)
             continue
-        if not channel.reserve(actor_id):  # a free chunk buffer (the learner gives them back)
+        # a free chunk buffer (the learner gives them back)
+        if not channel.reserve(actor_id):
             continue
-        if steps % args.actor_sync_every == 0 and weights_version.value != version:
-            version = weights_version.value
-            net.load_state_dict(shared_net.state_dict())
+        if steps % args.actor_sync_every == 0 and handles.weights_version.value != version:
+            version = handles.weights_version.value
+            net.load_state_dict(handles.shared_net.state_dict())
         action, mu, out = act(net, obs, state, rng)
-        st = torch.cat(state, 0).numpy().astype(np.float16)  # state before x_t, [4, H]
         next_obs, reward, terminated, truncated, info = env.step(action)
-        rows = channel.write(actor_id, obs, action, float(reward), bool(terminated), False, first, mu.astype(np.float32), st)
-        actor_steps[actor_id] = steps = steps + 1
+        rows = channel.write(
+            actor_id,
+            obs=obs,
+            action=action,
+            reward=float(reward),
+            term=bool(terminated),
+            pad=False,
+            first=first,
+            mu=mu.astype(np.float32),
+            # the LSTM state before x_t, [4, H]
+            state=torch.cat(state, 0).numpy().astype(np.float16),
+        )
+        steps += 1
+        handles.actor_steps[actor_id] = steps
         if "episode" in info:
             channel.post("episode", float(info["episode"]["r"]), int(info["episode"]["l"]))
         if terminated or truncated:
-            if truncated and not terminated:  # the true last frame, to bootstrap from (no transition leaves it)
+            if truncated and not terminated:
+                # the true last frame, to bootstrap from (no transition leaves it)
                 rows = channel.write(
                     actor_id,
-                    next_obs,
-                    0,
-                    0.0,
-                    False,
-                    True,
-                    False,
-                    np.full(num_actions, 1.0 / num_actions, np.float32),
-                    torch.cat(out.state, 0).numpy().astype(np.float16),
+                    obs=next_obs,
+                    action=0,
+                    reward=0.0,
+                    term=False,
+                    pad=True,
+                    first=False,
+                    mu=np.full(num_actions, 1.0 / num_actions, np.float32),
+                    state=torch.cat(out.state, 0).numpy().astype(np.float16),
                 )
             obs, _ = env.reset()
-            state, first = net.initial_state(1), True
+            state = net.initial_state(1)
+            first = True
         else:
-            obs, state, first = next_obs, out.state, False
+            obs = next_obs
+            state = out.state
+            first = False
         if rows >= args.actor_chunk:
             channel.send(actor_id)
     channel.send(actor_id)
@@ -861,13 +1142,14 @@ def actor_loop(
 
 
 # LEARNER STEPS (the loop in __main__ calls them)
-def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: tuple, args: Args) -> bool:
+def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: RatioBase, args: Args) -> bool:
     """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
-    both counted from ratio_base = (env step, learning step); and at least a batch of sequences in the replay."""
+    both counted from ratio_base; and at least a batch of sequences in the replay."""
+    env_steps = global_step - ratio_base.env_step
     return (
-        global_step >= ratio_base[0]
+        env_steps >= 0
         and num_sequences >= args.batch_size
-        and learn_steps - ratio_base[1] < (global_step - ratio_base[0]) / args.replay_ratio
+        and learn_steps - ratio_base.learn_step < env_steps / args.replay_ratio
     )
 
 
@@ -888,8 +1170,10 @@ def learning_step(net, target_net, optimizer, replay: SequenceReplay, support, a
 def publish_weights(net, target_net, shared_net, weights_version, learner_steps, learn_steps: int, args: Args) -> None:
     """After learning step number `learn_steps`: the weights to the actors (shared tensors, then the version the actors
     check and the count their ratio gate reads), and every target_update_period steps to the target network (4.1)."""
-    shared_net.load_state_dict(net.state_dict())  # (copies into the shared tensors)
-    weights_version.value = learner_steps.value = learn_steps
+    # (copies into the shared tensors)
+    shared_net.load_state_dict(net.state_dict())
+    weights_version.value = learn_steps
+    learner_steps.value = learn_steps
     if learn_steps % args.target_update_period == 0:
         target_net.load_state_dict(net.state_dict())
 
@@ -897,17 +1181,22 @@ def publish_weights(net, target_net, shared_net, weights_version, learner_steps,
 def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = False):
     """Whole games, up to noop_max no-op starts, actions from pi (or argmax pi), real scores; a lost life resets the state."""
     env = make_env(args.env_id, seed, args, evaluation=True)
-    rng, returns = np.random.default_rng(seed), []
-    for ep in range(episodes):
+    rng = np.random.default_rng(seed)
+    returns = []
+    for episode in range(episodes):
         # a stop signal ends the evaluation between games
         check_stop()
-        obs, info = env.reset(seed=seed + ep)
-        state, lives = net.initial_state(1, device), info.get("lives")
+        obs, info = env.reset(seed=seed + episode)
+        state = net.initial_state(1, device)
+        lives = info.get("lives")
         while True:
             action, mu, out = act(net, obs, state, rng, device)
-            obs, _, terminated, truncated, info = env.step(int(mu.argmax()) if greedy else action)
+            if greedy:
+                action = int(mu.argmax())
+            obs, _, terminated, truncated, info = env.step(action)
             lost_life = lives is not None and info.get("lives", lives) < lives
-            state, lives = net.initial_state(1, device) if lost_life else out.state, info.get("lives", lives)
+            state = net.initial_state(1, device) if lost_life else out.state
+            lives = info.get("lives", lives)
             if "episode" in info:
                 returns.append(float(info["episode"]["r"]))
             if terminated or truncated:
@@ -917,11 +1206,14 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
 
 
 if __name__ == "__main__":
-    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
+    stop_on_signals()
+    # tyro; --resume: the checkpoint's flags, given flags override
     args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME)
-    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    if ckpt:  # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
+    # all checks before anything heavy and before the run folder
+    validate_args(args)
+    if ckpt:
+        # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
         learns_from = ckpt["global_step"] + (args.learning_starts if ckpt["replay"] is None else 0)
         if args.total_timesteps <= learns_from:
             raise SystemExit(
@@ -929,20 +1221,25 @@ if __name__ == "__main__":
                 + (f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
                 + f": give --total-timesteps > {learns_from:,}"
             )
-    probe = make_env(args.env_id, args.seed, args)  # (Atari and MinAtar: discrete actions)
-    num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
+    # (Atari and MinAtar: discrete actions)
+    probe = make_env(args.env_id, args.seed, args)
+    num_actions = int(probe.action_space.n)
+    obs_shape = probe.observation_space.shape
     probe.close()
+    # prints what the replay needs; refuses one that does not fit in RAM, in one line
     check_memory(
-        SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),  # (prints it)
+        SequenceReplay.bytes_needed(args.replay_size, num_actions, args.lstm_size, obs_shape),
         "--replay-size",
         args.memory_fraction,
-    )  # refuses a replay that does not fit in RAM, in one line
-    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    )
+    # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    logger = start_run(args, ckpt, args.env_id)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    set_learner_threads(args.num_actors)  # the cores the actors leave free
+    # the learner takes the cores the actors leave free
+    set_learner_threads(args.num_actors)
     rng = np.random.default_rng(args.seed)
 
     # SETUP: network, target network, optimizer, replay, shared weights, actors
@@ -958,19 +1255,26 @@ if __name__ == "__main__":
         args.replay_uniform_eps,
         args.prioritized,
     )
-    global_step, learn_steps, episodes_done = 0, 0, 0
-    ratio_base = (args.learning_starts, 0)  # the acting:learning ratio counts from (env step, learning step)
-    if ckpt:  # restore, then one line
+    global_step = 0
+    learn_steps = 0
+    episodes_done = 0
+    ratio_base = RatioBase(env_step=args.learning_starts, learn_step=0)
+    if ckpt:
+        replay_saved = ckpt["replay"] is not None
         load_state_dicts(
-            ckpt, model=net, target_model=target_net, optimizer=optimizer, replay=None if ckpt["replay"] is None else replay
+            ckpt, model=net, target_model=target_net, optimizer=optimizer, replay=replay if replay_saved else None
         )
-        global_step, learn_steps, episodes_done = ckpt["global_step"], ckpt["learn_steps"], ckpt["episodes"]
-        if ckpt["replay"] is not None:
-            replay.cut_at_heads()  # the actors start new episodes: no bootstrap across the checkpoint
-            what = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
-        else:  # the first learning_starts steps refill the replay; the ratio counts from there
-            ratio_base = (learns_from, learn_steps)
-            what = (
+        global_step = ckpt["global_step"]
+        learn_steps = ckpt["learn_steps"]
+        episodes_done = ckpt["episodes"]
+        if replay_saved:
+            # the actors start new episodes: no bootstrap across the checkpoint
+            replay.cut_at_heads()
+            restored = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
+        else:
+            # the first learning_starts steps refill the replay; the ratio counts from there
+            ratio_base = RatioBase(env_step=learns_from, learn_step=learn_steps)
+            restored = (
                 f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill "
                 f"it, the acting:learning ratio counts from step {learns_from:,}"
             )
@@ -978,21 +1282,36 @@ if __name__ == "__main__":
         rng = ckpt["np_rng"]
         print(
             f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
-            f"learning steps), RNG, {what}; flags from this command line: {', '.join(overridden) or 'none'}; "
+            f"learning steps), RNG, {restored}; flags from this command line: {', '.join(overridden) or 'none'}; "
             f"runs to step {args.total_timesteps:,}",
             flush=True,
         )
     shared_net = make_network(args, num_actions, obs_shape).share_memory()
-    shared_net.load_state_dict(net.state_dict())  # (copies into the shared tensors)
+    # (copies into the shared tensors)
+    shared_net.load_state_dict(net.state_dict())
     ctx = torch.multiprocessing.get_context(args.start_method)
-    # unlocked counters, one writer each (a killed actor leaves no lock held); actor 0 counts from the resumed step
-    weights_version, learner_steps = ctx.Value("l", 0, lock=False), ctx.Value("l", learn_steps, lock=False)
-    actor_steps = ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False)
-    channel = make_channel(ctx, args, num_actions, obs_shape)  # slot chunks in shared memory, episode scores
     procs = ProcessGroup(ctx)
-    start_time, start_step, last_log_step = time.time(), global_step, learn_steps
-    next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
-    stats_acc, learn_time, recent_returns = {}, 0.0, deque(maxlen=100)
+    # unlocked counters, one writer each (a killed actor leaves no lock held); actor 0 counts from the resumed step
+    handles = ActorHandles(
+        shared_net=shared_net,
+        weights_version=ctx.Value("l", 0, lock=False),
+        actor_steps=ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False),
+        learner_steps=ctx.Value("l", learn_steps, lock=False),
+        # slot chunks in shared memory, episode scores
+        channel=make_channel(ctx, args, num_actions, obs_shape),
+        stop_event=procs.stop_event,
+    )
+    channel = handles.channel
+    start_time = time.time()
+    start_step = global_step
+    last_log_step = learn_steps
+    next_checkpoint = None
+    if args.checkpoint_every:
+        next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every
+    # the learning steps' stats summed on the device since the last log line, and their time
+    stats_sum = {}
+    learn_time = 0.0
+    recent_returns = deque(maxlen=100)
 
     def make_checkpoint():
         save_checkpoint(
@@ -1012,65 +1331,57 @@ if __name__ == "__main__":
             },
         )
 
-    error, can_learn = None, False
+    error = None
+    can_learn = False
     try:
-        for i in range(args.num_actors):
-            procs.start(
-                actor_loop,
-                (
-                    i,
-                    args,
-                    logger.run_name,
-                    shared_net,
-                    weights_version,
-                    actor_steps,
-                    learner_steps,
-                    ratio_base,
-                    channel,
-                    procs.stop_event,
-                ),
-                name=f"actor-{i}",
-            )
+        for actor_id in range(args.num_actors):
+            procs.start(actor_loop, (actor_id, args, logger.run_name, handles, ratio_base), name=f"actor-{actor_id}")
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
-            for got in range(4 * args.num_actors):
+            for received in range(4 * args.num_actors):
                 try:
-                    msg = channel.get(timeout=0.05 if got == 0 and not can_learn else None)
+                    message = channel.get(timeout=0.05 if received == 0 and not can_learn else None)
                 except queue.Empty:
                     break
-                if msg[0] == "chunk":
-                    actor_id, chunk = channel.read(msg)
-                    replay.add(actor_id, chunk)  # (copies)
-                    global_step += int((~chunk["pad"]).sum())  # a pad slot is no env step
-                    channel.release(msg)
+                if isinstance(message, ChunkMessage):
+                    actor_id, chunk = channel.read(message)
+                    # (copies)
+                    replay.add(actor_id, chunk)
+                    # a pad slot is no env step
+                    global_step += int((~chunk["pad"]).sum())
+                    channel.release(message)
                 else:
-                    _, ep_return, ep_len = msg
+                    _, episodic_return, episode_length = message
                     episodes_done += 1
-                    recent_returns.append(ep_return)
-                    logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_len})
+                    recent_returns.append(episodic_return)
+                    logger.log(
+                        global_step, {"charts/episodic_return": episodic_return, "charts/episodic_length": episode_length}
+                    )
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
-                t0 = time.time()
+                step_start = time.time()
                 stats = learning_step(net, target_net, optimizer, replay, support, args, rng, device)
                 learn_steps += 1
-                publish_weights(net, target_net, shared_net, weights_version, learner_steps, learn_steps, args)
-                stats_acc = {k: stats_acc.get(k, 0.0) + v.detach() for k, v in stats.items()}
-                learn_time += time.time() - t0
+                publish_weights(net, target_net, shared_net, handles.weights_version, handles.learner_steps, learn_steps, args)
+                stats_sum = {name: stats_sum.get(name, 0.0) + value.detach() for name, value in stats.items()}
+                learn_time += time.time() - step_start
                 # LOG: the means since the last log line
                 if learn_steps % args.log_every == 0:
-                    n_logged, idx = learn_steps - last_log_step, replay.index
-                    sps, lps = (global_step - start_step) / (time.time() - start_time), n_logged / max(learn_time, 1e-9)
-                    known = idx.priority[idx.known.tree[idx.known.size :][: idx.capacity] > 0]  # the known priorities
-                    # the stats summed on the device since the last log line (loss and IS weights too): one transfer
-                    means = (torch.stack(list(stats_acc.values())) / n_logged).tolist()
-                    metrics = dict(zip(stats_acc, means)) | {
+                    steps_logged = learn_steps - last_log_step
+                    sps = (global_step - start_step) / (time.time() - start_time)
+                    learner_sps = steps_logged / max(learn_time, 1e-9)
+                    known = replay.index.known_priorities()
+                    # the stats summed on the device (loss and IS weights too): one transfer
+                    means = (torch.stack(list(stats_sum.values())) / steps_logged).tolist()
+                    acting_learning_ratio = (global_step - ratio_base.env_step) / max(learn_steps - ratio_base.learn_step, 1)
+                    metrics = dict(zip(stats_sum, means)) | {
                         "charts/SPS": sps,
                         "charts/learning_steps": learn_steps,
-                        "charts/learner_steps_per_s": lps,
-                        "charts/acting_learning_ratio": (global_step - ratio_base[0]) / max(learn_steps - ratio_base[1], 1),
+                        "charts/learner_steps_per_s": learner_sps,
+                        "charts/acting_learning_ratio": acting_learning_ratio,
                         "replay/size": len(replay),
-                        "replay/known_fraction": idx.num_known / max(len(replay), 1),
+                        "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
                         "replay/priority_mean": float(known.mean()) if known.size else 0.0,
                         "replay/priority_max": float(known.max()) if known.size else 0.0,
                     }
@@ -1081,34 +1392,37 @@ if __name__ == "__main__":
                         np.mean(recent_returns) if recent_returns else None,
                         "value_loss",
                         float(metrics["losses/value_loss"]),
-                        f"learn {learn_steps:,} ({lps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
+                        f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
                     )
-                    stats_acc, learn_time, last_log_step = {}, 0.0, learn_steps
+                    stats_sum = {}
+                    learn_time = 0.0
+                    last_log_step = learn_steps
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 make_checkpoint()
                 next_checkpoint += args.checkpoint_every
-            procs.check()  # a dead actor stops the run with its reason
+            # a dead actor stops the run with its reason
+            procs.check()
     except (KeyboardInterrupt, StopRun) as e:
         error = e
     finally:
         procs.stop()
-    logger.log(
-        global_step,
-        {"charts/SPS": (global_step - start_step) / (time.time() - start_time), "charts/learning_steps": learn_steps},
-    )  # the last record is at the last step
+    # the last record is at the last step
+    final_sps = (global_step - start_step) / (time.time() - start_time)
+    logger.log(global_step, {"charts/SPS": final_sps, "charts/learning_steps": learn_steps})
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
 
     def save_model():
-        torch.save({"model": net.state_dict(), "args": vars(args)}, path := logger.dir / f"{args.exp_name}.model")
+        path = logger.dir / f"{args.exp_name}.model"
+        torch.save({"model": net.state_dict(), "args": vars(args)}, path)
         return path
 
     def final_eval() -> dict:
         returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
-        for r in returns:
-            logger.log(global_step, {"eval/episodic_return": r})
+        for episodic_return in returns:
+            logger.log(global_step, {"eval/episodic_return": episodic_return})
         print(f"evaluation over {len(returns)} games: mean {np.mean(returns):.2f}, median {np.median(returns):.2f}")
         return {
             "eval_episodes": len(returns),

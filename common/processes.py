@@ -24,8 +24,7 @@ that raised could break off any line, TensorBoard's writer queue included (a los
 `stop_reason(error)` gives summary.json's `stop_reason` ("completed", "interrupted by SIGTERM", "actor-1 died (exit
 code -9): ...") and the exit code (0, 128 + signal, 1); `finish_run` is the end of every script (model, final
 evaluation, summary.json, exit code).
-`check_memory(need, flag)` refuses at start-up a replay memory that does not fit in RAM. `ChunkChannel` carries
-fixed-layout rows from actors to the learner through shared memory (only buffer indices cross the queue).
+`check_memory(need, flag)` refuses at start-up a replay memory that does not fit in RAM.
 
 Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
 its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
@@ -319,70 +318,3 @@ def fork_server_alive(ctx) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
-
-
-class ChunkChannel:
-    """Actor -> learner transport of rows with fixed fields ({name: (dtype, shape)}), through shared memory.
-
-    Each actor owns `num_buffers` buffers of `rows` rows. It `reserve`s a free buffer, `write`s rows into it and
-    `send`s it: only (actor, buffer index, row count) crosses the queue, with the actor's own small messages (`post`),
-    so a killed actor can never leave a half-written large message that would block the learner's read. The learner
-    `get`s messages; for a "chunk" message `read` gives (actor, {field: rows}) as views into the buffer, and `release`
-    returns the buffer to its actor once the rows are copied. Pass it to actor processes as a `Process` argument.
-    """
-
-    def __init__(self, ctx, num_actors: int, rows: int, fields: dict, num_buffers: int = 4):
-        import numpy as np
-        import torch
-
-        self.arrays = {
-            name: torch.from_numpy(np.zeros((num_actors, num_buffers, rows, *shape), dtype)).share_memory_()
-            for name, (dtype, shape) in fields.items()
-        }
-        self.free = [ctx.Queue() for _ in range(num_actors)]
-        for free in self.free:
-            for j in range(num_buffers):
-                free.put(j)
-        self.queue = ctx.Queue()
-        self.filling: dict[int, list] = {}  # actor side: actor -> [buffer index, {field: numpy view}, rows written]
-
-    def reserve(self, actor: int, timeout: float = 0.1) -> bool:
-        """Actor side: hold a free buffer to write into (False if none came back within `timeout` s)."""
-        if actor not in self.filling:
-            try:
-                j = self.free[actor].get(timeout=timeout)
-            except queue.Empty:
-                return False
-            self.filling[actor] = [j, {name: a[actor, j].numpy() for name, a in self.arrays.items()}, 0]
-        return True
-
-    def write(self, actor: int, *values) -> int:
-        """Actor side: one row into the reserved buffer (one value per field, in field order); returns its rows."""
-        held = self.filling[actor]
-        for view, value in zip(held[1].values(), values):
-            view[held[2]] = value
-        held[2] += 1
-        return held[2]
-
-    def send(self, actor: int) -> None:
-        """Actor side: send the reserved buffer to the learner (if any row was written)."""
-        if actor in self.filling and self.filling[actor][2]:
-            j, _, n = self.filling.pop(actor)
-            self.queue.put(("chunk", actor, j, n))
-
-    def post(self, *message) -> None:
-        """Actor side: a small message of the actor's own (its first element must not be "chunk")."""
-        self.queue.put(message)
-
-    def get(self, timeout: float | None = None):
-        """Learner side: the next message; raises queue.Empty (waits up to `timeout` s; None: does not wait)."""
-        return self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
-
-    def read(self, message) -> tuple[int, dict]:
-        """Learner side: (actor, {field: its rows, views into the shared buffer}) of a "chunk" message."""
-        _, actor, j, n = message
-        return actor, {name: a[actor, j, :n].numpy() for name, a in self.arrays.items()}
-
-    def release(self, message) -> None:
-        """Learner side: give a read chunk's buffer back to its actor (its rows must have been copied)."""
-        self.free[message[1]].put(message[2])

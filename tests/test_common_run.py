@@ -17,7 +17,7 @@ import torch
 
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import RunLogger, make_run_name, read_metrics
-from common.processes import ActorDied, ChunkChannel, ProcessGroup, available_cores, set_learner_threads
+from common.processes import ActorDied, ProcessGroup, available_cores, set_learner_threads
 
 
 @dataclass
@@ -321,45 +321,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-def _chunk_writer(channel, actor, rows):
-    """Child process: write `rows` rows (value = row number) in chunks of 3, then a message of its own."""
-    n = 0
-    for r in range(rows):
-        while not channel.reserve(actor):
-            pass
-        n = channel.write(actor, r, np.full(2, r, np.float32))
-        if n == 3:
-            channel.send(actor)
-    channel.send(actor)
-    while not channel.reserve(actor):
-        pass
-    channel.send(actor)  # a reserved buffer with no rows: nothing is sent
-    channel.post("done", actor)
-
-
-def test_chunk_channel_carries_every_row_once_in_order_and_recycles_its_buffers():
-    """Two writer processes, 2 buffers of 4 rows each: 11 rows each arrive once, in order, in chunks of 3 and 2,
-    with each buffer given back and reused; only the small messages cross the queue."""
-    ctx = mp.get_context("spawn")
-    channel = ChunkChannel(ctx, 2, 4, {"step": (np.int64, ()), "vec": (np.float32, (2,))}, num_buffers=2)
-    procs = [ctx.Process(target=_chunk_writer, args=(channel, a, 11)) for a in range(2)]
-    [p.start() for p in procs]
-    got, done, sizes = {0: [], 1: []}, set(), []
-    while len(done) < 2:
-        msg = channel.get(timeout=60)
-        if msg[0] == "chunk":
-            actor, rows = channel.read(msg)
-            assert len(msg) == 4 and (rows["vec"] == rows["step"][:, None]).all()
-            got[actor] += rows["step"].tolist()
-            sizes.append(len(rows["step"]))
-            channel.release(msg)
-        else:
-            done.add(msg[1])
-    [p.join(timeout=30) for p in procs]
-    assert got == {0: list(range(11)), 1: list(range(11))}
-    assert sorted(sizes) == [2, 2, 3, 3, 3, 3, 3, 3]
 
 
 def test_each_script_runs_help_with_exactly_the_common_files_readme_lists(tmp_path):

@@ -51,6 +51,12 @@ def cpprb_version():
 
 
 def load_script(path):
+    """An earlier reactor.py as a module. Scripts from before ChunkChannel moved into reactor.py import it from
+    common/processes.py, which no longer has it: it is lent to them from this reactor.py (the same class)."""
+    import common.processes
+
+    if not hasattr(common.processes, "ChunkChannel"):
+        common.processes.ChunkChannel = reactor.ChunkChannel
     spec = importlib.util.spec_from_file_location("reactor_baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -202,14 +208,13 @@ def run_actors(ctx, env_id, num_actors, seconds):
     probe.close()
     net = reactor.make_network(args, num_actions, obs_shape)
     net.share_memory()
-    version, steps, lsteps = ctx.Value("l", 0), ctx.Array("l", num_actors), ctx.Value("l", 0)
-    channel, stop = reactor.make_channel(ctx, args, num_actions, obs_shape), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=reactor.actor_loop, args=(i, args, "bench", net, version, steps, lsteps, (10**12, 0), channel, stop)
-        )
-        for i in range(num_actors)
-    ]
+    steps = ctx.Array("l", num_actors)
+    channel = reactor.make_channel(ctx, args, num_actions, obs_shape)
+    stop = ctx.Event()
+    handles = reactor.ActorHandles(net, ctx.Value("l", 0), steps, ctx.Value("l", 0), channel, stop)
+    # the ratio base far ahead: no acting:learning gate
+    ratio_base = reactor.RatioBase(10**12, 0)
+    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, "bench", handles, ratio_base)) for i in range(num_actors)]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
     while min(steps[:]) == 0:  # start-up (imports, ROM load)

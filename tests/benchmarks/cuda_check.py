@@ -109,7 +109,7 @@ def check_reactor_cuda_vs_cpu():
     """The learner as the main loop builds it (`make_learner`: channels-last, fused Adam) on CUDA and on the CPU with
     the same weights: network outputs and gradients with episode starts inside the sequences; then reactor_loss
     (loss, priorities, gradients) for Reactor, Reactor ND and TISLR on one batch with unequal IS weights."""
-    from test_reactor import make_batch
+    from reactor_helpers import make_batch
 
     import reactor
 
