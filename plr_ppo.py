@@ -1,17 +1,20 @@
 # docs and results: README.md#plr_ppopy-prioritized-level-replay-on-ppo
 """Prioritized Level Replay on PPO (Jiang, Grefenstette, Rocktäschel 2021, https://arxiv.org/abs/2010.03934).
 
+Symbols: a level l_i has the score S_i and the timestamp C_i (the value of c when it was last sampled), where c counts
+the levels sampled so far (c - C_i: its staleness); Λ_train / Λ_seen: the training levels / those with a score; S~: an
+actor's partial episode score; β: temperature, ρ: staleness mix, α: score update rate; M: level-buffer size.
+
 Paper parts implemented here (Procgen and MiniGrid)
 - Level scores (Sec. 3.1, Table 1) `step_scores`, averaged per episode by `LevelSampler.update_with_rollouts`:
   value_l1 (Eq. (2), default), gae, one_step_td, policy_entropy, least_confidence, min_margin; `random` = uniform.
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
 - Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed;
-  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`; a new level is staged until
-  its first score as in facebookresearch/dcd's sampler (the authors' later code: level-replay has no unbounded mode).
+  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
 - Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
   committed after every update as the authors' code (`--plr-commit update`, `after_update`).
-- PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `common.normalize.ReturnNormalizer`;
+- PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `ReturnNormalizer`;
   networks: IMPALA ResNet (Procgen) `ImpalaAgent`, the authors' MinigridPolicy `MiniGridAgent`.
 
 Defaults (Table 3, Sec. 4, App. A.2): Procgen 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5,
@@ -22,19 +25,20 @@ fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad clip 0.5, clipped
 Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
   unscored level. Ranks among seen levels only, ties by index; P_C / P_S fall back to uniform over Λ_seen.
+- Unbounded mode stages a new level until its first score, as facebookresearch/dcd's sampler (level-replay has none).
 - one_step_td keeps γ and the last step (the authors' code drops them); entropy and min-margin as the authors' code.
 - Time limits: MiniGrid's is a termination (authors' code), Procgen's bootstraps from V(final obs)
   (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
 - Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy, test levels exclude the
   training levels; `--resume` restarts the current levels from their first frame and drops their partial scores.
 Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
-common/{procgen_env,minigrid_env,normalize,logger,checkpoint,args,processes}.py.
+common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """
 
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -53,7 +57,6 @@ from common.checkpoint import (
 )
 from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
-from common.normalize import ReturnNormalizer
 from common.processes import StopRun, check_stop, finish_run, set_learner_threads, stop_on_signals
 
 MAX_SEED = 2**31 - 1
@@ -62,8 +65,9 @@ MAX_SEED = 2**31 - 1
 MINIGRID_TRAIN_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
 
 
+# CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
 @dataclass
-class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --checkpoint-every, --resume, ...
+class Args(CommonArgs):
     # --- algorithm specific arguments ---
     env_id: str = "bigfish"
     """a Procgen game (bigfish, ...), MultiRoom-N4-Random, ObstructedMazeGamut-Easy/-Medium or a registered MiniGrid id"""
@@ -107,7 +111,7 @@ class Args(CommonArgs):  # CommonArgs: --seed, --cuda, --track, --save-model, --
     norm_reward: bool = True
     """return normalization: divide rewards by the running std of the discounted return (Table 3), clip ±10"""
     num_workers: int = 0
-    """MiniGrid worker processes (0 = one per CPU core)"""
+    """MiniGrid worker processes (0 = one per available CPU core)"""
     bootstrap_truncation: bool | None = None
     """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False); None =
     per domain: False on MiniGrid (authors' code: the limit is part of the task), True on Procgen"""
@@ -169,7 +173,7 @@ def resolve_defaults(args: Args) -> Args:
     return args
 
 
-# the flags a resumed run may not change (environment and its levels, seed, method; sampler and envs per env), rules
+# the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
 FIXED_ON_RESUME = (
     "env_id",
     "seed",
@@ -222,27 +226,24 @@ def validate_args(args: Args) -> None:
             resolve_minigrid_id(args.env_id)
         except ValueError as e:
             raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
-    for bad, msg in (
-        (
-            is_procgen(args.env_id) and args.distribution_mode not in PROCGEN_DISTRIBUTION_MODES,
-            f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
-        ),
-        (
-            args.start_level + args.num_train_levels > MAX_SEED,
-            f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
-        ),
-        (
-            args.num_train_levels == 0 and args.plr_replay_schedule != "fixed" and args.plr_strategy != "random",
-            "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
-        ),
-        (
-            (args.num_envs * args.num_steps) % args.num_minibatches,
-            f"--num-envs x --num-steps ({args.num_envs * args.num_steps}) must be divisible by --num-minibatches",
-        ),
-        (args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)"),
-    ):
-        if bad:
-            raise SystemExit(f"error: {msg}")
+    require(
+        not is_procgen(args.env_id) or args.distribution_mode in PROCGEN_DISTRIBUTION_MODES,
+        f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
+    )
+    require(
+        args.start_level + args.num_train_levels <= MAX_SEED,
+        f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
+    )
+    require(
+        args.num_train_levels != 0 or args.plr_replay_schedule == "fixed" or args.plr_strategy == "random",
+        "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
+    )
+    batch_size = args.num_envs * args.num_steps
+    require(
+        batch_size % args.num_minibatches == 0,
+        f"--num-envs x --num-steps ({batch_size}) must be divisible by --num-minibatches",
+    )
+    require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
 
 
 def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
@@ -269,14 +270,17 @@ def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = 
 
 # NETWORKS
 def layer_init(layer, std=np.sqrt(2)):
-    nn.init.orthogonal_(layer.weight, std), nn.init.zeros_(layer.bias)
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.zeros_(layer.bias)
     return layer
 
 
-class ResidualBlock(nn.Module):  # standard pre-activation block (the authors' in-place ReLU changes the skip)
+# The standard pre-activation block: the authors' in-place ReLU also changes the skip connection's input.
+class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x):
         return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
@@ -288,18 +292,23 @@ class ImpalaAgent(nn.Module):
 
     def __init__(self, obs_shape, num_actions, hidden=256):
         super().__init__()
-        h, w, c = obs_shape
+        height, width, channels = obs_shape
         stages = []
-        for out in (16, 32, 32):
-            stages += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, 2, padding=1), ResidualBlock(out), ResidualBlock(out)]
-            c, h, w = out, (h + 1) // 2, (w + 1) // 2
-        self.trunk = nn.Sequential(*stages, nn.Flatten(), nn.ReLU(), nn.Linear(c * h * w, hidden), nn.ReLU())
+        for out_channels in (16, 32, 32):
+            stages.append(nn.Conv2d(channels, out_channels, 3, padding=1))
+            stages.append(nn.MaxPool2d(3, 2, padding=1))
+            stages.append(ResidualBlock(out_channels))
+            stages.append(ResidualBlock(out_channels))
+            channels = out_channels
+            height = (height + 1) // 2
+            width = (width + 1) // 2
+        self.trunk = nn.Sequential(*stages, nn.Flatten(), nn.ReLU(), nn.Linear(channels * height * width, hidden), nn.ReLU())
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
-    def forward(self, obs):  # obs uint8 (B, H, W, C)
-        z = self.trunk(obs.permute(0, 3, 1, 2).float() / 255.0)
-        return self.actor(z), self.critic(z).squeeze(-1)
+    def forward(self, obs):  # obs: uint8 (B, H, W, C)
+        hidden = self.trunk(obs.permute(0, 3, 1, 2).float() / 255.0)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
 
 class MiniGridAgent(nn.Module):
@@ -310,9 +319,9 @@ class MiniGridAgent(nn.Module):
 
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
-        h, w, c = obs_shape
+        height, width, channels = obs_shape
         self.trunk = nn.Sequential(
-            nn.Conv2d(c, 16, 2),
+            nn.Conv2d(channels, 16, 2),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 2),
@@ -321,17 +330,23 @@ class MiniGridAgent(nn.Module):
             nn.ReLU(),
             nn.Flatten(),
         )
-        for conv in (m for m in self.trunk if isinstance(m, nn.Conv2d)):
-            nn.init.xavier_uniform_(conv.weight), nn.init.zeros_(conv.bias)
-        n = final_channels * ((h - 1) // 2 - 2) * ((w - 1) // 2 - 2)
+        for layer in self.trunk:
+            if isinstance(layer, nn.Conv2d):
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+        # 2x2 conv: -1, 2x2 max-pool: //2, two 2x2 convs: -2
+        embedding_size = final_channels * ((height - 1) // 2 - 2) * ((width - 1) // 2 - 2)
+        # the authors' Categorical head is the actor's last Linear
         self.actor = nn.Sequential(
-            layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01)
-        )  # theirs: Categorical head
-        self.critic = nn.Sequential(layer_init(nn.Linear(n, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0))
+            layer_init(nn.Linear(embedding_size, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        )
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(embedding_size, hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, 1), std=1.0)
+        )
 
     def forward(self, obs):
-        z = self.trunk(obs.permute(0, 3, 1, 2).float())
-        return self.actor(z), self.critic(z).squeeze(-1)
+        embedding = self.trunk(obs.permute(0, 3, 1, 2).float())
+        return self.actor(embedding), self.critic(embedding).squeeze(-1)
 
 
 def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
@@ -341,6 +356,45 @@ def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
 
 
 # ALGORITHM PIECES: PPO
+class ReturnNormalizer:
+    """Return normalization (Table 3), as gym's NormalizeReward: each env's reward is divided by the running standard
+    deviation of the discounted returns, then clipped to ±clip. Call it once per vector-env step with that step's
+    rewards and episode ends."""
+
+    def __init__(self, num_envs, gamma, clip=10.0, eps=1e-8):
+        self.gamma = gamma
+        self.clip = clip
+        self.eps = eps
+        self.ret = np.zeros(num_envs)  # each env's discounted return so far
+        self.mean = 0.0
+        self.var = 1.0
+        self.count = 1e-4
+
+    def __call__(self, rewards, dones):
+        self.ret = self.ret * self.gamma + rewards
+        # the running mean and variance take this step's returns as one batch (Chan et al.'s parallel update)
+        batch_mean = self.ret.mean()
+        batch_var = self.ret.var()
+        batch_count = self.ret.size
+        delta = batch_mean - self.mean
+        total_count = self.count + batch_count
+        self.mean += delta * batch_count / total_count
+        sum_of_squares = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total_count
+        self.var = sum_of_squares / total_count
+        self.count = total_count
+        self.ret[dones] = 0.0
+        return np.clip(rewards / np.sqrt(self.var + self.eps), -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self):
+        return {"ret": self.ret.copy(), "mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state):
+        self.ret = state["ret"].copy()
+        self.mean = state["mean"]
+        self.var = state["var"]
+        self.count = state["count"]
+
+
 def compute_gae(rewards, values, next_value, terminated, dones, final_values, gamma, gae_lambda):
     """GAE over a T-step rollout of (T, N) tensors. dones[t]: the episode ended at t (terminated or truncated);
     terminated[t]: true termination (no bootstrap); final_values[t]: V(s_final) of an episode truncated at t (ignored
@@ -349,34 +403,45 @@ def compute_gae(rewards, values, next_value, terminated, dones, final_values, ga
     (Eq. (2) without the absolute value)."""
     next_values = torch.cat([values[1:], next_value[None]], 0)
     # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
-    boot = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
-    deltas = rewards + gamma * boot - values
+    bootstrap = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
+    deltas = rewards + gamma * bootstrap - values
     advantages = torch.zeros_like(rewards)
-    last = torch.zeros_like(rewards[0])
+    advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
-        last = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].to(rewards.dtype)) * last  # Eq. (2) recursion
-        advantages[t] = last
+        # Eq. (2) as a recursion: A_t = δ_t + γλ A_{t+1}, restarting at each episode end
+        advantage = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].to(rewards.dtype)) * advantage
+        advantages[t] = advantage
     return advantages, deltas
 
 
-def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args: Args):
+class PPOLoss(NamedTuple):
+    loss: torch.Tensor  # the minimised total: policy_loss - ent_coef entropy + vf_coef value_loss
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    approx_kl: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args: Args) -> PPOLoss:
     """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017)."""
     logits, values = agent(obs)
     dist = Categorical(logits=logits)
     logratio = dist.log_prob(actions) - old_logprobs
     ratio = logratio.exp()
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    clipped_ratio = torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
     if args.clip_vloss:
-        v_clipped = old_values + torch.clamp(values - old_values, -args.clip_coef, args.clip_coef)
-        v_loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2).mean()
+        clipped_values = old_values + torch.clamp(values - old_values, -args.clip_coef, args.clip_coef)
+        value_loss = 0.5 * torch.max((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
     else:
-        v_loss = 0.5 * ((values - returns) ** 2).mean()
+        value_loss = 0.5 * ((values - returns) ** 2).mean()
     entropy = dist.entropy().mean()
-    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss
     with torch.no_grad():
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    return loss, pg_loss, v_loss, entropy, approx_kl, clipfrac
+    return PPOLoss(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
 
 
 # ALGORITHM PIECES: PLR
@@ -389,221 +454,261 @@ def step_scores(strategy, advantages, deltas, logits=None):
         return np.asarray(advantages)
     if strategy == "one_step_td":
         return np.abs(deltas)  # |δ_t|
-    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    p = np.exp(logp)
-    if strategy == "policy_entropy":  # -Σ_a π log π, normalized by log|A| (authors' code)
-        return -(p * logp).sum(-1) / np.log(p.shape[-1])
+    log_probs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    probs = np.exp(log_probs)
+    if strategy == "policy_entropy":
+        # -Σ_a π log π, normalized by log|A| (authors' code)
+        return -(probs * log_probs).sum(-1) / np.log(probs.shape[-1])
     if strategy == "least_confidence":
-        return 1.0 - p.max(-1)
-    if strategy == "min_margin":  # 1 - (p_(1) - p_(2)), higher = less confident (authors' code)
-        top2 = np.sort(p, axis=-1)[..., -2:]
+        return 1.0 - probs.max(-1)
+    if strategy == "min_margin":
+        # 1 - (p_(1) - p_(2)): higher = less confident (authors' code)
+        top2 = np.sort(probs, axis=-1)[..., -2:]
         return 1.0 - (top2[..., 1] - top2[..., 0])
     raise ValueError(f"no per-step score for strategy {strategy!r}")
 
 
 def score_distribution(scores, seen, transform="rank", temperature=0.1):
-    """Eq. (3): P_S(l_i) = h(S_i)^(1/β) / Σ_j h(S_j)^(1/β) over seen levels, 0 for unseen. rank: h = 1/rank(S_i), rank
-    among seen levels in descending order (1 = highest; ties by index); power: h = max(S_i, 0) (proportional); greedy:
-    all mass on the highest score. In log space so that β -> 0 stays finite; uniform over seen levels if all weights are 0."""
+    """Eq. (3): P_S(l_i) = h(S_i)^(1/β) / Σ_j h(S_j)^(1/β) over the seen levels, 0 for the unseen ones.
+
+    rank: h = 1/rank(S_i), the rank among seen levels in descending order (1 = highest; ties by index); power:
+    h = max(S_i, 0) (the paper's "proportional"); greedy: all mass on the highest score. The weights are computed in
+    log space so that a small β stays finite; if every weight is 0, P_S is uniform over the seen levels."""
     seen = np.asarray(seen, dtype=bool)
-    p = np.zeros(len(seen))
-    idx = np.flatnonzero(seen)
-    if idx.size == 0:
-        return p
-    s = np.asarray(scores, dtype=np.float64)[idx]
+    probs = np.zeros(len(seen))
+    seen_slots = np.flatnonzero(seen)
+    if seen_slots.size == 0:
+        return probs
+    seen_scores = np.asarray(scores, dtype=np.float64)[seen_slots]
     if transform == "greedy":
-        p[idx[np.argmax(s)]] = 1.0
-        return p
+        probs[seen_slots[np.argmax(seen_scores)]] = 1.0
+        return probs
     if transform == "rank":
-        ranks = np.empty(idx.size)
-        ranks[np.argsort(-s, kind="stable")] = np.arange(1, idx.size + 1)
+        ranks = np.empty(seen_slots.size)
+        ranks[np.argsort(-seen_scores, kind="stable")] = np.arange(1, seen_slots.size + 1)
         log_h = -np.log(ranks)
     elif transform == "power":
         with np.errstate(divide="ignore"):
-            log_h = np.log(np.clip(s, 0.0, None))
+            log_h = np.log(np.clip(seen_scores, 0.0, None))
     else:
         raise ValueError(f"unknown transform {transform!r}")
-    top = log_h.max()
-    if not np.isfinite(top):
-        p[idx] = 1.0 / idx.size
-        return p
-    w = np.exp((log_h - top) / temperature)
-    p[idx] = w / w.sum()
-    return p
+    # h^(1/β) / Σ h^(1/β) = exp((log h - max log h) / β) / Σ exp(...)
+    max_log_h = log_h.max()
+    if not np.isfinite(max_log_h):
+        probs[seen_slots] = 1.0 / seen_slots.size
+        return probs
+    weights = np.exp((log_h - max_log_h) / temperature)
+    probs[seen_slots] = weights / weights.sum()
+    return probs
 
 
 def staleness_distribution(staleness, seen):
-    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over seen levels; uniform over seen if all are 0."""
+    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over the seen levels; uniform over them if all are 0."""
     seen = np.asarray(seen, dtype=bool)
-    st = np.where(seen, np.asarray(staleness, dtype=np.float64), 0.0)
-    z = st.sum()
-    if z > 0:
-        return st / z
-    n = seen.sum()
-    return seen / n if n else np.zeros(len(seen))
+    seen_staleness = np.where(seen, np.asarray(staleness, dtype=np.float64), 0.0)
+    total = seen_staleness.sum()
+    if total > 0:
+        return seen_staleness / total
+    num_seen = seen.sum()
+    return seen / num_seen if num_seen else np.zeros(len(seen))
 
 
-def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1, p_s=None):
+def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
     """Eq. (1): P_replay = (1 - ρ) P_S + ρ P_C over all levels (0 for unseen; all 0 if nothing is seen).
-    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ;
-    p_s: P_S if already computed (then scores, transform and temperature are unused)."""
-    p_s = score_distribution(scores, seen, transform, temperature) if p_s is None else p_s
+    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ."""
+    score_probs = score_distribution(scores, seen, transform, temperature)
     if staleness_coef == 0.0:
-        return p_s
-    return (1.0 - staleness_coef) * p_s + staleness_coef * staleness_distribution(staleness, seen)
+        return score_probs
+    return (1.0 - staleness_coef) * score_probs + staleness_coef * staleness_distribution(staleness, seen)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The level sampler's settings; `make_sampler` reads them from the --plr-* flags (--plr-X is field X)."""
+
+    strategy: str = "value_l1"
+    transform: str = "rank"
+    temperature: float = 0.1
+    staleness_coef: float = 0.1
+    replay_schedule: str = "proportionate"
+    replay_prob: float = 0.95
+    min_fill: float = 0.0
+    score_alpha: float = 1.0
+    commit: str = "episode"
+    buffer_size: int = 0
 
 
 class LevelSampler:
-    """PLR's level sampler: scores S, staleness c - C, seen set Λ_seen, per-actor partial scores S~ (Algorithm 4).
+    """PLR's level sampler (Algorithm 4): scores S, staleness c - C, the seen set Λ_seen, each actor's partial score S~.
 
     Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
-    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1) staged until their first episode ends (as
-    facebookresearch/dcd's sampler; the authors' level-replay sampler has no unbounded mode).
-    Per update: `sample` (inside env.step, at each episode end) ... `update_with_rollouts` -> PPO update -> `after_update`."""
+    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1), staged until their first episode is scored.
+    Per update: `sample` (inside env.step, at each episode end), `update_with_rollouts`, the PPO update, `after_update`.
+    """
 
-    def __init__(
-        self,
-        levels,
-        num_actors,
-        *,
-        strategy="value_l1",
-        transform="rank",
-        temperature=0.1,
-        staleness_coef=0.1,
-        replay_schedule="proportionate",
-        replay_prob=0.95,
-        min_fill=0.0,
-        score_alpha=1.0,
-        commit="episode",
-        buffer_size=0,
-        seed=0,
-    ):
+    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+        self.config = config
         self.unbounded = levels is None
-        self.strategy, self.transform, self.temperature = strategy, transform, temperature
-        self.staleness_coef, self.replay_schedule, self.replay_prob = staleness_coef, replay_schedule, replay_prob
-        self.min_fill, self.score_alpha, self.commit = min_fill, score_alpha, commit
-        size = buffer_size if self.unbounded else len(levels)
-        self.seeds = np.full(size, -1, np.int64) if self.unbounded else np.asarray(levels, np.int64).copy()
-        self.slot_of = {} if self.unbounded else {int(s): i for i, s in enumerate(self.seeds)}
-        self.scores, self.staleness = np.zeros(size), np.zeros(size)  # S, c - C
-        self.seen = np.zeros(size, bool)  # Λ_seen: levels with a committed score (unbounded: filled buffer slots)
-        self.partial_score = np.zeros(num_actors)  # S~: time-averaged score of the unfinished episode
-        self.partial_steps = np.zeros(num_actors, np.int64)  # |τ| of that partial episode
+        if self.unbounded:
+            # -1: an empty buffer slot
+            self.seeds = np.full(config.buffer_size, -1, np.int64)
+            self.slot_of = {}
+        else:
+            self.seeds = np.asarray(levels, np.int64).copy()
+            self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds)}
+        num_slots = len(self.seeds)
+        self.scores = np.zeros(num_slots)  # S_i
+        self.staleness = np.zeros(num_slots)  # c - C_i
+        # Λ_seen: the levels with a committed score (unbounded: the filled buffer slots)
+        self.seen = np.zeros(num_slots, bool)
+        # S~: the mean score so far of each actor's unfinished episode, its length so far and its level
+        self.partial_score = np.zeros(num_actors)
+        self.partial_steps = np.zeros(num_actors, np.int64)
         self.partial_level = np.full(num_actors, -1, np.int64)
-        self.staged = {}  # unbounded: seed -> c when sampled, for levels not yet in the buffer
-        self.num_samples = self.num_replays = self.num_seen = 0  # num_samples: c
+        # unbounded: new levels not yet in the buffer, level -> c when it was sampled
+        self.staged = {}
+        self.num_samples = 0  # c
+        self.num_replays = 0
+        self.num_seen = 0  # |Λ_seen|
         self.rng = np.random.default_rng(seed)
-        self._p_s = None  # cached P_S (scores change only in update_with_rollouts / after_update)
 
     # --- distributions ---
     def replay_probs(self) -> np.ndarray:
-        """P_replay over slots (Eq. (1)): `replay_distribution` with P_S cached until the scores change."""
-        if self._p_s is None:
-            self._p_s = score_distribution(self.scores, self.seen, self.transform, self.temperature)
-        return replay_distribution(None, self.staleness, self.seen, staleness_coef=self.staleness_coef, p_s=self._p_s)
+        """P_replay over the slots (Eq. (1))."""
+        config = self.config
+        return replay_distribution(
+            self.scores, self.staleness, self.seen, config.transform, config.temperature, config.staleness_coef
+        )
 
     def replay_decision_prob(self) -> float:
         """P_D(d = 1), the probability that the next level is a replay."""
-        frac = self.num_seen / len(self.seeds)
-        if self.num_seen == 0 or frac < self.min_fill:
+        seen_fraction = self.num_seen / len(self.seeds)
+        if self.num_seen == 0 or seen_fraction < self.config.min_fill:
             return 0.0
-        if not self.unbounded and frac == 1.0:
-            return 1.0  # Algorithm 2: no unseen level left
-        return frac if self.replay_schedule == "proportionate" else self.replay_prob
+        if not self.unbounded and seen_fraction == 1.0:
+            # Algorithm 2: no unseen level is left
+            return 1.0
+        if self.config.replay_schedule == "proportionate":
+            return seen_fraction
+        return self.config.replay_prob
 
     # --- sampleNextLevel (Algorithm 4) ---
-    def _draw_unseen(self) -> int:
-        """P_new: uniform over Λ_train \\ Λ_seen (bounded), or a random seed not in the buffer (unbounded)."""
-        if not self.unbounded:
-            return int(self.rng.choice(np.flatnonzero(~self.seen)))
-        while True:
-            s = int(self.rng.integers(MAX_SEED))
-            if s not in self.slot_of and s not in self.staged:
-                return s
-
     def sample(self, actor: int) -> int:
-        """Choose the level of actor `actor`'s next episode; returns its seed."""
-        if self.strategy == "random":  # uniform baseline P_train = Uniform(Λ_train)
+        """The level (seed) of actor `actor`'s next episode."""
+        if self.config.strategy == "random":
+            # the uniform baseline: P_train = Uniform(Λ_train)
             if self.unbounded:
                 return int(self.rng.integers(MAX_SEED))
             return int(self.seeds[self.rng.integers(len(self.seeds))])
         self.num_samples += 1  # c <- c + 1
         self.staleness += 1.0
-        if self.rng.random() < self.replay_decision_prob():  # d ~ P_D
-            cdf = np.cumsum(self.replay_probs())  # l ~ P_replay (inverse CDF; zero-mass slots are never drawn)
-            slot = min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+        # d ~ P_D: replay a seen level, or play a new one
+        if self.rng.random() < self.replay_decision_prob():
+            slot = self._sample_replay_slot()
             self.num_replays += 1
-            seed = int(self.seeds[slot])
-        else:  # a new level joins Λ_seen at its first committed score (authors' code; Algorithm 2: when sampled)
-            seed = self._draw_unseen()
-            slot = self.slot_of.get(seed)
-            if slot is None:  # unbounded: staged until its first episode is scored
-                self.staged[seed] = self.num_samples
+            level = int(self.seeds[slot])
+        else:
+            level = self._sample_unseen_level()
+            slot = self.slot_of.get(level)
+            if slot is None:
+                # unbounded: staged until its first episode is scored
+                self.staged[level] = self.num_samples
         if slot is not None:
             self.staleness[slot] = 0.0  # C_i <- c
-        return seed
+        return level
+
+    def _sample_replay_slot(self) -> int:
+        """l ~ P_replay, by inverting its cumulative distribution (a slot of zero mass is never drawn)."""
+        cdf = np.cumsum(self.replay_probs())
+        slot = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return min(slot, len(cdf) - 1)
+
+    def _sample_unseen_level(self) -> int:
+        """P_new: uniform over Λ_train \\ Λ_seen (bounded), or a random seed that is not in the buffer (unbounded).
+        A new level joins Λ_seen at its first committed score (authors' code), not when sampled (Algorithm 2)."""
+        if not self.unbounded:
+            return int(self.rng.choice(np.flatnonzero(~self.seen)))
+        while True:
+            level = int(self.rng.integers(MAX_SEED))
+            if level not in self.slot_of and level not in self.staged:
+                return level
 
     # --- scores ---
-    def _commit(self, seed: int, score: float) -> None:
-        """S_i <- (1 - α) S_i + α score (α = 1: the paper's overwrite); unbounded: insert into the top-M buffer."""
-        slot = self.slot_of.get(seed)
-        if slot is None:  # unbounded, level not in the buffer
-            timestamp = self.staged.pop(seed, self.num_samples)
-            if self.num_seen < len(self.seeds):
-                slot = self.num_seen
-                self.num_seen += 1
-            else:  # App. B.3: l_min = argmin P_replay(l), replaced only if its score is lower
-                slot = int(np.argmin(self.replay_probs()))
-                if not self.scores[slot] < score:
-                    return
-                del self.slot_of[int(self.seeds[slot])]
-            self.seeds[slot] = seed
-            self.slot_of[seed] = slot
-            self.seen[slot] = False
-            self.staleness[slot] = self.num_samples - timestamp
+    def _commit_score(self, level: int, score: float) -> None:
+        """S_i <- (1 - α) S_i + α score (α = 1: the paper's overwrite); the level's first score adds it to Λ_seen."""
+        slot = self.slot_of.get(level)
+        if slot is None:
+            slot = self._insert_into_buffer(level, score)
+            if slot is None:
+                return
         elif not self.seen[slot]:
             self.num_seen += 1
         if self.seen[slot]:
-            self.scores[slot] = (1.0 - self.score_alpha) * self.scores[slot] + self.score_alpha * score
-        else:  # first score: l joins Λ_seen and becomes replayable
+            alpha = self.config.score_alpha
+            self.scores[slot] = (1.0 - alpha) * self.scores[slot] + alpha * score
+        else:
+            # the first score: the level joins Λ_seen and becomes replayable
             self.scores[slot] = score
             self.seen[slot] = True
-        self._p_s = None
 
-    def update_with_rollouts(self, scores_tn, dones_tn, levels_tn) -> int:
-        """Split each actor's rollout at episode ends, average the per-step scores of each segment, stitch the first
-        segment to the actor's partial score S~ (Algorithm 4), commit finished episodes and keep the trailing
-        unfinished one as the new partial score. (T, N) numpy arrays in; returns the number of committed scores."""
-        if self.strategy == "random":
+    def _insert_into_buffer(self, level: int, score: float) -> int | None:
+        """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
+        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out."""
+        sampled_at = self.staged.pop(level, self.num_samples)
+        if self.num_seen < len(self.seeds):
+            slot = self.num_seen
+            self.num_seen += 1
+        else:
+            slot = int(np.argmin(self.replay_probs()))
+            if not self.scores[slot] < score:
+                return None
+            del self.slot_of[int(self.seeds[slot])]
+        self.seeds[slot] = level
+        self.slot_of[level] = slot
+        # the slot now holds a level without a score yet (its score is set by the caller)
+        self.seen[slot] = False
+        self.staleness[slot] = self.num_samples - sampled_at
+        return slot
+
+    def update_with_rollouts(self, scores, dones, levels) -> int:
+        """Algorithm 4's scoring of a rollout. scores, dones, levels: (T, N) numpy arrays of the per-step scores, the
+        episode ends and the level each step was played on. Each actor's rollout splits after every episode end; the
+        first segment continues the actor's unfinished episode (its partial score S~), each finished episode commits
+        the mean score of its steps, and the trailing unfinished one becomes the new S~. Returns the number of commits."""
+        if self.config.strategy == "random":
             return 0
-        T, N = scores_tn.shape
-        s = np.asarray(scores_tn, np.float64).T.reshape(-1)  # actor-major
-        d = np.asarray(dones_tn, bool).T.reshape(-1)
-        lv = np.asarray(levels_tn, np.int64).T.reshape(-1)
-        start = np.zeros(N * T, bool)
-        start[::T] = True
-        start[1:] |= d[:-1]
-        first = np.flatnonzero(start)
-        last = np.r_[first[1:], N * T] - 1
-        seg = np.cumsum(start) - 1
-        sums = np.bincount(seg, weights=s, minlength=len(first))
-        counts = np.bincount(seg, minlength=len(first)).astype(np.int64)
-        seg_done, seg_level, seg_actor = d[last], lv[first], first // T
-        seg_first_of_actor = first % T == 0
-        committed = 0
-        for k in range(len(first)):  # one iteration per episode segment (vectorized stats above)
-            a, n, total = seg_actor[k], counts[k], sums[k]
-            if seg_first_of_actor[k] and self.partial_steps[a] > 0:
-                if self.partial_level[a] == seg_level[k]:  # continue S~ of the same episode
-                    total += self.partial_score[a] * self.partial_steps[a]
-                    n += self.partial_steps[a]
-                self.partial_steps[a] = 0
-            if seg_done[k]:
-                self._commit(int(seg_level[k]), total / n)
-                committed += 1
-            else:
-                self.partial_score[a], self.partial_steps[a], self.partial_level[a] = total / n, n, seg_level[k]
-        return committed
+        scores = np.asarray(scores, np.float64)
+        dones = np.asarray(dones, bool)
+        levels = np.asarray(levels, np.int64)
+        num_steps, num_actors = scores.shape
+        num_commits = 0
+        for actor in range(num_actors):
+            start = 0
+            episode_ends = np.flatnonzero(dones[:, actor]) + 1
+            for end in [*episode_ends, num_steps]:
+                if start == end:
+                    # the rollout's last step ended an episode: no steps after it
+                    continue
+                level = int(levels[start, actor])
+                total = 0.0
+                for step_score in scores[start:end, actor].tolist():
+                    total += step_score
+                length = end - start
+                if start == 0 and self.partial_steps[actor] > 0:
+                    if self.partial_level[actor] == level:
+                        # the same episode goes on: stitch its steps from earlier rollouts
+                        total += self.partial_score[actor] * self.partial_steps[actor]
+                        length += self.partial_steps[actor]
+                    self.partial_steps[actor] = 0
+                if dones[end - 1, actor]:
+                    self._commit_score(level, total / length)
+                    num_commits += 1
+                else:
+                    self.partial_score[actor] = total / length
+                    self.partial_steps[actor] = length
+                    self.partial_level[actor] = level
+                start = end
+        return num_commits
 
     def restart_episodes(self) -> None:
         """Every actor's episode restarts from its level's first frame (`--resume`: env states are not saved): drop the
@@ -613,66 +718,69 @@ class LevelSampler:
 
     def after_update(self) -> None:
         """`--plr-commit update` (authors' code): commit every partial score S~ as its level's score, reset S~."""
-        if self.commit != "update" or self.strategy == "random":
+        if self.config.commit != "update" or self.config.strategy == "random":
             return
-        for a in np.flatnonzero(self.partial_steps > 0):
-            self._commit(int(self.partial_level[a]), float(self.partial_score[a]))
-            self.partial_steps[a] = 0
+        for actor in np.flatnonzero(self.partial_steps > 0):
+            self._commit_score(int(self.partial_level[actor]), float(self.partial_score[actor]))
+            self.partial_steps[actor] = 0
 
     # --- checkpointing ---
     _ARRAYS = ("seeds", "scores", "staleness", "seen", "partial_score", "partial_steps", "partial_level")
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k).copy() for k in self._ARRAYS} | dict(
-            staged=dict(self.staged),
-            num_samples=self.num_samples,
-            num_replays=self.num_replays,
-            num_seen=self.num_seen,
-            rng=self.rng.bit_generator.state,
-        )
+        state = {name: getattr(self, name).copy() for name in self._ARRAYS}
+        state["staged"] = dict(self.staged)
+        state["num_samples"] = self.num_samples
+        state["num_replays"] = self.num_replays
+        state["num_seen"] = self.num_seen
+        state["rng"] = self.rng.bit_generator.state
+        return state
 
-    def load_state_dict(self, d: dict) -> None:
-        for k in self._ARRAYS:
-            setattr(self, k, np.array(d[k]).copy())
-        self.staged, self.num_samples = dict(d["staged"]), d["num_samples"]
-        self.num_replays, self.num_seen = d["num_replays"], d["num_seen"]
-        self.slot_of = {int(s): i for i, s in enumerate(self.seeds) if s >= 0}
-        self.rng.bit_generator.state = d["rng"]
-        self._p_s = None
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._ARRAYS:
+            setattr(self, name, np.array(state[name]).copy())
+        self.staged = dict(state["staged"])
+        self.num_samples = state["num_samples"]
+        self.num_replays = state["num_replays"]
+        self.num_seen = state["num_seen"]
+        self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds) if level >= 0}
+        self.rng.bit_generator.state = state["rng"]
 
     def stats(self) -> dict:
         """plr/* metrics."""
-        p = self.replay_probs() if self.num_seen else np.zeros(1)
+        probs = self.replay_probs() if self.num_seen else np.zeros(1)
+        positive = probs[probs > 0]
         out = {
             "plr/num_seen_levels": int(self.num_seen),
             "plr/replay_prob": self.replay_decision_prob(),
             "plr/num_replays": int(self.num_replays),
-            "plr/replay_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum()),
+            "plr/replay_entropy": float(-(positive * np.log(positive)).sum()),
         }
-        for name, x in (("score", self.scores[self.seen]), ("staleness", self.staleness[self.seen])):
-            out |= {
-                f"plr/{name}_mean": float(x.mean()) if x.size else 0.0,
-                f"plr/{name}_max": float(x.max()) if x.size else 0.0,
-            }
+        for name, values in (("score", self.scores[self.seen]), ("staleness", self.staleness[self.seen])):
+            out[f"plr/{name}_mean"] = float(values.mean()) if values.size else 0.0
+            out[f"plr/{name}_max"] = float(values.max()) if values.size else 0.0
         return out
 
 
 def make_sampler(args: Args, seed: int) -> LevelSampler:
-    """The LevelSampler of the --plr-* flags (--plr-X is its keyword X)."""
-    levels = None if args.num_train_levels == 0 else np.arange(args.start_level, args.start_level + args.num_train_levels)
-    names = (
-        "strategy",
-        "transform",
-        "temperature",
-        "staleness_coef",
-        "replay_schedule",
-        "replay_prob",
-        "min_fill",
-        "score_alpha",
-        "commit",
-        "buffer_size",
+    """The LevelSampler of the --plr-* flags."""
+    if args.num_train_levels == 0:
+        levels = None
+    else:
+        levels = np.arange(args.start_level, args.start_level + args.num_train_levels)
+    config = SamplerConfig(
+        strategy=args.plr_strategy,
+        transform=args.plr_transform,
+        temperature=args.plr_temperature,
+        staleness_coef=args.plr_staleness_coef,
+        replay_schedule=args.plr_replay_schedule,
+        replay_prob=args.plr_replay_prob,
+        min_fill=args.plr_min_fill,
+        score_alpha=args.plr_score_alpha,
+        commit=args.plr_commit,
+        buffer_size=args.plr_buffer_size,
     )
-    return LevelSampler(levels, args.num_envs, seed=seed, **{k: getattr(args, f"plr_{k}") for k in names})
+    return LevelSampler(levels, args.num_envs, config, seed=seed)
 
 
 # EVALUATION
@@ -709,40 +817,86 @@ def eval_level_sets(args: Args, sampler: LevelSampler, rng: np.random.Generator)
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
     ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
-    out, n = {}, envs.num_envs
+    metrics = {}
+    num_envs = envs.num_envs
     for kind, next_level in level_sets.items():
-        quota, got = -(-num_episodes // n), [[] for _ in range(n)]
-        obs = envs.reset([next_level() for _ in range(n)])
-        while sum(min(len(g), quota) for g in got) < num_episodes:
+        quota = (num_episodes + num_envs - 1) // num_envs
+        returns_per_env = [[] for _ in range(num_envs)]
+        obs = envs.reset([next_level() for _ in range(num_envs)])
+        while sum(min(len(env_returns), quota) for env_returns in returns_per_env) < num_episodes:
             # a stop signal ends the evaluation between steps
             check_stop()
             with torch.no_grad():
-                actions = Categorical(logits=agent(torch.as_tensor(obs, device=device))[0]).sample().cpu().numpy()
+                logits = agent(torch.as_tensor(obs, device=device))[0]
+            actions = Categorical(logits=logits).sample().cpu().numpy()
             obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
             for i in np.flatnonzero(info["_episode"]):
-                got[i].append(float(info["episode_return"][i]))
-        rets = np.array([r for g in got for r in g[:quota]][:num_episodes])
-        out[f"eval/{kind}_return"] = float(rets.mean())
-        out[f"eval/{kind}_return_se"] = float(rets.std(ddof=1) / np.sqrt(len(rets))) if len(rets) > 1 else 0.0
-        if is_procgen(args.env_id):  # Cobbe et al. (2020) min-max normalization (None for other modes)
+                returns_per_env[i].append(float(info["episode_return"][i]))
+        returns = np.array([ret for env_returns in returns_per_env for ret in env_returns[:quota]][:num_episodes])
+        metrics[f"eval/{kind}_return"] = float(returns.mean())
+        if len(returns) > 1:
+            metrics[f"eval/{kind}_return_se"] = float(returns.std(ddof=1) / np.sqrt(len(returns)))
+        else:
+            metrics[f"eval/{kind}_return_se"] = 0.0
+        if is_procgen(args.env_id):
             from common.procgen_env import procgen_normalized_return
 
-            norm = procgen_normalized_return(args.env_id, args.distribution_mode, rets.mean())
-            out |= {} if norm is None else {f"eval/{kind}_normalized_return": norm}
-        else:  # MiniGrid: a success is any positive return
-            out[f"eval/{kind}_success"] = float((rets > 0).mean())
-    return out | {"eval/generalization_gap": out["eval/train_return"] - out["eval/test_return"]}
+            # Cobbe et al. (2020) min-max normalization (None for the other distribution modes)
+            normalized = procgen_normalized_return(args.env_id, args.distribution_mode, returns.mean())
+            if normalized is not None:
+                metrics[f"eval/{kind}_normalized_return"] = normalized
+        else:
+            # MiniGrid: a success is any positive return
+            metrics[f"eval/{kind}_success"] = float((returns > 0).mean())
+    metrics["eval/generalization_gap"] = metrics["eval/train_return"] - metrics["eval/test_return"]
+    return metrics
+
+
+# ROLLOUT STORAGE
+@dataclass
+class Rollout:
+    """One rollout's buffers, indexed [t, i] for step t of env i; on the learner's device, except `levels`."""
+
+    obs: torch.Tensor  # (T, N, H, W, C) uint8
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # normalized with --norm-reward
+    terminated: torch.Tensor  # the episode ended here, with no bootstrap
+    dones: torch.Tensor  # the episode ended here (terminated or truncated)
+    final_values: torch.Tensor  # V(final obs) where an episode was truncated (--bootstrap-truncation)
+    logits: torch.Tensor  # (T, N, |A|) behaviour logits, for the policy-based scores
+    levels: np.ndarray  # the level each step was played on
+
+
+def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout:
+    shape = (num_steps, num_envs)
+    return Rollout(
+        obs=torch.zeros((*shape, *obs_shape), dtype=torch.uint8, device=device),
+        actions=torch.zeros(shape, dtype=torch.long, device=device),
+        logprobs=torch.zeros(shape, device=device),
+        values=torch.zeros(shape, device=device),
+        rewards=torch.zeros(shape, device=device),
+        terminated=torch.zeros(shape, dtype=torch.bool, device=device),
+        dones=torch.zeros(shape, dtype=torch.bool, device=device),
+        final_values=torch.zeros(shape, device=device),
+        logits=torch.zeros((*shape, num_actions), device=device),
+        levels=np.zeros(shape, np.int64),
+    )
 
 
 if __name__ == "__main__":
-    stop_on_signals()  # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    # tyro (--help grouped: common / environment / method); --resume: the checkpoint's flags, given flags override
+    # SIGINT (even when inherited as ignored) and SIGTERM stop every process and still write summary.json
+    stop_on_signals()
+    # --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME)
     args = resolve_defaults(args)
-    validate_args(args)  # only the checks between flags; all before anything heavy and before RunLogger
-    N, T = args.num_envs, args.num_steps
-    batch_size, minibatch_size = N * T, N * T // args.num_minibatches  # the run ends at the budget's last whole batch
+    # every check before anything heavy starts and before RunLogger
+    validate_args(args)
+    batch_size = args.num_envs * args.num_steps
+    minibatch_size = batch_size // args.num_minibatches
     start_step = ckpt["global_step"] if ckpt else 0
+    # the run ends at the budget's last whole batch
     end_step = start_step + (args.total_timesteps - start_step) // batch_size * batch_size
     if end_step <= start_step:
         raise SystemExit(
@@ -755,35 +909,46 @@ if __name__ == "__main__":
             f"steps): the run ends at step {end_step:,}",
             flush=True,
         )
-    logger = start_run(args, ckpt, args.env_id)  # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's
+    # runs/{env}__{exp_name}__{seed}__{time}, or the checkpoint's run directory
+    logger = start_run(args, ckpt, args.env_id)
 
     # TRY NOT TO MODIFY: seeding
     seed_everything(args.seed, args.torch_deterministic)
     device = select_device(args.cuda)
-    # PPO acts and learns in turn: its env workers (MiniGrid) wait while it learns, so they take no core from it
-    set_learner_threads(0)
 
     # SETUP: envs, network, optimizer, level sampler
-    envs = make_env(args, N, seed=args.seed)
-    eval_envs = None  # one evaluation env (one worker) for train and test levels, created at the first evaluation
-    obs_shape, num_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)
+    envs = make_env(args, args.num_envs, seed=args.seed)
+    # Torch threads. Acting: one thread. A forward pass on N small observations is too small to split, and a second
+    # thread waits for a core held by an env worker or another run (10-40x slower per step on 2 busy cores). Learning:
+    # the cores that the MiniGrid env workers leave, at least 1 (on 2 busy cores, a whole run was 3.5x faster with 1
+    # thread than with 2); Procgen steps its envs in native threads inside envs.step, so the learner learns on every core.
+    env_workers = envs.num_workers if isinstance(envs, MiniGridVecEnv) else 0
+    learn_threads = set_learner_threads(env_workers)
+    torch.set_num_threads(1)
+    # one evaluation env (one worker) for train and test levels, created at the first evaluation
+    eval_envs = None
+    obs_shape = envs.single_observation_space.shape
+    num_actions = int(envs.single_action_space.n)
     agent = make_agent(args, obs_shape, num_actions).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     sampler = make_sampler(args, seed=args.seed)
-    normalizer = ReturnNormalizer(N, args.gamma) if args.norm_reward else None
+    normalizer = ReturnNormalizer(args.num_envs, args.gamma) if args.norm_reward else None
     eval_rng = np.random.default_rng(args.seed + 12345)
-    train_levels = np.arange(args.start_level, args.start_level + args.num_train_levels)
-    difficulties = None  # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
+    # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
+    difficulties = None
     if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
-        difficulties = np.array([level_difficulty(args.env_id, int(s)) for s in train_levels])
+        train_levels = range(args.start_level, args.start_level + args.num_train_levels)
+        difficulties = np.array([level_difficulty(args.env_id, level) for level in train_levels])
 
-    global_step, update = start_step, ckpt["update"] if ckpt else 0
-    if ckpt:  # restore, then one line
+    global_step = start_step
+    update = ckpt["update"] if ckpt else 0
+    if ckpt:
         load_state_dicts(ckpt, model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
         eval_rng.bit_generator.state = ckpt["eval_rng"]
         set_rng_state(ckpt["rng"])
-        next_obs = envs.reset([int(s) for s in ckpt["env_levels"]])  # env states are not saved: restart each level
-        # the restarted episodes begin again at their first frame: their saved partial scores S~ belong to lost frames
+        # env states are not saved: each env restarts its level from the first frame
+        next_obs = envs.reset([int(level) for level in ckpt["env_levels"]])
+        # the saved partial scores S~ belong to frames that are lost: drop them
         sampler.restart_episodes()
         print(
             f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
@@ -792,141 +957,168 @@ if __name__ == "__main__":
             flush=True,
         )
     else:
-        next_obs = envs.reset([sampler.sample(i) for i in range(N)])
+        next_obs = envs.reset([sampler.sample(i) for i in range(args.num_envs)])
 
-    obs_buf = torch.zeros((T, N, *obs_shape), dtype=torch.uint8, device=device)
-    actions_buf = torch.zeros((T, N), dtype=torch.long, device=device)
-    logprobs_buf, values_buf, rewards_buf, final_values_buf = (torch.zeros((T, N), device=device) for _ in range(4))
-    term_buf, done_buf = (torch.zeros((T, N), dtype=torch.bool, device=device) for _ in range(2))
-    levels_np = np.zeros((T, N), np.int64)
-    logits_buf = torch.zeros((T, N, num_actions), device=device)  # behaviour logits (the policy-based scores)
-    recent_returns, sps_steps, sps_time = [], 0, 0.0
+    rollout = make_rollout(args.num_steps, args.num_envs, obs_shape, num_actions, device)
+    # (return, length) of the episodes finished since the last log line
+    recent_episodes = []
+    sps_steps = 0
+    sps_seconds = 0.0
 
     def run_eval(num_episodes):
         global eval_envs
         if eval_envs is None:
             eval_envs = make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
         agent.eval()
-        out = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
+        metrics = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
         agent.train()
-        return out
+        return metrics
 
     def save(path):
-        save_checkpoint(
-            path,
-            {
-                "script": "plr_ppo.py",
-                "args": vars(args),
-                "run_name": logger.run_name,
-                "global_step": global_step,
-                "update": update,
-                "eval_rng": eval_rng.bit_generator.state,
-                "rng": rng_state(),
-                "env_levels": np.array(envs.levels, np.int64),
-                **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
-            },
-        )
+        checkpoint = {
+            "script": "plr_ppo.py",
+            "args": vars(args),
+            "run_name": logger.run_name,
+            "global_step": global_step,
+            "update": update,
+            "eval_rng": eval_rng.bit_generator.state,
+            "rng": rng_state(),
+            "env_levels": np.array(envs.levels, np.int64),
+        }
+        checkpoint |= state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
+        save_checkpoint(path, checkpoint)
 
-    next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None
+    if args.checkpoint_every:
+        next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every
+    else:
+        next_checkpoint = None
     error = None
     try:
         while global_step < end_step:
-            t0 = time.time()
-            replays_before, samples_before = sampler.num_replays, sampler.num_samples
+            update_start = time.time()
+            replays_before = sampler.num_replays
+            samples_before = sampler.num_samples
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
-            for step in range(T):
+            for step in range(args.num_steps):
                 # a stop signal (recorded by its handler) stops the run here, between env steps
                 check_stop()
-                obs_buf[step] = obs_t = torch.as_tensor(next_obs, device=device)
+                obs = torch.as_tensor(next_obs, device=device)
+                rollout.obs[step] = obs
                 with torch.no_grad():
-                    logits, value = agent(obs_t)
+                    logits, value = agent(obs)
                 dist = Categorical(logits=logits)
                 action = dist.sample()
-                actions_buf[step], logprobs_buf[step], values_buf[step] = action, dist.log_prob(action), value
-                logits_buf[step] = logits
+                rollout.actions[step] = action
+                rollout.logprobs[step] = dist.log_prob(action)
+                rollout.values[step] = value
+                rollout.logits[step] = logits
                 next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy(), next_level=sampler.sample)
                 done = terminated | truncated
-                if not args.bootstrap_truncation:  # the time limit ends the task: no bootstrap (MiniGrid default)
-                    terminated, truncated = done, np.zeros_like(done)
-                levels_np[step] = info["level_seed"]
+                if not args.bootstrap_truncation:
+                    # the time limit is part of the task (MiniGrid's default): no bootstrap
+                    terminated = done
+                    truncated = np.zeros_like(done)
+                rollout.levels[step] = info["level_seed"]
                 if normalizer is not None:
                     reward = normalizer(reward, done)
-                rewards_buf[step] = torch.as_tensor(reward, device=device)
-                term_buf[step] = torch.as_tensor(terminated, device=device)
-                done_buf[step] = torch.as_tensor(done, device=device)
-                if truncated.any():  # --bootstrap-truncation: bootstrap truncations from V(s_final)
-                    idx = np.flatnonzero(truncated)
+                rollout.rewards[step] = torch.as_tensor(reward, device=device)
+                rollout.terminated[step] = torch.as_tensor(terminated, device=device)
+                rollout.dones[step] = torch.as_tensor(done, device=device)
+                if truncated.any():
+                    # --bootstrap-truncation: a truncated episode bootstraps from V(s_final)
+                    truncated_envs = np.flatnonzero(truncated)
+                    final_obs = torch.as_tensor(info["final_obs"][truncated_envs], device=device)
                     with torch.no_grad():
-                        final_values_buf[step, torch.as_tensor(idx, device=device)] = agent(
-                            torch.as_tensor(info["final_obs"][idx], device=device)
-                        )[1]
+                        final_values = agent(final_obs)[1]
+                    rollout.final_values[step, torch.as_tensor(truncated_envs, device=device)] = final_values
                 ended = np.flatnonzero(info["_episode"])
-                recent_returns += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
+                recent_episodes += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
             global_step += batch_size
-            collect_time = time.time() - t0
+            collect_seconds = time.time() - update_start
 
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
                 next_value = agent(torch.as_tensor(next_obs, device=device))[1]
             advantages, deltas = compute_gae(
-                rewards_buf, values_buf, next_value, term_buf, done_buf, final_values_buf, args.gamma, args.gae_lambda
+                rollout.rewards,
+                rollout.values,
+                next_value,
+                rollout.terminated,
+                rollout.dones,
+                rollout.final_values,
+                args.gamma,
+                args.gae_lambda,
             )
-            returns = advantages + values_buf
-            t1 = time.time()
-            if args.plr_strategy != "random":  # Algorithm 4: episode scores, stitched across rollouts
+            returns = advantages + rollout.values
+            plr_start = time.time()
+            if args.plr_strategy != "random":
+                # Algorithm 4: episode scores, stitched across rollouts
                 scores = step_scores(
-                    args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), logits_buf.cpu().numpy()
+                    args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), rollout.logits.cpu().numpy()
                 )
-                sampler.update_with_rollouts(scores, done_buf.cpu().numpy(), levels_np)
-            plr_time = time.time() - t1
+                sampler.update_with_rollouts(scores, rollout.dones.cpu().numpy(), rollout.levels)
+            plr_seconds = time.time() - plr_start
 
-            b_obs, b_actions, b_logprobs = obs_buf.reshape(-1, *obs_shape), actions_buf.reshape(-1), logprobs_buf.reshape(-1)
-            b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values_buf.reshape(-1)
+            b_obs = rollout.obs.reshape(-1, *obs_shape)
+            b_actions = rollout.actions.reshape(-1)
+            b_logprobs = rollout.logprobs.reshape(-1)
+            b_adv = advantages.reshape(-1)
+            b_returns = returns.reshape(-1)
+            b_values = rollout.values.reshape(-1)
             if args.norm_adv:
                 b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-5)
             clipfracs = []
+            torch.set_num_threads(learn_threads)
             for epoch in range(args.update_epochs):
-                perm = torch.randperm(batch_size, device=device)
+                permutation = torch.randperm(batch_size, device=device)
                 for start in range(0, batch_size, minibatch_size):
-                    mb = perm[start : start + minibatch_size]
-                    loss, pg_loss, v_loss, entropy, approx_kl, clipfrac = ppo_loss(
+                    mb = permutation[start : start + minibatch_size]
+                    terms = ppo_loss(
                         agent, b_obs[mb], b_actions[mb], b_logprobs[mb], b_adv[mb], b_returns[mb], b_values[mb], args
                     )
                     optimizer.zero_grad()
-                    loss.backward()
+                    terms.loss.backward()
                     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                     optimizer.step()
-                    clipfracs.append(clipfrac)
-            t2 = time.time()
+                    clipfracs.append(terms.clipfrac)
+            torch.set_num_threads(1)
+            plr_start = time.time()
             sampler.after_update()
-            plr_time += time.time() - t2
+            plr_seconds += time.time() - plr_start
             update += 1
 
             # LOG
-            sps_steps, sps_time = sps_steps + batch_size, sps_time + time.time() - t0
-            sps = int(sps_steps / max(sps_time, 1e-9))
-            y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+            sps_steps += batch_size
+            sps_seconds += time.time() - update_start
+            sps = int(sps_steps / max(sps_seconds, 1e-9))
+            y_pred = b_values.cpu().numpy()
+            y_true = b_returns.cpu().numpy()
             var_y = np.var(y_true)
             metrics = {
                 "charts/SPS": sps,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/collect_seconds": collect_time,
-                "charts/plr_seconds": plr_time,
-                "losses/value_loss": v_loss.item(),
-                "losses/policy_loss": pg_loss.item(),
-                "losses/entropy": entropy.item(),
-                "losses/approx_kl": approx_kl.item(),
+                "charts/collect_seconds": collect_seconds,
+                "charts/plr_seconds": plr_seconds,
+                "losses/value_loss": terms.value_loss.item(),
+                "losses/policy_loss": terms.policy_loss.item(),
+                "losses/entropy": terms.entropy.item(),
+                "losses/approx_kl": terms.approx_kl.item(),
                 "losses/clipfrac": torch.stack(clipfracs).mean().item(),
                 "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
             }
-            if recent_returns:
-                metrics["charts/episodic_return"], metrics["charts/episodic_length"] = np.mean(recent_returns, 0).tolist()
+            if recent_episodes:
+                mean_return, mean_length = np.mean(recent_episodes, axis=0).tolist()
+                metrics["charts/episodic_return"] = mean_return
+                metrics["charts/episodic_length"] = mean_length
             if args.plr_strategy != "random":
-                new = sampler.num_samples - samples_before
-                metrics |= sampler.stats() | {"plr/replay_fraction": (sampler.num_replays - replays_before) / max(new, 1)}
-                if difficulties is not None and sampler.num_seen:  # Figure 4: P_replay mass per difficulty
-                    p = sampler.replay_probs()
-                    metrics |= {f"plr/mass_{lab}": float(p[difficulties == lab].sum()) for lab in np.unique(difficulties)}
+                num_new_samples = sampler.num_samples - samples_before
+                metrics |= sampler.stats()
+                metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / max(num_new_samples, 1)
+                if difficulties is not None and sampler.num_seen:
+                    # Figure 4: the P_replay mass of each difficulty
+                    replay_probs = sampler.replay_probs()
+                    for label in np.unique(difficulties):
+                        metrics[f"plr/mass_{label}"] = float(replay_probs[difficulties == label].sum())
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
                 metrics |= run_eval(args.eval_episodes)
             logger.log(global_step, metrics)
@@ -938,13 +1130,14 @@ if __name__ == "__main__":
                 loss=metrics["losses/value_loss"],
                 extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
             )
-            recent_returns = []
+            recent_episodes = []
 
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
                 save(logger.dir / "checkpoint.pt")
                 next_checkpoint += args.checkpoint_every
-    except (KeyboardInterrupt, StopRun) as e:  # StopRun: a dead MiniGrid env worker, an unwritable checkpoint
+    except (KeyboardInterrupt, StopRun) as e:
+        # StopRun: a dead MiniGrid env worker or an unwritable checkpoint
         error = e
     finally:
         envs.close()
@@ -953,17 +1146,18 @@ if __name__ == "__main__":
         save(logger.dir / "checkpoint.pt")
 
     def save_model():
-        save_checkpoint(path := logger.dir / f"{args.exp_name}.model", {"model": agent.state_dict(), "args": vars(args)})
+        path = logger.dir / f"{args.exp_name}.model"
+        save_checkpoint(path, {"model": agent.state_dict(), "args": vars(args)})
         return path
 
     def final_eval() -> dict:
         final = run_eval(args.final_eval_episodes)
-        logger.log(global_step, {k.replace("eval/", "eval/final_"): v for k, v in final.items()})
-        return {k.replace("eval/", "final_"): v for k, v in final.items()}
+        logger.log(global_step, {name.replace("eval/", "eval/final_"): value for name, value in final.items()})
+        return {name.replace("eval/", "final_"): value for name, value in final.items()}
 
     summary = {"global_step": global_step, "updates": update}
     if args.plr_strategy != "random":
-        summary |= {k.replace("plr/", "plr_"): v for k, v in sampler.stats().items()}
+        summary |= {name.replace("plr/", "plr_"): value for name, value in sampler.stats().items()}
     try:
         finish_run(
             logger, error, summary, save_model if args.save_model else None, final_eval if args.final_eval_episodes else None

@@ -3,6 +3,7 @@
 import gymnasium as gym
 import numpy as np
 import pytest
+from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
 
 from common.minigrid_env import MINIGRID_NAMED_ENVS, MiniGridVecEnv, level_difficulty, make_minigrid_env
 
@@ -65,6 +66,36 @@ def test_seeded_reset_is_deterministic(env_id):
         env.reset(seed=7)
         traj.append([env.step(int(x))[0] for x in actions])
     assert all(np.array_equal(x, y) for x, y in zip(*traj))
+
+
+def reference_full_grid_env(env_id, render_mode=None):
+    """The same env with minigrid's own FullyObsWrapper, which builds the agent's 7x7 view on every step."""
+    partial_view_env = make_minigrid_env(env_id, fully_observable=False, render_mode=render_mode)
+    return ImgObsWrapper(FullyObsWrapper(partial_view_env.env))
+
+
+@pytest.mark.parametrize("env_id", MINIGRID_NAMED_ENVS + ("MiniGrid-DoorKey-5x5-v0", "MiniGrid-KeyCorridorS3R3-v0"))
+def test_full_grid_rollout_is_identical_to_minigrids_fully_obs_wrapper(env_id):
+    """make_minigrid_env skips the egocentric view that FullyObsWrapper throws away: a fixed-seed random rollout gives
+    bit-identical observations, rewards, terminations and truncations, and the same rendered frames (--capture-video)."""
+    env = make_minigrid_env(env_id, render_mode="rgb_array")
+    reference = reference_full_grid_env(env_id, render_mode="rgb_array")
+    assert env.observation_space == reference.observation_space
+    rng = np.random.default_rng(0)
+    for seed in range(6):
+        obs, _ = env.reset(seed=seed)
+        reference_obs, _ = reference.reset(seed=seed)
+        assert obs.dtype == reference_obs.dtype and np.array_equal(obs, reference_obs)
+        for t in range(120):
+            action = int(rng.integers(7))
+            obs, reward, terminated, truncated, _ = env.step(action)
+            reference_obs, reference_reward, reference_terminated, reference_truncated, _ = reference.step(action)
+            assert obs.dtype == reference_obs.dtype and np.array_equal(obs, reference_obs), (seed, t)
+            assert (reward, terminated, truncated) == (reference_reward, reference_terminated, reference_truncated)
+            if t % 60 == 0:
+                assert np.array_equal(env.render(), reference.render())
+            if terminated or truncated:
+                break
 
 
 def test_partial_view_is_7x7():
@@ -166,7 +197,8 @@ def test_distshift_floor_variant_differs_only_in_the_view(plain_id, floor_id, co
     floor_obs, _ = floor.reset(seed=0)
     for x in range(7):
         for y in range(5):
-            plain_cell, floor_cell = plain.unwrapped.grid.get(x, y), floor.unwrapped.grid.get(x, y)
+            plain_cell = plain.unwrapped.grid.get(x, y)
+            floor_cell = floor.unwrapped.grid.get(x, y)
             if plain_cell is None:  # a free cell of the plain layout is a floor tile of the variant's colour
                 assert floor_cell is not None and (floor_cell.type, floor_cell.color) == ("floor", color)
             else:  # walls, lava and goal are where they were
@@ -177,6 +209,7 @@ def test_distshift_floor_variant_differs_only_in_the_view(plain_id, floor_id, co
         plain.reset(seed=0)
         floor.reset(seed=0)
         for a in actions:
-            plain_step, floor_step = plain.step(a), floor.step(a)
+            plain_step = plain.step(a)
+            floor_step = floor.step(a)
             assert plain_step[1:4] == floor_step[1:4]
         assert plain_step[2] and (plain_step[1] > 0) == (ends_in == "goal")

@@ -18,6 +18,7 @@ import plr_ppo
 from plr_ppo import (
     Args,
     LevelSampler,
+    SamplerConfig,
     compute_gae,
     replay_distribution,
     resolve_defaults,
@@ -38,7 +39,8 @@ def textbook_replay_distribution(S, C, c, seen, transform, beta, rho):
     """Eq. (1) with Eq. (3) and Eq. (4): loops over Λ_seen; C_i = timestamps, c = episode count."""
     L = len(S)
     seen_idx = [i for i in range(L) if seen[i]]
-    P_S, P_C = np.zeros(L), np.zeros(L)
+    P_S = np.zeros(L)
+    P_C = np.zeros(L)
     if not seen_idx:
         return np.zeros(L)
     h = {}
@@ -114,7 +116,8 @@ def textbook_gae(rewards, values, next_value, terminated, truncated, final_value
 
 def random_rollouts(rng, num_rollouts, T, N, levels_per_actor, p_done=0.15):
     """Synthetic rollouts where actor a plays only levels of its own set (so commit order is unambiguous)."""
-    out, cur = [], [int(rng.integers(levels_per_actor)) + a * levels_per_actor for a in range(N)]
+    out = []
+    cur = [int(rng.integers(levels_per_actor)) + a * levels_per_actor for a in range(N)]
     for _ in range(num_rollouts):
         scores = rng.normal(size=(T, N))
         dones = rng.random((T, N)) < p_done
@@ -153,7 +156,8 @@ def test_replay_distribution_properties():
     rng = np.random.default_rng(1)
     for _ in range(200):
         L = int(rng.integers(2, 50))
-        S, st = rng.normal(size=L), rng.integers(0, 20, size=L).astype(float)
+        S = rng.normal(size=L)
+        st = rng.integers(0, 20, size=L).astype(float)
         seen = rng.random(L) < 0.6
         seen[rng.integers(L)] = True
         for transform in ("rank", "power", "greedy"):
@@ -216,7 +220,7 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
     np.testing.assert_allclose(delta[:, 0], [1.0, -1.0, 0.0, 2.0])
     np.testing.assert_allclose(adv[:, 0], [0.75, -1.0, 0.5, 2.0])
     levels = np.array([[3], [3], [5], [5]])
-    s = LevelSampler(np.arange(10), 1, strategy="value_l1")
+    s = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="value_l1"))
     s.update_with_rollouts(step_scores("value_l1", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert s.scores[3] == pytest.approx((0.75 + 1.0) / 2)  # finished episode, Eq. (2)
     assert s.partial_steps[0] == 2 and s.partial_score[0] == pytest.approx((0.5 + 2.0) / 2)  # S~ of level 5
@@ -225,10 +229,10 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
     assert s.scores[5] == pytest.approx((0.5 + 2.0 + 0.5 + 0.25) / 4)  # stitched over the whole episode
     assert s.partial_steps[0] == 0
     # signed GAE and one-step TD
-    t = LevelSampler(np.arange(10), 1, strategy="one_step_td")
+    t = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="one_step_td"))
     t.update_with_rollouts(step_scores("one_step_td", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert t.scores[3] == pytest.approx(1.0)
-    g = LevelSampler(np.arange(10), 1, strategy="gae")
+    g = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="gae"))
     g.update_with_rollouts(step_scores("gae", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert g.scores[3] == pytest.approx((0.75 - 1.0) / 2)
     # time-limit truncation at t = 1 bootstraps from V(final obs) = 4: δ_1 = .5*4 - 1 = 1, A_0 = 1 + .25 = 1.25
@@ -238,14 +242,14 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
 
 
 def test_commit_after_update_mode_flushes_partials():
-    s = LevelSampler(np.arange(10), 1, commit="update")
+    s = LevelSampler(np.arange(10), 1, SamplerConfig(commit="update"))
     s.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
     assert not s.seen[4]
     s.after_update()  # authors' code: the partial score becomes the level's score
     assert s.seen[4] and s.scores[4] == pytest.approx(2.0) and s.partial_steps[0] == 0
     s.update_with_rollouts(np.array([[5.0], [7.0]]), np.array([[True], [False]]), np.array([[4], [8]]))
     assert s.scores[4] == pytest.approx(5.0)  # only the tail after the flush
-    e = LevelSampler(np.arange(10), 1, commit="episode")
+    e = LevelSampler(np.arange(10), 1, SamplerConfig(commit="episode"))
     e.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
     e.after_update()
     assert not e.seen[4]
@@ -269,9 +273,11 @@ def test_restart_episodes_drops_partial_scores():
 def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
     rng = np.random.default_rng(int(alpha * 10) + flush)
     for case in range(20):
-        T, N, per = int(rng.integers(1, 12)), int(rng.integers(1, 6)), 4
+        T = int(rng.integers(1, 12))
+        N = int(rng.integers(1, 6))
+        per = 4
         rollouts = random_rollouts(rng, int(rng.integers(1, 6)), T, N, per, p_done=float(rng.choice([0.05, 0.2, 0.6])))
-        s = LevelSampler(np.arange(N * per), N, score_alpha=alpha, commit="update" if flush else "episode")
+        s = LevelSampler(np.arange(N * per), N, SamplerConfig(score_alpha=alpha, commit="update" if flush else "episode"))
         for scores, dones, levels in rollouts:
             s.update_with_rollouts(scores, dones, levels)
             s.after_update()
@@ -283,13 +289,17 @@ def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
 def test_compute_gae_matches_textbook():
     rng = np.random.default_rng(3)
     for _ in range(50):
-        T, N = int(rng.integers(1, 20)), int(rng.integers(1, 5))
-        r, v = rng.normal(size=(T, N)), rng.normal(size=(T, N))
-        nv, fv = rng.normal(size=N), rng.normal(size=(T, N))
+        T = int(rng.integers(1, 20))
+        N = int(rng.integers(1, 5))
+        r = rng.normal(size=(T, N))
+        v = rng.normal(size=(T, N))
+        nv = rng.normal(size=N)
+        fv = rng.normal(size=(T, N))
         ends = rng.random((T, N)) < 0.3
         trunc = ends & (rng.random((T, N)) < 0.5)
         term = ends & ~trunc
-        gamma, lam = float(rng.uniform(0.5, 1)), float(rng.uniform(0, 1))
+        gamma = float(rng.uniform(0.5, 1))
+        lam = float(rng.uniform(0, 1))
         f = lambda x: torch.as_tensor(x)  # noqa: E731
         A, d = compute_gae(f(r), f(v), f(nv), f(term), f(ends), f(fv), gamma, lam)
         A_ref, d_ref = textbook_gae(r, v, nv, term, trunc, fv, gamma, lam)
@@ -456,10 +466,14 @@ def _binomial_ok(k, n, p, z=5.0):
 
 def test_replay_decision_frequencies_and_unseen_uniform():
     s = LevelSampler(np.arange(100), 1, seed=1)
-    n, replays, new_counts = 10000, 0, np.zeros(100, int)
+    n = 10000
+    replays = 0
+    new_counts = np.zeros(100, int)
     for trial in range(n):  # 30 of 100 levels seen; one sampleNextLevel call per trial
         s.seen[:] = False
-        s.seen[:30], s.num_seen, s.num_replays = True, 30, 0
+        s.seen[:30] = True
+        s.num_seen = 30
+        s.num_replays = 0
         lvl = s.sample(0)
         if s.num_replays:
             replays += 1
@@ -472,19 +486,23 @@ def test_replay_decision_frequencies_and_unseen_uniform():
     for k in new_counts[30:]:  # P_new uniform over the 70 unseen levels
         assert _binomial_ok(k, m, 1 / 70)
     # fixed schedule and min fill
-    f = LevelSampler(np.arange(100), 1, replay_schedule="fixed", replay_prob=0.8, min_fill=0.2)
-    f.seen[:10], f.num_seen = True, 10
+    f = LevelSampler(np.arange(100), 1, SamplerConfig(replay_schedule="fixed", replay_prob=0.8, min_fill=0.2))
+    f.seen[:10] = True
+    f.num_seen = 10
     assert f.replay_decision_prob() == 0.0
-    f.seen[:40], f.num_seen = True, 40
+    f.seen[:40] = True
+    f.num_seen = 40
     assert f.replay_decision_prob() == 0.8
-    f.seen[:], f.num_seen = True, 100
+    f.seen[:] = True
+    f.num_seen = 100
     assert f.replay_decision_prob() == 1.0
 
 
 def test_replay_sampling_follows_replay_distribution():
     rng = np.random.default_rng(4)
-    s = LevelSampler(np.arange(8), 1, transform="power", temperature=1.0, staleness_coef=0.0, seed=5)
-    s.seen[:], s.num_seen = True, 8
+    s = LevelSampler(np.arange(8), 1, SamplerConfig(transform="power", temperature=1.0, staleness_coef=0.0), seed=5)
+    s.seen[:] = True
+    s.num_seen = 8
     s.scores[:] = rng.random(8)
     p = replay_distribution(s.scores, s.staleness, s.seen, "power", 1.0, 0.0)
     n = 8000
@@ -494,7 +512,7 @@ def test_replay_sampling_follows_replay_distribution():
 
 
 def test_staleness_is_episode_count_minus_timestamp():
-    s = LevelSampler(np.arange(20), 3, staleness_coef=0.5, seed=2)
+    s = LevelSampler(np.arange(20), 3, SamplerConfig(staleness_coef=0.5), seed=2)
     C = np.zeros(20)
     rng = np.random.default_rng(2)
     for c in range(1, 200):
@@ -530,7 +548,7 @@ def test_no_replay_until_scored_then_only_scored_levels():
 
 
 def test_unbounded_top_m_buffer():
-    s = LevelSampler(None, 2, buffer_size=3, replay_schedule="fixed", replay_prob=0.5, seed=0)
+    s = LevelSampler(None, 2, SamplerConfig(buffer_size=3, replay_schedule="fixed", replay_prob=0.5), seed=0)
     assert s.replay_decision_prob() == 0.0
     lv = [s.sample(0), s.sample(1)]
     assert all(x not in s.slot_of for x in lv) and len(s.staged) == 2  # staged, not yet in the buffer
@@ -555,12 +573,12 @@ def test_unbounded_top_m_buffer():
 
 def test_sampler_state_round_trip_continues_identically():
     rng = np.random.default_rng(7)
-    a = LevelSampler(np.arange(50), 4, staleness_coef=0.3, seed=11)
+    a = LevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=11)
     for scores, dones, levels in random_rollouts(rng, 3, 16, 4, 12):
         for i in range(4):
             a.sample(i)
         a.update_with_rollouts(scores, dones, levels)
-    b = LevelSampler(np.arange(50), 4, staleness_coef=0.3, seed=999)
+    b = LevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=999)
     b.load_state_dict(a.state_dict())
     more = random_rollouts(rng, 2, 16, 4, 12)
     for sampler in (a, b):
@@ -573,7 +591,7 @@ def test_sampler_state_round_trip_continues_identically():
 
 
 def test_random_strategy_is_uniform_over_train_levels():
-    s = LevelSampler(np.arange(5, 10), 1, strategy="random", seed=0)
+    s = LevelSampler(np.arange(5, 10), 1, SamplerConfig(strategy="random"), seed=0)
     counts = np.bincount([s.sample(0) for _ in range(5000)], minlength=10)
     assert counts[:5].sum() == 0 and all(_binomial_ok(k, 5000, 0.2) for k in counts[5:])
 
@@ -590,7 +608,8 @@ def _check_plumbing(envs, max_steps, min_ends=2):
         return returned[i]
 
     envs.reset([1, 2])
-    prev, ends = np.array([1, 2]), 0
+    prev = np.array([1, 2])
+    ends = 0
     for _ in range(max_steps):
         returned.clear()
         _, _, term, trunc, info = envs.step(np.zeros(2, int), next_level=next_level)
@@ -679,7 +698,7 @@ def test_evaluation_unbounded_mode_train_is_the_buffer_test_is_not(monkeypatch):
     """Unbounded mode: training levels are the buffer's levels; test levels are any other seed of [0, 20)."""
     monkeypatch.setattr(plr_ppo, "MAX_SEED", 20)
     args = Args(env_id="MultiRoom-N4-Random", num_train_levels=0, plr_replay_schedule="fixed", num_envs=5)
-    sampler = LevelSampler(None, 5, buffer_size=5, replay_schedule="fixed")
+    sampler = LevelSampler(None, 5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
     buffer = [3, 7, 11, 12, 19]
     sampler.update_with_rollouts(np.ones((1, 5)), np.ones((1, 5), bool), np.array([buffer]))
     assert set(sampler.slot_of) == set(buffer)
@@ -828,7 +847,8 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
     # --plr-commit episode: the resumed run restarts each env's level from its first frame, so the partial score S~ saved
     # at step 384 must not be stitched onto it: after one 32-step rollout S~ spans at most those 32 steps, and all 32
     # (on the checkpoint's level) where the episode did not end
-    saved_steps, steps_after = ckpt["sampler"]["partial_steps"], ckpt2["sampler"]["partial_steps"]
+    saved_steps = ckpt["sampler"]["partial_steps"]
+    steps_after = ckpt2["sampler"]["partial_steps"]
     unfinished = steps_after == 32
     assert (steps_after <= 32).all(), steps_after
     assert (unfinished & (saved_steps > 0)).any()  # the case that shows stitching: an episode saved mid-way, not ended
@@ -837,12 +857,12 @@ def test_smoke_minigrid_save_and_resume(tmp_path):
 
 def test_return_normalizer_and_cobbe_normalization():
     rng = np.random.default_rng(8)
-    from common.normalize import ReturnNormalizer
-
-    norm = ReturnNormalizer(3, gamma=0.9, clip=1e9)
-    ret, seen = np.zeros(3), []
+    norm = plr_ppo.ReturnNormalizer(3, gamma=0.9, clip=1e9)
+    ret = np.zeros(3)
+    seen = []
     for step in range(200):
-        r, d = rng.normal(size=3), rng.random(3) < 0.1
+        r = rng.normal(size=3)
+        d = rng.random(3) < 0.1
         out = norm(r.copy(), d)
         ret = 0.9 * ret + r  # textbook discounted return, reset after an episode end
         seen.append(ret.copy())
@@ -871,9 +891,13 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
 
     from common.minigrid_env import MiniGridVecEnv
 
-    N, T, updates = 4, 48, 4
-    steps, last_obs = [], {}
-    orig_reset, orig_step = MiniGridVecEnv.reset, MiniGridVecEnv.step
+    N = 4
+    T = 48
+    updates = 4
+    steps = []
+    last_obs = {}
+    orig_reset = MiniGridVecEnv.reset
+    orig_step = MiniGridVecEnv.step
 
     def spy_reset(self, levels):
         last_obs["obs"] = orig_reset(self, levels)
@@ -927,14 +951,18 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
             str(bootstrap),
         ],
     )
-    handlers, threads = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)), torch.get_num_threads()
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    threads = torch.get_num_threads()
     try:
         g = runpy.run_path(SCRIPT, run_name="__main__")
     finally:
-        signal.signal(signal.SIGINT, handlers[0]), signal.signal(signal.SIGTERM, handlers[1])
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
         torch.set_num_threads(threads)
     assert len(steps) == T * updates
-    agent, sampler, args = g["agent"], g["sampler"], g["args"]
+    agent = g["agent"]
+    sampler = g["sampler"]
+    args = g["args"]
     assert args.bootstrap_truncation == bootstrap
     # whole-batch advantage normalization (authors' code): the last update's batch is (A - mean A) / (std A + 1e-5)
     last_advantages = g["advantages"].double().numpy().reshape(-1)
@@ -945,13 +973,15 @@ def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch
         with torch.no_grad():
             return agent(torch.as_tensor(obs))[1].double().numpy()
 
-    rollouts, num_trunc = [], 0
+    rollouts = []
+    num_trunc = 0
     for k in range(updates):
         chunk = steps[k * T : (k + 1) * T]
         values = np.stack([V(s["obs"]) for s in chunk])
         next_value = V(steps[(k + 1) * T]["obs"]) if k + 1 < updates else V(last_obs["obs"])
         reward = np.stack([s["reward"] for s in chunk]).astype(np.float64)
-        term, trunc = np.stack([s["term"] for s in chunk]), np.stack([s["trunc"] for s in chunk])
+        term = np.stack([s["term"] for s in chunk])
+        trunc = np.stack([s["trunc"] for s in chunk])
         final_values = np.zeros((T, N))
         for t, s in enumerate(chunk):
             for i in np.flatnonzero(s["trunc"]):
