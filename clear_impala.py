@@ -459,8 +459,8 @@ UNROLL_FIELDS = ("obs", "action", "reward", "done", "truncated", "final_value", 
 
 
 def unroll_specs(obs_shape, num_actions, T) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Row r = 0..T of an unroll holds x_r and what produced it: (x_r, a_{r-1}, r_{r-1}, done_{r-1}, truncated_{r-1},
-    V_mu(final obs of a truncated episode), mu(.|x_{r-1}) logits, V_mu(x_{r-1})); row 0 repeats the previous unroll's
+    """Row t = 0..T of an unroll holds x_t and what produced it: (x_t, a_{t-1}, r_{t-1}, done_{t-1}, truncated_{t-1},
+    V_mu(final obs of a truncated episode), mu(.|x_{t-1}) logits, V_mu(x_{t-1})); row 0 repeats the previous unroll's
     row T (monobeast's layout). Frames are uint8."""
     rows = T + 1
     return {
@@ -635,7 +635,7 @@ def truncated_importance_weights(unroll: AlignedUnroll) -> tuple[torch.Tensor, t
 
 
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
-    """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|h_s) log(mu(a|h_s) / pi_theta(a|h_s)) = KL(mu || pi_theta), summed
+    """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|x_s) log(mu(a|x_s) / pi_theta(a|x_s)) = KL(mu || pi_theta), summed
     over time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
     log_mu = F.log_softmax(behaviour_logits, dim=-1)
     log_pi = F.log_softmax(target_logits, dim=-1)
@@ -644,7 +644,7 @@ def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.T
 
 
 def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
-    """CLEAR Sec. 3: L_value-cloning = ||V_theta(h_s) - V_replay(h_s)||_2^2, summed over time and replay columns."""
+    """CLEAR Sec. 3: L_value-cloning = ||V_theta(x_s) - V_replay(x_s)||_2^2, summed over time and replay columns."""
     return (((values - behaviour_values) ** 2) * replay_mask).sum()
 
 
@@ -671,9 +671,9 @@ def impala_losses(unroll: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_
         clip_rho_threshold,
         clip_pg_rho_threshold,
     )
-    # L_policy-gradient = -rho_s log pi(a_s|h_s) (r_s + gamma v_{s+1} - V(h_s))
+    # L_policy-gradient = -rho_s log pi(a_s|x_s) (r_s + gamma v_{s+1} - V(x_s))
     pg_loss = -(target_logp * vtrace_returns.pg_advantages).sum()
-    # L_value = (V_theta(h_s) - v_s)^2, times 1/2 as in scalable_agent
+    # L_value = (V_theta(x_s) - v_s)^2, times 1/2 as in scalable_agent
     value_loss = 0.5 * ((vtrace_returns.vs - unroll.values) ** 2).sum()
     # L_entropy = sum_a pi log pi: minimising it raises the entropy
     entropy_loss = (log_pi.exp() * log_pi).sum()
@@ -850,6 +850,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
                 video = args.capture_video and actor_id == 0 and e == 0 and task == 0
                 tasks[e] = task
                 envs[e] = make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
+                # reset seeds distinct per env (a prime stride apart) and per task switch (the episodes played so far)
                 new_half["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episodes)[0]
         version = handles.policy_version.value
         # with --mode separate all envs of a process play one task, hence one network
@@ -891,15 +892,15 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
     [num_envs, T+1, ...] whose row 0 holds x_0); returns how many episodes ended."""
     episodes_ended = 0
     for t in range(args.unroll_length):
-        # row r holds what acting on frame t produced (unroll_specs)
-        r = t + 1
+        # row t + 1 holds what acting on frame t produced (unroll_specs)
+        row = t + 1
         with torch.no_grad():
             logits, value = model(torch.from_numpy(unroll["obs"][:, t]))
             actions = torch.multinomial(F.softmax(logits, -1), 1).squeeze(1)
-        unroll["action"][:, r] = actions
-        unroll["logits"][:, r] = logits
-        unroll["baseline"][:, r] = value
-        unroll["final_value"][:, r] = 0.0
+        unroll["action"][:, row] = actions
+        unroll["logits"][:, row] = logits
+        unroll["baseline"][:, row] = value
+        unroll["final_value"][:, row] = 0.0
         # env -> the final obs of an episode that a time limit ended, for V_mu(final obs)
         truncated_obs = {}
         for e, env in enumerate(envs):
@@ -911,14 +912,14 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
             if terminated or truncated:
                 episodes_ended += 1
                 obs, _ = env.reset()
-            unroll["obs"][e, r] = obs
-            unroll["reward"][e, r] = reward
-            unroll["done"][e, r] = terminated or truncated
-            unroll["truncated"][e, r] = truncated and not terminated
+            unroll["obs"][e, row] = obs
+            unroll["reward"][e, row] = reward
+            unroll["done"][e, row] = terminated or truncated
+            unroll["truncated"][e, row] = truncated and not terminated
         if truncated_obs:
             with torch.no_grad():
                 _, final_values = model(torch.from_numpy(np.stack(list(truncated_obs.values()))))
-            unroll["final_value"][list(truncated_obs), r] = final_values.numpy()
+            unroll["final_value"][list(truncated_obs), row] = final_values.numpy()
     return episodes_ended
 
 

@@ -26,8 +26,8 @@ is not): other values (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c) a
 
 Differences from the paper (long form: README.md, section reactor.py)
 - One machine: N actor processes and one learner with a local replay; hogwild shared weights, no parameter server.
-- The appendix's Contextual Priority Tree (an AVL tree over time-ordered keys with subtree counts and mean estimates) ->
-  three sum trees and a list of known keys with cell sizes; same estimate (cells' size-weighted mean, 3.3), O(log n).
+- The appendix's Contextual Priority Tree (an AVL tree of time-ordered keys, subtree counts, mean estimates) -> three sum
+  trees, prev/next links between known keys (a circular linked list), cell sizes; same estimate (size-weighted, 3.3), O(log n).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
 - Both networks unroll all 33 frames (paper: online 1-32, target 2-33); a truncation's last frame is stored, bootstrapped.
@@ -952,6 +952,14 @@ class ChunkMessage(NamedTuple):
     rows: int
 
 
+class EpisodeMessage(NamedTuple):
+    """An actor's finished episode (`info["episode"]`), posted to the learner for logging."""
+
+    kind: str  # "episode"
+    episodic_return: float
+    episode_length: int
+
+
 @dataclass
 class FillingBuffer:
     """Actor side: the buffer an actor is writing into."""
@@ -1011,8 +1019,8 @@ class ChunkChannel:
             filling = self.filling.pop(actor)
             self.queue.put(ChunkMessage("chunk", actor, filling.buffer, filling.rows))
 
-    def post(self, *message) -> None:
-        """Actor side: a small message of the actor's own (its first element must not be "chunk")."""
+    def post(self, message: tuple) -> None:
+        """Actor side: a small message of the actor's own, a tuple (its first element must not be "chunk")."""
         self.queue.put(message)
 
     def get(self, timeout: float | None = None):
@@ -1113,7 +1121,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
         steps += 1
         handles.actor_steps[actor_id] = steps
         if "episode" in info:
-            channel.post("episode", float(info["episode"]["r"]), int(info["episode"]["l"]))
+            channel.post(EpisodeMessage("episode", float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             if truncated and not terminated:
                 # the true last frame, to bootstrap from (no transition leaves it)
@@ -1351,11 +1359,12 @@ if __name__ == "__main__":
                     global_step += int((~chunk["pad"]).sum())
                     channel.release(message)
                 else:
-                    _, episodic_return, episode_length = message
+                    # the actors' only other message: an EpisodeMessage
                     episodes_done += 1
-                    recent_returns.append(episodic_return)
+                    recent_returns.append(message.episodic_return)
                     logger.log(
-                        global_step, {"charts/episodic_return": episodic_return, "charts/episodic_length": episode_length}
+                        global_step,
+                        {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
                     )
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)

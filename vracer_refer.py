@@ -29,9 +29,11 @@ Differences from the paper (long form: README.md, section vracer_refer.py)
   since the last re-sort are drawn uniformly (probability 1/n each) until the next one.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
 - Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
-- Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E; `--residual` is off.
+- Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E.
+- `--residual` (authors' code: a residual connection on hidden layer 2) is off by default.
 Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
-exactly; actors restart their episodes, re-seeded. Needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
+exactly; actors restart their episodes, re-seeded.
+Copying this file: it needs common/{mujoco_env,args,logger,checkpoint,processes,video}.py.
 """
 
 import os
@@ -250,7 +252,10 @@ class Agent(nn.Module):
         h = h + h2 if self.residual else h2
         out = self.out(h)
         std = std_from_param(self.std_param, self.std_map).expand(out.shape[0], -1)
-        return out[:, 1:], std, out[:, 0]
+        # the head's output 0 is V(s), outputs 1.. the mean
+        value = out[:, 0]
+        mean = out[:, 1:]
+        return mean, std, value
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
@@ -339,23 +344,29 @@ def refer_loss(
         logpi = gaussian_logprob(batch.action, mean, std)
         rho = torch.exp(torch.clamp(logpi - logmu, -logrho_clip, logrho_clip))
         rho = torch.nan_to_num(rho, nan=0.0)
-    far = is_far_policy(rho, cmax)  # Rule 1
+    # Rule 1
+    far = is_far_policy(rho, cmax)
     near = ~far if refer in ("full", "rule1") else torch.ones_like(far)
     # Masked-out samples take log pi at a = mean with std 1 (the double-where trick), so that no 0 * inf = NaN reaches
     # the gradient.
     keep = near[:, None]
     safe_action = torch.where(keep, batch.action, mean.detach())
     logpi_near = gaussian_logprob(safe_action, mean, torch.where(keep, std, torch.ones_like(std)))
-    advantage = batch.qret - value.detach()  # Eq. (5): the advantage estimate Q^ret - V(s)
-    trace = torch.clamp(rho, max=1.0)  # c = min(1, rho)
-    vtbc = value.detach() + trace * advantage  # Eq. (7): V^tbc = V + c (Q^ret - V)
+    # Eq. (5): the advantage estimate Q^ret - V(s)
+    advantage = batch.qret - value.detach()
+    # c = min(1, rho)
+    trace = torch.clamp(rho, max=1.0)
+    # Eq. (7): V^tbc = V + c (Q^ret - V)
+    vtbc = value.detach() + trace * advantage
     rho_pg = torch.clamp(rho, max=RULE2_RHO_MAX) if refer == "rule2" else rho
     # the masks select (torch.where), never multiply
     zero = torch.zeros_like(rho)
     # Eq. (5): rho (Q^ret - V) grad log pi, with rho and the advantage detached
     pg_loss = torch.where(near, -(rho_pg * advantage) * logpi_near, zero)
-    v_loss = torch.where(near, 0.5 * (value - vtbc) ** 2, zero)  # Eq. (9)
-    kl_mu_pi = gaussian_kl(batch.mu_mean, batch.mu_std, mean, std)  # Eq. (11): D_KL(mu || pi)
+    # Eq. (9)
+    v_loss = torch.where(near, 0.5 * (value - vtbc) ** 2, zero)
+    # Eq. (11): D_KL(mu || pi)
+    kl_mu_pi = gaussian_kl(batch.mu_mean, batch.mu_std, mean, std)
     kl = kl_mu_pi if kl_direction == "mu_pi" else gaussian_kl(mean, std, batch.mu_mean, batch.mu_std)
     beta_eff = beta if refer in ("full", "rule2") else 1.0
     importance = 1.0 if batch.weights is None else batch.weights
@@ -487,7 +498,10 @@ class EpisodeReplay:
         stop = start + length
         last = stop - 1
         # the region ahead of the head holds the oldest episodes
-        while self.episodes and self.episodes[0][0] < stop and self.episodes[0][0] + self.episodes[0][1] > start:
+        while self.episodes:
+            oldest_start, oldest_length = self.episodes[0]
+            if oldest_start >= stop or oldest_start + oldest_length <= start:
+                break
             self._remove_oldest()
             self.forced_removals += 1
         steps = slice(start, stop)
@@ -523,7 +537,10 @@ class EpisodeReplay:
         self.head = stop
         self.high_water = max(self.high_water, stop)
         # FIFO: keep >= N samples
-        while self.episodes and self.size - self.episodes[0][1] >= self.N:
+        while self.episodes:
+            _, oldest_length = self.episodes[0]
+            if self.size - oldest_length < self.N:
+                break
             self._remove_oldest()
 
     # -- sampling
@@ -594,7 +611,8 @@ class EpisodeReplay:
             value = value[keep]
             priority = None if priority is None else priority[keep]
         self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
-        trace_old = np.minimum(1.0, self.rho[idx])  # Eq. (7) with the stored V and rho
+        # Eq. (7) with the stored V and rho
+        trace_old = np.minimum(1.0, self.rho[idx])
         vtbc_old = (1.0 - trace_old) * self.value[idx] + trace_old * self.qret[idx]
         self.rho[idx] = rho
         self.value[idx] = value
@@ -661,14 +679,15 @@ class EpisodeReplay:
         base = (1.0 - trace) * self.value[sampled]
         delta = np.zeros(n)
         # chain the samples of each episode from the latest one down
-        for r in range(int(rank.max()) + 1):
-            sel = np.flatnonzero(rank == r)
+        for this_rank in range(int(rank.max()) + 1):
+            sel = np.flatnonzero(rank == this_rank)
             q = self.qret[sampled[sel]]
             # Q^ret_t already moved by the change coming down from the sample above
-            if r > 0:
+            if this_rank > 0:
                 above = sel - 1
                 q = q + self.gamma * np.exp(log_tail[sample_pos[sel] + 1] - log_tail[sample_pos[above]]) * delta[above]
-            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]  # Eq. (7): new V^tbc_t - old V^tbc_t
+            # Eq. (7): new V^tbc_t - old V^tbc_t
+            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]
         # the pieces (previous sample, this sample] tile the concatenation
         by_pos = np.argsort(sample_pos)
         piece = np.diff(np.append(-1, sample_pos[by_pos]))
@@ -800,7 +819,8 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     host = torch.cat([info["rho"], value.detach(), info["abs_err"], step_stats]).double().cpu().numpy()
     n_boot = len(boot_idx)
     rho, value_now, boot_value, abs_err, stats = np.split(host, np.cumsum([B, B, n_boot, B]))
-    losses = stats[:3]
+    named_stats = dict(zip(STEP_STATS, stats))
+    losses = np.array([named_stats["losses/loss"], named_stats["losses/policy_loss"], named_stats["losses/value_loss"]])
     # The NaN guard comes before the step, so that the weights and Adam's moments stay finite. It looks at the loss
     # terms only: a masked or weight-0 D_KL may be inf.
     if not np.isfinite(losses).all():
@@ -865,8 +885,10 @@ class SharedHandles(NamedTuple):
     """The shared memory of the learner and the actor processes."""
 
     weights: torch.Tensor  # the network's parameters as one vector
-    state_stats: torch.Tensor  # (2, obs_dim): state mean and std (Eqs. (14)-(15))
-    control: torch.Tensor  # [env steps the actors may have taken in all, weights version]
+    obs_mean: torch.Tensor  # (obs_dim,): the state mean (Eq. (14))
+    obs_std: torch.Tensor  # (obs_dim,): the state std (Eq. (15))
+    steps_allowed: torch.Tensor  # (1,): env steps the actors may have taken in all (the F gate)
+    weights_version: torch.Tensor  # (1,): raised by each publish of `weights`, obs_mean and obs_std
     rings: dict  # RING_FIELDS name -> (num_actors, ring_size, width)
     written: torch.Tensor  # (num_actors,): rows each actor has written
     read: torch.Tensor  # (num_actors,): rows of each actor the learner has read
@@ -883,8 +905,10 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
     rings = {name: shared(num_actors, ring_size, *widths[width], dtype=dtype) for name, (width, dtype) in RING_FIELDS.items()}
     return SharedHandles(
         weights=shared(num_params),
-        state_stats=shared(2, obs_dim),
-        control=shared(2, dtype=torch.int64),
+        obs_mean=shared(obs_dim),
+        obs_std=shared(obs_dim),
+        steps_allowed=shared(1, dtype=torch.int64),
+        weights_version=shared(1, dtype=torch.int64),
         rings=rings,
         written=shared(num_actors, dtype=torch.int64),
         read=shared(num_actors, dtype=torch.int64),
@@ -892,23 +916,27 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
     )
 
 
-def numpy_params(agent: Agent, std_map: str, norm: np.ndarray) -> dict:
-    """float64 numpy copies of the weights, sigma and the state statistics (mean, std) for `numpy_forward`."""
+def numpy_params(agent: Agent, std_map: str, obs_mean: np.ndarray, obs_std: np.ndarray) -> dict:
+    """float64 numpy copies of the weights, sigma and the state statistics for `numpy_forward`."""
     net = {name: p.detach().cpu().numpy().astype(np.float64) for name, p in agent.named_parameters()}
     std = std_from_param(agent.std_param.detach().cpu(), std_map).numpy().astype(np.float64)
-    return net | {"std": std, "norm": np.array(norm, dtype=np.float64)}
+    obs_stats = {"obs_mean": np.array(obs_mean, dtype=np.float64), "obs_std": np.array(obs_std, dtype=np.float64)}
+    return net | {"std": std} | obs_stats
 
 
 def numpy_forward(net: dict, obs: np.ndarray, residual: bool = False):
     """Agent.forward for one raw state in numpy (actors: ~10x cheaper than a 1-row torch call): (mean, std, V)."""
-    x = (obs - net["norm"][0]) / net["norm"][1]
+    x = (obs - net["obs_mean"]) / net["obs_std"]
     h = net["l1.weight"] @ x + net["l1.bias"]
     h = h / (1.0 + np.abs(h))  # Softsign
     h2 = net["l2.weight"] @ h + net["l2.bias"]
     h2 = h2 / (1.0 + np.abs(h2))
     h = h + h2 if residual else h2
     out = net["out.weight"] @ h + net["out.bias"]
-    return out[1:], net["std"], float(out[0])
+    # the head's output 0 is V(s), outputs 1.. the mean (as Agent.forward)
+    value = float(out[0])
+    mean = out[1:]
+    return mean, net["std"], value
 
 
 def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: SharedHandles, seed: int, run_name: str):
@@ -923,7 +951,8 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
     ring_size = len(ring["obs"])
     written = shared.written.numpy()
     read = shared.read.numpy()
-    control = shared.control.numpy()
+    steps_allowed = shared.steps_allowed.numpy()
+    weights_version = shared.weights_version.numpy()
     version = -1
     net = {}
     episode_return = 0.0
@@ -933,14 +962,14 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
         n = int(written[actor_id])
         # Wait while the ring is full or the learner's F gate is closed: a 2 ms nap costs nothing against >= 32 steps
         # of slack.
-        if n - int(read[actor_id]) >= ring_size or int(written.sum()) >= int(control[0]):
+        if n - int(read[actor_id]) >= ring_size or int(written.sum()) >= int(steps_allowed[0]):
             time.sleep(0.002)
             continue
         # the latest weights and state statistics
-        if int(control[1]) != version:
-            version = int(control[1])
+        if int(weights_version[0]) != version:
+            version = int(weights_version[0])
             torch.nn.utils.vector_to_parameters(shared.weights.clone(), agent.parameters())
-            net = numpy_params(agent, args.std_map, shared.state_stats.numpy())
+            net = numpy_params(agent, args.std_map, shared.obs_mean.numpy(), shared.obs_std.numpy())
         mean, std, value = numpy_forward(net, obs, args.residual)
         u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # u ~ mu_t (App. C Alg. 2)
         next_obs, reward, terminated, time_limit, _ = env.step(to_env_action(u, low, high, args.clip_actions))
@@ -948,6 +977,9 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
         episode_length += 1
         # a time limit that is not also a termination: the learner bootstraps from s_T and V(s_T)
         truncated = time_limit and not terminated
+        final_value = 0.0
+        if truncated:
+            _, _, final_value = numpy_forward(net, next_obs, args.residual)
         transition = {
             "obs": obs,
             "action": u,
@@ -958,7 +990,7 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
             "terminated": terminated,
             "truncated": truncated,
             "final_obs": next_obs if truncated else 0.0,
-            "final_value": numpy_forward(net, next_obs, args.residual)[2] if truncated else 0.0,
+            "final_value": final_value,
             "episode_return": episode_return,
             "episode_length": episode_length,
         }
@@ -1024,7 +1056,8 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
         episode_return = 0.0
         while not done:
             standardised = (torch.as_tensor(obs, dtype=torch.float32, device=device)[None] - obs_mean) / obs_std
-            mean_action = agent(standardised)[0][0].cpu().numpy().astype(np.float64)
+            mean, _, _ = agent(standardised)
+            mean_action = mean[0].cpu().numpy().astype(np.float64)
             obs, reward, terminated, truncated, _ = env.step(to_env_action(mean_action, low, high, clip))
             episode_return += float(reward)
             done = terminated or truncated
@@ -1107,15 +1140,16 @@ if __name__ == "__main__":
 
     def publish() -> None:
         shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
-        shared.state_stats.copy_(torch.stack([obs_mean, obs_std]).cpu())
-        shared.control[1] += 1
+        shared.obs_mean.copy_(obs_mean.cpu())
+        shared.obs_std.copy_(obs_std.cpu())
+        shared.weights_version[0] += 1
 
     def allow_steps() -> None:
         """App. C Alg. 1: "while t < F k: advance the environment", with 32 steps of slack per actor."""
         limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
-        shared.control[0] = min(args.total_timesteps, limit) - base_step
+        shared.steps_allowed[0] = min(args.total_timesteps, limit) - base_step
 
-    # the actors count env steps from 0 in this process: control[0] is relative to this step
+    # the actors count env steps from 0 in this process: steps_allowed is relative to this step
     base_step = global_step
     publish()
     allow_steps()

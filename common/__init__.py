@@ -6,7 +6,7 @@ No algorithm logic lives here. Each script names the modules it needs in its doc
 - minatar_env.py   MinAtar's five 10x10 games, uint8 (C, 10, 10), optional channel padding, full 6-action set
 - minigrid_env.py  MiniGrid envs, the PLR paper's named envs, a vector env with per-episode level choice
 - mujoco_env.py    MuJoCo v5 tasks with termination and truncation kept apart
-- args.py          declarative flag range checks and the one --resume rule
+- args.py          the common flags, one-line errors (require) and the --resume rule
 - logger.py        runs/{run_name}: TensorBoard, metrics.jsonl, summary.json, progress line, optional wandb
 - checkpoint.py    seeding, RNG state, device choice, atomic checkpoints
 - processes.py     actor process start / death detection / shutdown, signals, thread and memory budget

@@ -125,8 +125,9 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
     given = explicit_flags(argv, fields) - {"resume"}
     restored = {}
     for name, value in ckpt_args.items():
+        # Skip a flag the script no longer has, one this command line sets, or the path resumed from.
         if name not in fields or name in given or name == "resume":
-            continue  # a flag the script no longer has, one this command line sets, or the path resumed from
+            continue
         restored[name] = tuple(value) if isinstance(getattr(args, name), tuple) and value is not None else value
     for name in sorted(given & set(fixed)):
         old = ckpt_args.get(name)

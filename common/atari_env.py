@@ -40,10 +40,12 @@ class GameScore(gym.Wrapper):
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
-        self.score, self.length = 0.0, 0
+        self.score = 0.0
+        self.length = 0
 
     def reset(self, **kwargs):
-        self.score, self.length = 0.0, 0
+        self.score = 0.0
+        self.length = 0
         return self.env.reset(**kwargs)
 
     def step(self, action):
@@ -74,11 +76,14 @@ class LifeLossAsEpisodeEnd(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
     def reset(self, **kwargs):
-        if self.game_over or kwargs.get("seed") is not None:  # a seeded reset always starts a new game
+        # A seeded reset always starts a new game.
+        if self.game_over or kwargs.get("seed") is not None:
             obs, info = self.env.reset(**kwargs)
-        else:  # continue the same game after a lost life: one no-op step
+        else:
+            # Continue the same game after a lost life: one no-op step.
             obs, _, terminated, truncated, info = self.env.step(0)
-            if terminated or truncated:  # the no-op ended the game: start a new one
+            # The no-op ended the game: start a new one.
+            if terminated or truncated:
                 obs, info = self.env.reset(**kwargs)
         self.game_over = False
         self.lives = self.env.unwrapped.ale.lives()

@@ -63,7 +63,8 @@ def _to_jsonable(value: Any) -> Any:
         f = float(value)  # floats, numpy scalars, 0-d tensors
     except (TypeError, ValueError):
         return str(value)
-    return f if math.isfinite(f) else str(f)  # JSON has no NaN/inf: keep them readable as strings
+    # JSON has no NaN/inf: keep them readable as strings.
+    return f if math.isfinite(f) else str(f)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
@@ -96,7 +97,8 @@ class RunLogger:
         self.dir = Path(root) / run_name
         self.dir.mkdir(parents=True, exist_ok=True)
         elapsed = 0.0
-        if resume_step is not None:  # keep what was logged up to the checkpoint, continue the time column
+        # On resume, keep what was logged up to the checkpoint and continue the time column.
+        if resume_step is not None:
             kept = (
                 [r for r in read_metrics(self.dir / "metrics.jsonl") if r["global_step"] <= resume_step]
                 if (self.dir / "metrics.jsonl").exists()
@@ -136,7 +138,8 @@ class RunLogger:
         """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl."""
         record: dict[str, Any] = {"global_step": int(global_step), "time": round(time.time() - self.start_time, 3)}
         for name, value in metrics.items():
-            value = float(value)  # accepts python/numpy numbers and 0-d tensors (one sync per metric, per log call)
+            # Accepts python/numpy numbers and 0-d tensors (one sync per metric, per log call).
+            value = float(value)
             self.writer.add_scalar(name, value, global_step)
             record[name] = value if math.isfinite(value) else str(value)
         self._metrics.write(json.dumps(record) + "\n")

@@ -41,7 +41,8 @@ MINATAR_GAMES = {
     "SpaceInvaders": "space_invaders",
 }
 MINATAR_ENV_IDS = tuple(f"MinAtar/{name}-v{v}" for v in (0, 1) for name in MINATAR_GAMES)
-MINATAR_MAX_CHANNELS = 10  # Seaquest; the others have 4 (Asterix, Breakout), 7 (Freeway), 6 (SpaceInvaders)
+# Seaquest's; the others have 4 (Asterix, Breakout), 7 (Freeway), 6 (SpaceInvaders).
+MINATAR_MAX_CHANNELS = 10
 
 
 def check_minatar_env_id(env_id: str) -> None:
@@ -81,8 +82,10 @@ class MinAtarEnv(gym.Env):
         check_minatar_env_id(env_id)
         game, version = env_id.split("/")[1].rsplit("-v", 1)
         self.game = _game_class(MINATAR_GAMES[game])(ramping=difficulty_ramping)
-        self.sticky_action_prob, self.last_action = sticky_action_prob, 0
-        self.rng = self.game.random  # MinAtar's Environment: one RandomState for the game and the sticky actions
+        self.sticky_action_prob = sticky_action_prob
+        self.last_action = 0
+        # As MinAtar's Environment: one RandomState for the game and the sticky actions.
+        self.rng = self.game.random
         self.channels = self.game.state_shape()[2]
         out_channels = self.channels if pad_channels is None else pad_channels
         if out_channels < self.channels:
@@ -94,7 +97,8 @@ class MinAtarEnv(gym.Env):
         self.observation_space = gym.spaces.Box(0, 1, (out_channels, 10, 10), np.uint8)
         self.max_episode_steps = max_episode_steps
         self._obs = np.zeros((out_channels, 10, 10), np.uint8)  # padded channels stay zero
-        self._return, self._length = 0.0, 0
+        self._return = 0.0
+        self._length = 0
 
     def _observation(self) -> np.ndarray:
         self._obs[: self.channels] = self.game.state().transpose(2, 0, 1)
@@ -106,12 +110,14 @@ class MinAtarEnv(gym.Env):
             self.rng = self.game.random = np.random.RandomState(seed)  # as minatar.Environment.seed
         self.game.reset()
         self.last_action = 0
-        self._return, self._length = 0.0, 0
+        self._return = 0.0
+        self._length = 0
         return self._observation(), {}
 
     def step(self, action):
         action = self.action_set[int(action)]
-        if self.rng.rand() < self.sticky_action_prob:  # sticky actions, as minatar.Environment.act
+        # Sticky actions, as minatar.Environment.act.
+        if self.rng.rand() < self.sticky_action_prob:
             action = self.last_action
         self.last_action = action
         reward, terminated = self.game.act(action)

@@ -92,7 +92,8 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        # The shell's convention: 130 for SIGINT, 143 for SIGTERM.
+        self.exit_code = 128 + signum
 
 
 # the signals received since `stop_on_signals()`, in order (written by the handler only)
@@ -251,7 +252,8 @@ class ProcessGroup:
         self.ctx = ctx
         self.procs: list[Any] = []
         self.errors = ctx.Queue()
-        self.stop_event = StopFlag(ctx)  # pass to actors: they return when it is set
+        # Pass it to the actors: they return when it is set.
+        self.stop_event = StopFlag(ctx)
         self.stopping = False
         self._tracebacks: dict[str, str] = {}
         self.lifeline = Lifeline(ctx)
@@ -297,7 +299,8 @@ class ProcessGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1.0)
-        if self.ctx.get_start_method() == "forkserver":  # the fork server too: no process outlives the run
+        # Stop the fork server too: no process outlives the run.
+        if self.ctx.get_start_method() == "forkserver":
             from multiprocessing import forkserver
 
             forkserver._forkserver._stop()

@@ -49,24 +49,24 @@ PROCGEN_GAMES = (
     "starpilot",
 )
 PROCGEN_DISTRIBUTION_MODES = ("easy", "hard", "extreme", "memory", "exploration")
-# Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> (easy R_min, R_max, hard R_min, R_max)
+# Cobbe et al. 2020 (arXiv 1912.01588, App. C) min-max return constants: game -> {mode: (R_min, R_max)}
 PROCGEN_RETURN_BOUNDS = {
-    "bigfish": (1, 40, 0, 40),
-    "bossfight": (0.5, 13, 0.5, 13),
-    "caveflyer": (3.5, 12, 2, 13.4),
-    "chaser": (0.5, 13, 0.5, 14.2),
-    "climber": (2, 12.6, 1, 12.6),
-    "coinrun": (5, 10, 5, 10),
-    "dodgeball": (1.5, 19, 1.5, 19),
-    "fruitbot": (-1.5, 32.4, -0.5, 27.2),
-    "heist": (3.5, 10, 2, 10),
-    "jumper": (3, 10, 1, 10),
-    "leaper": (3, 10, 1.5, 10),
-    "maze": (5, 10, 4, 10),
-    "miner": (1.5, 13, 1.5, 20),
-    "ninja": (3.5, 10, 2, 10),
-    "plunder": (4.5, 30, 3, 30),
-    "starpilot": (2.5, 64, 1.5, 35),
+    "bigfish": {"easy": (1, 40), "hard": (0, 40)},
+    "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
+    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)},
+    "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
+    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)},
+    "coinrun": {"easy": (5, 10), "hard": (5, 10)},
+    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)},
+    "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
+    "heist": {"easy": (3.5, 10), "hard": (2, 10)},
+    "jumper": {"easy": (3, 10), "hard": (1, 10)},
+    "leaper": {"easy": (3, 10), "hard": (1.5, 10)},
+    "maze": {"easy": (5, 10), "hard": (4, 10)},
+    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)},
+    "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
+    "plunder": {"easy": (4.5, 30), "hard": (3, 30)},
+    "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
 }
 
 
@@ -74,9 +74,8 @@ def procgen_normalized_return(game: str, distribution_mode: str, ret: float) -> 
     """Cobbe et al. (2020) min-max normalization (R - R_min) / (R_max - R_min); None outside Procgen easy/hard."""
     if game not in PROCGEN_RETURN_BOUNDS or distribution_mode not in ("easy", "hard"):
         return None
-    b = PROCGEN_RETURN_BOUNDS[game]
-    lo, hi = (b[0], b[1]) if distribution_mode == "easy" else (b[2], b[3])
-    return (ret - lo) / (hi - lo)
+    r_min, r_max = PROCGEN_RETURN_BOUNDS[game][distribution_mode]
+    return (ret - r_min) / (r_max - r_min)
 
 
 # Each game ends an episode by itself after `timeout` steps (BasicAbstractGame: 1000; maze.cpp sets 500).
@@ -113,14 +112,20 @@ class ProcgenVecEnv:
             )
         if num_envs < 1 or num_levels < 0 or start_level < 0:
             raise ValueError("num_envs must be >= 1, num_levels and start_level >= 0")
-        self.env_name, self.num_envs = env_name, num_envs
+        self.env_name = env_name
+        self.num_envs = num_envs
         self.timeout = PROCGEN_TIMEOUTS[env_name]
-        self._num_levels, self._start_level = int(num_levels), int(start_level)
+        self._num_levels = int(num_levels)
+        self._start_level = int(start_level)
         self._rng = np.random.default_rng(rand_seed)
-        self._options = dict(env_name=env_name, distribution_mode=distribution_mode)  # gym3 wants plain ints/strs
-        with contextlib.redirect_stderr(io.StringIO()):  # hide old gym's "unmaintained" notice printed on import
-            from procgen import ProcgenGym3Env  # here, not at the top: MiniGrid runs need no procgen install
-        self._gym3_env = ProcgenGym3Env  # also builds each new level's start state (`_start_state`)
+        # gym3 wants plain ints and strs.
+        self._options = dict(env_name=env_name, distribution_mode=distribution_mode)
+        # Hide old gym's "unmaintained" notice, printed on import.
+        with contextlib.redirect_stderr(io.StringIO()):
+            # Imported here, not at the top: MiniGrid runs need no procgen install.
+            from procgen import ProcgenGym3Env
+        # Also builds each new level's start state (`_start_state`).
+        self._gym3_env = ProcgenGym3Env
         self.env = ProcgenGym3Env(
             num=num_envs,
             num_levels=int(num_levels),
@@ -186,9 +191,11 @@ class ProcgenVecEnv:
 
     def step(self, actions, next_level: Callable[[int], int] | None = None):
         self.env.act(np.asarray(actions, dtype=np.int32))
-        reward, obs, first = self.env.observe()  # gym3 returns copies; read before any set_state
+        # gym3 returns copies; read them before any set_state.
+        reward, obs, first = self.env.observe()
         reward = reward.astype(np.float32)
-        terminated = first.astype(bool)  # every end Procgen reports itself (our limit comes one step earlier)
+        # Every end Procgen reports itself is a termination (our time limit comes one step earlier).
+        terminated = first.astype(bool)
         self._ep_return += reward
         self._ep_length += 1
         truncated = ~terminated & (self._ep_length >= self.timeout - 1)
@@ -198,14 +205,16 @@ class ProcgenVecEnv:
             "_episode": done.copy(),
             "episode_return": np.where(done, self._ep_return, 0.0),
             "episode_length": np.where(done, self._ep_length, 0),
-            "final_obs": obs["rgb"],  # gym3 returned a copy: still the true last frame of truncated episodes
+            # gym3 returned a copy: still the true last frame of truncated episodes.
+            "final_obs": obs["rgb"],
         }
         done_idx = np.flatnonzero(done)
         if len(done_idx):
             if next_level is not None:
                 for i in done_idx:
                     self._set_state(int(i), next_level(int(i)))
-            else:  # terminated envs are already on a level of Procgen's own distribution; truncated ones get one
+            else:
+                # Terminated envs are already on a level of Procgen's own distribution; truncated ones get one.
                 self.levels[done_idx] = self._read_levels()[done_idx]
                 for i in np.flatnonzero(truncated):
                     self._set_state(int(i), self._default_level())

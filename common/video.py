@@ -10,7 +10,7 @@ def check_video_support() -> None:
     """Raise a one-line error unless gymnasium's RecordVideo can write files (it needs moviepy, which is not in
     requirements.txt: its ffmpeg wheel pin clashes with gym3's; install `moviepy` to use --capture-video)."""
     try:
-        import moviepy  # noqa: F401
+        import moviepy  # noqa: F401 (imported only to see that it loads)
     except Exception as e:  # ImportError, or a broken ffmpeg backend
         raise ValueError(
             f"--capture-video needs a working moviepy ({type(e).__name__}: {e}); install it to record videos"

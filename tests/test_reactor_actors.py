@@ -589,7 +589,7 @@ def _chunk_writer(channel, actor, rows):
     while not channel.reserve(actor):
         pass
     channel.send(actor)  # a reserved buffer with no rows: nothing is sent
-    channel.post("done", actor)
+    channel.post(("done", actor))
 
 
 def test_chunk_channel_carries_every_row_once_in_order_and_recycles_its_buffers():

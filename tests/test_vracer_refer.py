@@ -747,14 +747,15 @@ def test_replay_memory_need_is_the_size_of_its_arrays():
 def test_numpy_actor_forward_matches_agent(residual):
     torch.manual_seed(1)
     agent = vr.Agent(11, 3, 128, 0.5, "cheap_softplus", residual)
-    norm = np.stack([np.random.default_rng(0).normal(size=11), np.full(11, 2.0)])
+    obs_mean = np.random.default_rng(0).normal(size=11)
+    obs_std = np.full(11, 2.0)
     obs = np.random.default_rng(1).normal(size=(5, 11))
     with torch.no_grad():
         m, s, v = agent(
-            (torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(norm[0], dtype=torch.float32))
-            / torch.as_tensor(norm[1], dtype=torch.float32)
+            (torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(obs_mean, dtype=torch.float32))
+            / torch.as_tensor(obs_std, dtype=torch.float32)
         )
-    net = vr.numpy_params(agent, "cheap_softplus", norm)
+    net = vr.numpy_params(agent, "cheap_softplus", obs_mean, obs_std)
     for i in range(5):
         mi, si, vi = vr.numpy_forward(net, obs[i], residual)
         np.testing.assert_allclose(mi, m[i].numpy(), rtol=1e-4, atol=1e-5)
@@ -979,13 +980,16 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     torch.manual_seed(0)
     agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
     rng = np.random.default_rng(0)
-    norm = np.stack([0.1 * rng.normal(size=obs_dim), rng.uniform(0.5, 2.0, obs_dim)])  # state statistics (App. B)
+    # state statistics (App. B)
+    obs_mean = 0.1 * rng.normal(size=obs_dim)
+    obs_std = rng.uniform(0.5, 2.0, obs_dim)
     weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
     shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, len(weights), threading.Event())
     shared.weights.copy_(weights)
-    shared.state_stats.copy_(torch.tensor(norm, dtype=torch.float32))
-    shared.control[0] = steps  # the F gate lets the actor run `steps` env steps
-    shared.control[1] = 1
+    shared.obs_mean.copy_(torch.tensor(obs_mean, dtype=torch.float32))
+    shared.obs_std.copy_(torch.tensor(obs_std, dtype=torch.float32))
+    shared.steps_allowed[0] = steps  # the F gate lets the actor run `steps` env steps
+    shared.weights_version[0] = 1
     actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared, seed, "test"), daemon=True)
     rm = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit)
     partial = []
@@ -1008,7 +1012,7 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
 
     # the direct rollout (independent of the ring format): a ~ mu = N(mean, std) with the actor's noise stream
     env = make_mujoco_env("Hopper-v5", seed, max_episode_steps=limit)
-    net = vr.numpy_params(agent, args.std_map, shared.state_stats.numpy())
+    net = vr.numpy_params(agent, args.std_map, shared.obs_mean.numpy(), shared.obs_std.numpy())
     low = env.action_space.low.astype(np.float64)
     high = env.action_space.high.astype(np.float64)
     noise = np.random.default_rng(seed)

@@ -84,7 +84,7 @@ def load_actor(script, i, steps, stop_event):
         obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
         low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
         agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
-        net = vr.numpy_params(agent, args.std_map, np.stack([np.zeros(obs_dim), np.ones(obs_dim)]))
+        net = vr.numpy_params(agent, args.std_map, np.zeros(obs_dim), np.ones(obs_dim))
         obs, _ = env.reset(seed=i)
 
         def tick(obs):

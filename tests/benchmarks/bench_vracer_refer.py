@@ -334,9 +334,9 @@ def bench_actors(a):
     procs = ProcessGroup(mp.get_context("spawn"))
     shared = vr.make_shared_handles(a.num_actors, 4096, obs_dim, act_dim, len(weights), procs.stop_event)
     shared.weights.copy_(weights)
-    shared.state_stats[1] = 1.0
-    shared.control[0] = 10**12
-    shared.control[1] = 1
+    shared.obs_std[:] = 1.0
+    shared.steps_allowed[0] = 10**12
+    shared.weights_version[0] = 1
     written = shared.written
     for i in range(a.num_actors):
         procs.start(vr.actor_loop, (i, args, obs_dim, act_dim, shared, i, "bench"), name=f"actor-{i}")
@@ -348,7 +348,7 @@ def bench_actors(a):
         t = time.perf_counter()
         while time.perf_counter() - t < a.seconds:
             shared.read.copy_(written)  # a learner that consumes everything at once
-            shared.control[1] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
+            shared.weights_version[0] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
             time.sleep(0.01)
             procs.check()
         actors = (int(written.sum()) - n0) / (time.perf_counter() - t)
