@@ -29,9 +29,11 @@ def make_batch(B, T, A, H, rng, pad_at=None):
     term = torch.zeros(B, T + 1, dtype=torch.bool)
     pad = torch.zeros_like(term)
     first = torch.zeros_like(term)
-    term[0, 3], first[0, 4] = True, True
+    term[0, 3] = True
+    first[0, 4] = True
     if pad_at is not None:
-        pad[1, pad_at], first[1, pad_at + 1] = True, True
+        pad[1, pad_at] = True
+        first[1, pad_at + 1] = True
     mu = torch.softmax(torch.tensor(rng.normal(size=(B, T + 1, A)), dtype=torch.float32), -1)
     return reactor.Batch(
         torch.randint(0, 255, (B, T + 1, 84, 84), dtype=torch.uint8),

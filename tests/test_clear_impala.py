@@ -54,7 +54,8 @@ def textbook_vtrace(log_rhos, discounts, rewards, values, bootstrap, clip_rho, c
 def test_vtrace_matches_textbook(clips):
     rng = np.random.default_rng(0)
     for case in range(40):
-        T, B = rng.integers(1, 9), rng.integers(1, 5)
+        T = rng.integers(1, 9)
+        B = rng.integers(1, 5)
         log_rhos = rng.normal(0, 1.5, (T, B))
         discounts = 0.99 * (rng.random((T, B)) > 0.25)  # episode ends inside the unroll
         rewards = rng.normal(0, 2, (T, B))
@@ -110,7 +111,10 @@ def test_vtrace_rlax_reference_numbers():
 
 def test_vtrace_no_value_leaks_across_episode_end():
     rng = np.random.default_rng(1)
-    T, B, k = 10, 3, 4  # the episode ends with the action at t = k
+    # the episode ends with the action at t = k
+    T = 10
+    B = 3
+    k = 4
     args = [torch.tensor(rng.normal(size=(T, B))) for _ in range(4)] + [torch.tensor(rng.normal(size=B))]
     args[1] = torch.full((T, B), 0.99, dtype=torch.float64)
     args[1][k] = 0.0
@@ -151,7 +155,10 @@ def make_aligned(T, B, A, **over):
 
 
 def test_truncation_bootstraps_from_final_value_and_termination_does_not():
-    T, B, A, k = 6, 2, 3, 2
+    T = 6
+    B = 2
+    A = 3
+    k = 2
     values = torch.arange(T * B, dtype=torch.float32).view(T, B)
     rewards = torch.ones(T, B)
     done = torch.zeros(T, B, dtype=torch.bool)
@@ -181,9 +188,12 @@ def test_truncation_bootstraps_from_final_value_and_termination_does_not():
 
 
 def test_truncated_importance_weights_are_min_one_pi_over_mu_of_the_taken_action():
-    T, B, A = 4, 3, 5
+    T = 4
+    B = 3
+    A = 5
     g = torch.Generator().manual_seed(0)
-    target, behaviour = torch.randn(T, B, A, generator=g), torch.randn(T, B, A, generator=g)
+    target = torch.randn(T, B, A, generator=g)
+    behaviour = torch.randn(T, B, A, generator=g)
     actions = torch.randint(0, A, (T, B), generator=g)
     u = make_aligned(T, B, A, target_logits=target, behaviour_logits=behaviour, actions=actions)
     rho, mu_taken = ci.truncated_importance_weights(u)
@@ -212,7 +222,9 @@ def chi2_upper(df, z=3.29):
 
 
 def test_reservoir_keeps_a_uniform_sample():
-    cap, n_unrolls, reps = 8, 40, 1500
+    cap = 8
+    n_unrolls = 40
+    reps = 1500
     counts = np.zeros(n_unrolls)
     rng = np.random.default_rng(0)
     unrolls = [unroll_with_id(i) for i in range(n_unrolls)]
@@ -293,7 +305,8 @@ def test_select_pairs_spreads_positions():
 # ----------------------------------------------------------------------------------------------------------------
 def test_cloning_losses_zero_when_policy_equals_behaviour():
     g = torch.Generator().manual_seed(0)
-    logits, values = torch.randn(5, 4, 6, generator=g), torch.randn(5, 4, generator=g)
+    logits = torch.randn(5, 4, 6, generator=g)
+    values = torch.randn(5, 4, generator=g)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
     assert ci.policy_cloning_loss(logits, logits.clone(), mask).abs() < 1e-6
     assert ci.value_cloning_loss(values, values.clone(), mask) == 0
@@ -301,14 +314,16 @@ def test_cloning_losses_zero_when_policy_equals_behaviour():
     assert ci.policy_cloning_loss(other, logits, mask) > 0.1
     assert ci.value_cloning_loss(values + 1, values, mask) == pytest.approx(5 * 3)
     # KL(mu || pi), not KL(pi || mu)
-    mu, pi = torch.log_softmax(logits, -1), torch.log_softmax(other, -1)
+    mu = torch.log_softmax(logits, -1)
+    pi = torch.log_softmax(other, -1)
     kl = (mu.exp() * (mu - pi)).sum(-1)
     assert ci.policy_cloning_loss(other, logits, mask) == pytest.approx(float((kl * mask).sum()), rel=1e-5)
 
 
 def test_cloning_only_on_replay_columns():
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
+    a = torch.randn(5, 3, 4, generator=g)
+    b = torch.randn(5, 3, 4, generator=g)
     assert ci.policy_cloning_loss(a, b, torch.zeros(3)) == 0
     assert ci.value_cloning_loss(a[..., 0], b[..., 0], torch.zeros(3)) == 0
 
@@ -324,7 +339,8 @@ def act_like_an_actor(model, T, B, obs_shape, seed=0):
     batch["obs"] = torch.randint(0, 11, (T + 1, B, *obs_shape), generator=g, dtype=torch.uint8)
     with torch.no_grad():
         logits, values = model(batch["obs"].reshape(-1, *obs_shape))
-    logits, values = logits.view(T + 1, B, -1), values.view(T + 1, B)
+    logits = logits.view(T + 1, B, -1)
+    values = values.view(T + 1, B)
     batch["logits"][1:] = logits[:-1]
     batch["baseline"][1:] = values[:-1]
     batch["action"][1:] = torch.randint(0, 7, (T, B), generator=g)
@@ -334,13 +350,16 @@ def act_like_an_actor(model, T, B, obs_shape, seed=0):
 
 def test_cloning_is_time_aligned_with_learner_outputs():
     torch.manual_seed(0)
-    T, B, obs_shape = 5, 3, (7, 7, 3)
+    T = 5
+    B = 3
+    obs_shape = (7, 7, 3)
     model = ci.Agent(obs_shape, 7, "minigrid")
     with torch.no_grad():
         model.policy.weight.mul_(300.0)  # a peaked policy, so that a one-step misalignment shows
     batch = act_like_an_actor(model, T, B, obs_shape)
     logits_all, values_all = model(batch["obs"].reshape(-1, *obs_shape))
-    logits_all, values_all = logits_all.view(T + 1, B, 7), values_all.view(T + 1, B)
+    logits_all = logits_all.view(T + 1, B, 7)
+    values_all = values_all.view(T + 1, B)
     args = ci.Args()
     _, parts = ci.clear_loss(logits_all, values_all, {k: v for k, v in batch.items() if k != "obs"}, torch.ones(B), args)
     assert parts["losses/policy_cloning_loss"].abs() < 1e-5
@@ -356,11 +375,15 @@ def test_cloning_is_time_aligned_with_learner_outputs():
 
 def test_behaviour_cloning_flag_changes_total_loss_only_via_cloning():
     torch.manual_seed(0)
-    T, B, obs_shape = 4, 2, (7, 7, 3)
-    actor, learner = ci.Agent(obs_shape, 7, "minigrid"), ci.Agent(obs_shape, 7, "minigrid")
+    T = 4
+    B = 2
+    obs_shape = (7, 7, 3)
+    actor = ci.Agent(obs_shape, 7, "minigrid")
+    learner = ci.Agent(obs_shape, 7, "minigrid")
     batch = act_like_an_actor(actor, T, B, obs_shape)
     lg, v = learner(batch["obs"].reshape(-1, *obs_shape))
-    lg, v = lg.view(T + 1, B, 7), v.view(T + 1, B)
+    lg = lg.view(T + 1, B, 7)
+    v = v.view(T + 1, B)
     rest = {k: x for k, x in batch.items() if k != "obs"}
     on, p_on = ci.clear_loss(lg, v, rest, torch.tensor([1.0, 0.0]), ci.Args())
     off, _ = ci.clear_loss(lg, v, rest, torch.tensor([1.0, 0.0]), ci.Args(behavior_cloning=False))
@@ -465,13 +488,7 @@ def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
 def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
     r = run_script(
         tmp_path,
-        "--env-ids",
-        "MiniGrid-Empty-5x5-v0",
-        "--num-actors",
-        "2",
-        "--batch-size",
-        "2",
-        "--buffer-frames",
+        *"--env-ids MiniGrid-Empty-5x5-v0 --num-actors 2 --batch-size 2 --buffer-frames".split(),
         str(10**13),
         "--no-progress",
         timeout=60,
@@ -493,7 +510,7 @@ TINY = (
 
 
 def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
-    r = run_script(tmp_path, *TINY, "--num-cycles", "1", "--checkpoint-every", "240", "--save-model", "--checkpoint-replay")
+    r = run_script(tmp_path, *TINY, *"--num-cycles 1 --checkpoint-every 240 --save-model --checkpoint-replay".split())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -539,7 +556,8 @@ def test_smoke_two_task_sequence_and_resume_round_trip(tmp_path):
     assert r2.stdout.count("replay unrolls from") == 2, r2.stdout[-2000:]
     s2 = json.loads((run_dir / "summary.json").read_text())
     assert s2["global_step"] == 960 and s2["task_mismatch"] == 0 and s2["stop_reason"] == "completed"
-    n1, n2 = sum(summary["num_eval_episodes"].values()), sum(s2["num_eval_episodes"].values())
+    n1 = sum(summary["num_eval_episodes"].values())
+    n2 = sum(s2["num_eval_episodes"].values())
     assert n2 >= n1  # the evaluation history continues
     # the pair-selection stream continued across the resume: the seeded stream advanced once per learner step
     # (every pair holds a replay half), the first run's steps included
@@ -560,7 +578,9 @@ def run_actor_loops(args, obs_shape, num_actions, shared_models, unrolls, tmp_pa
     import queue
     import threading
 
-    A, T, N = args.num_actors, args.unroll_length, args.num_actors * args.envs_per_actor
+    A = args.num_actors
+    T = args.unroll_length
+    N = args.num_actors * args.envs_per_actor
     slots = {
         k: torch.from_numpy(np.zeros((N, 2, *shape), dtype=dtype))
         for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()
@@ -635,10 +655,16 @@ def slow_clear_loss(learner, half_per_column, which, args):
     or the advantage) with gamma cut at every episode end and a truncation bootstrapped through V_mu(final obs);
     pg = -sum log pi(a_t|x_t) adv_t, value = 1/2 sum (v_t - V(x_t))^2, entropy = sum pi log pi, and on replay columns
     KL(mu || pi) and (V - V_mu)^2 (CLEAR Sec. 3). Returns the unweighted terms and the weighted total."""
-    T, B, g = args.unroll_length, len(half_per_column), args.gamma
+    T = args.unroll_length
+    B = len(half_per_column)
+    g = args.gamma
     log_rhos, disc, rew, vals = (np.zeros((T, B)) for _ in range(4))
     boot = np.zeros(B)
-    log_pi, mu, act, vmu, value_of = {}, {}, {}, {}, {}
+    log_pi = {}
+    mu = {}
+    act = {}
+    vmu = {}
+    value_of = {}
     for b, u in enumerate(half_per_column):
         lg, v = learner(u["obs"])
         for t in range(T + 1):
@@ -647,15 +673,21 @@ def slow_clear_loss(learner, half_per_column, which, args):
                 break
             log_pi[t, b] = torch.log_softmax(lg[t].double(), -1)
             mu[t, b] = torch.softmax(u["logits"][t + 1].double(), -1)
-            act[t, b], vmu[t, b] = int(u["action"][t + 1]), float(u["baseline"][t + 1])
+            act[t, b] = int(u["action"][t + 1])
+            vmu[t, b] = float(u["baseline"][t + 1])
             value_of[t, b] = v[t].double()
             vals[t, b] = v[t].item()
             log_rhos[t, b] = log_pi[t, b][act[t, b]].item() - math.log(mu[t, b][act[t, b]].item())
-            done, trunc = bool(u["done"][t + 1]), bool(u["truncated"][t + 1])
+            done = bool(u["done"][t + 1])
+            trunc = bool(u["truncated"][t + 1])
             disc[t, b] = 0.0 if done else g
             rew[t, b] = float(u["reward"][t + 1]) + (g * float(u["final_value"][t + 1]) if trunc else 0.0)
     vs, adv = textbook_vtrace(log_rhos, disc, rew, vals, boot, args.clip_rho_threshold, args.clip_pg_rho_threshold)
-    pg = value = entropy = pc = vc = torch.zeros((), dtype=torch.float64)
+    pg = torch.zeros((), dtype=torch.float64)
+    value = torch.zeros((), dtype=torch.float64)
+    entropy = torch.zeros((), dtype=torch.float64)
+    pc = torch.zeros((), dtype=torch.float64)
+    vc = torch.zeros((), dtype=torch.float64)
     for b in range(B):
         for t in range(T):
             pg = pg - log_pi[t, b][act[t, b]] * adv[t, b]
@@ -732,7 +764,8 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         # 6-step limit truncates), so both ends occur whatever the threads' shared torch stream draws
         shared.policy.bias[2] += 2.0
     pairs, slots = run_actor_loops(args, obs_shape, num_actions, [shared], unrolls=4, tmp_path=tmp_path)
-    T, ends = args.unroll_length, {"terminated": 0, "truncated": 0}
+    T = args.unroll_length
+    ends = {"terminated": 0, "truncated": 0}
     earlier = {p: [] for p in range(args.num_actors)}  # new halves of each process: its reservoir's content
     for i, published in pairs.items():
         p, e = divmod(i, E)
@@ -814,7 +847,10 @@ def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
     """The learner's hand-off against an actor stand-in that rewrites its slot (both halves) the moment the learner
     frees it: the batch must equal what the slots held when the learner took them, and the global step must already
     count the batch's new frames when an actor sees its slot free (its next unroll starts at the updated step)."""
-    N, T, obs_shape, num_actions = 5, 4, (3, 3), 2
+    N = 5
+    T = 4
+    obs_shape = (3, 3)
+    num_actions = 2
     g = torch.Generator().manual_seed(0)
     slots = {}
     for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items():
@@ -834,7 +870,8 @@ def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
                 v[self.slot] = ~v[self.slot] if v.dtype == torch.bool else -1 - v[self.slot]
 
     slot_free = [ActorWritesOnRelease(i) for i in range(N)]
-    idx, which = [3, 0, 4], torch.tensor([1, 0, 1])
+    idx = [3, 0, 4]
+    which = torch.tensor([1, 0, 1])
     batch = ci.take_batch(slots, idx, which, slot_free, global_step, T)
     for k, v in batch.items():
         for j, (slot, half) in enumerate(zip(idx, which.tolist())):
@@ -862,7 +899,8 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
     """simultaneous: env slot i plays task i mod K, so tasks mix within a process; separate: every env of process p
     plays task p mod K with network p mod K and publishes through that network's queue. Each stored unroll must equal
     a direct rollout of that task's env with mu and V_mu of that network (the two networks differ)."""
-    E, K = envs_per_actor, 2
+    E = envs_per_actor
+    K = 2
     args = ci.Args(
         env_ids=["MiniGrid-LavaGapS5-v0", "MiniGrid-Empty-5x5-v0"],
         mode=mode,
@@ -944,7 +982,8 @@ def test_test_actors_refresh_the_network_of_their_task_during_the_run():
     obs_shape, num_actions, _ = ci.probe_envs(args)
     shared = [CountingAgent(k, obs_shape, num_actions, "minigrid") for k in range(2)]
     reads[:] = [0, 0]
-    stop, eval_queue = threading.Event(), queue.SimpleQueue()
+    stop = threading.Event()
+    eval_queue = queue.SimpleQueue()
     thread = threading.Thread(
         target=ci.test_actor_loop, daemon=True, args=(0, 1, args, obs_shape, num_actions, shared, stop, eval_queue)
     )
@@ -962,7 +1001,8 @@ def test_test_actors_refresh_the_network_of_their_task_during_the_run():
 
 
 def test_reservoir_load_keeps_the_largest_keys_and_continues_its_stream(tmp_path):
-    T, obs_shape = 2, (2, 2)
+    T = 2
+    obs_shape = (2, 2)
     original = ci.ReservoirBuffer(6, obs_shape, 2, T, np.random.default_rng(0))
     for i in range(20):
         original.add(unroll_with_id(i, T, obs_shape), task=i % 3)
@@ -989,9 +1029,7 @@ def test_separate_mode_trains_and_anneals_one_network_per_task(tmp_path):
     """--mode separate: each network takes every other learner step from its own task's queue; each has its own
     optimizer and linear lr schedule (stepped once per own step); the pair-selection stream in the checkpoint is the
     seeded stream advanced once per learner step (every pair holds a replay half)."""
-    r = run_script(
-        tmp_path, *TINY, "--mode", "separate", "--envs-per-actor", "2", "--num-cycles", "1", "--checkpoint-every", "240"
-    )
+    r = run_script(tmp_path, *TINY, *"--mode separate --envs-per-actor 2 --num-cycles 1 --checkpoint-every 240".split())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)

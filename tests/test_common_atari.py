@@ -37,7 +37,8 @@ def test_real_score_while_rewards_clipped():
     clipped_env = make_atari_env("ALE/SpaceInvaders-v5", 3, clip_rewards=True, **kw)
     raw_env = make_atari_env("ALE/SpaceInvaders-v5", 3, clip_rewards=False, **kw)
     steps = 1000 // 4 + 5
-    clipped, raw = _play(clipped_env, steps, seed=3), _play(raw_env, steps, seed=3)
+    clipped = _play(clipped_env, steps, seed=3)
+    raw = _play(raw_env, steps, seed=3)
     clipped_rewards = np.array([t[1] for t in clipped])
     raw_rewards = np.array([t[1] for t in raw])
     assert set(np.unique(clipped_rewards)) <= {-1.0, 0.0, 1.0}
@@ -56,7 +57,8 @@ def test_life_loss_ends_episode_without_resetting_game():
     env.reset(seed=0)
     ale = env.unwrapped.ale
     rng = np.random.default_rng(0)
-    life_ends, game_ends = 0, 0
+    life_ends = 0
+    game_ends = 0
     for _ in range(3000):
         _, _, terminated, truncated, info = env.step(int(rng.integers(env.action_space.n)))
         if terminated or truncated:

@@ -155,5 +155,6 @@ def test_random_policy_breakout_return_matches_minatars_published_figure():
         if terminated or truncated:
             returns.append(info["episode"]["r"])
             env.reset()
-    mean, stderr = np.mean(returns), np.std(returns) / np.sqrt(len(returns))
+    mean = np.mean(returns)
+    stderr = np.std(returns) / np.sqrt(len(returns))
     assert abs(mean - 0.5) < 0.05 and stderr < 0.02, (mean, stderr)

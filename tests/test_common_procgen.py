@@ -35,7 +35,8 @@ def test_set_level_gives_same_first_obs_and_trajectory_as_fresh_env(game):
     assert np.array_equal(obs[1], obs[3]), "two envs on the same level start identically"
     assert not np.array_equal(obs[0], obs[1])
     rng = np.random.default_rng(0)
-    mismatches, steps = 0, 0
+    mismatches = 0
+    steps = 0
     for _ in range(200):
         a = rng.integers(0, 15, size=4)
         obs, reward, terminated, truncated, info = env.step(a, next_level=lambda i: levels[i])

@@ -115,7 +115,8 @@ def no_run_left_behind():
 
 def start(tmp_path, script, *flags, ignore_sigint=False):
     """The script in its own session (process group = its pid); stdout and stderr to files under tmp_path."""
-    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+    out = open(tmp_path / "stdout.txt", "w")
+    err = open(tmp_path / "stderr.txt", "w")
 
     def preexec():
         os.setsid()
@@ -334,7 +335,8 @@ def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path,
     assert args["learning_rate"] == pytest.approx(0.000123)  # a flag of the first command, kept
     assert args[RESUME_TO[script][0][2:].replace("-", "_")] == int(RESUME_TO[script][1])  # the given flag wins
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps, times = [r["global_step"] for r in rows], [r["time"] for r in rows]
+    steps = [r["global_step"] for r in rows]
+    times = [r["time"] for r in rows]
     assert not any("test/after_checkpoint" in r for r in rows)  # what followed the checkpoint was dropped
     assert steps == sorted(steps) and times == sorted(times) and steps[-1] > ckpt_step
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -772,26 +772,10 @@ def _runs(tmp_path):
 def test_smoke_procgen(tmp_path):
     out = _run(
         tmp_path,
-        "--env-id",
-        "bigfish",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "16",
-        "--total-timesteps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--num-train-levels",
-        "5",
-        "--eval-every",
-        "0",
-        "--final-eval-episodes",
-        "1",
-        "--num-eval-envs",
-        "1",
-        "--plr-commit",
-        "update",
+        *(
+            "--env-id bigfish --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 "
+            "--num-train-levels 5 --eval-every 0 --final-eval-episodes 1 --num-eval-envs 1 --plr-commit update"
+        ).split(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     (run,) = _runs(tmp_path)
@@ -803,28 +787,10 @@ def test_smoke_procgen(tmp_path):
 
 
 def test_smoke_minigrid_save_and_resume(tmp_path):
-    common = [
-        "--env-id",
-        "MultiRoom-N4-Random",
-        "--num-envs",
-        "4",
-        "--num-steps",
-        "32",
-        "--num-minibatches",
-        "2",
-        "--num-train-levels",
-        "20",
-        "--eval-every",
-        "0",
-        "--final-eval-episodes",
-        "2",
-        "--num-eval-envs",
-        "2",
-        "--num-workers",
-        "1",
-        "--checkpoint-every",
-        "128",
-    ]
+    common = (
+        "--env-id MultiRoom-N4-Random --num-envs 4 --num-steps 32 --num-minibatches 2 --num-train-levels 20 "
+        "--eval-every 0 --final-eval-episodes 2 --num-eval-envs 2 --num-workers 1 --checkpoint-every 128"
+    ).split()
     # 96 steps per env: > 80-step limit; MiniGrid runs need no procgen (imported only for Procgen games)
     out = _run(tmp_path, *common, "--total-timesteps", "384", "--save-model", block_procgen=True)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -24,7 +24,9 @@ float64_by_default = reactor_helpers.float64_by_default
 # ----------------------------------------------------------------------------------------------------------------
 # the network
 def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
-    A, K, H = 4, 11, 16
+    A = 4
+    K = 11
+    H = 16
     net = reactor.ReactorNetwork(A, ATARI, K, H, crelu=True, policy_uniform_eps=0.1)
     obs = torch.randint(0, 255, (2, 5, 84, 84), dtype=torch.uint8)
     first = torch.zeros(2, 5, dtype=torch.bool)
@@ -60,16 +62,19 @@ def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
     x[0, 0, :2] = 0.0
     x.requires_grad_()
     g = torch.randn(3, 8, 5, 5)
-    got, want = reactor.CReLU()(x), torch.cat([torch.relu(x), torch.relu(-x)], 1)
+    got = reactor.CReLU()(x)
+    want = torch.cat([torch.relu(x), torch.relu(-x)], 1)
     assert torch.equal(got, want)
     assert torch.equal(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
     net = reactor.ReactorNetwork(4, ATARI, 11, 16)
     obs = torch.randint(0, 255, (2, 6, 84, 84), dtype=torch.uint8)
     first = torch.zeros(2, 6, dtype=torch.bool)
-    first[0, 2] = first[1, 4] = True
+    first[0, 2] = True
+    first[1, 4] = True
     state = tuple(torch.randn(2, 16) for _ in range(4))
     with torch.no_grad():
-        full, q_only = net(obs, first, state), net(obs, first, state, policy=False)
+        full = net(obs, first, state)
+        q_only = net(obs, first, state, policy=False)
     assert torch.equal(q_only.q, full.q) and q_only.pi is None and q_only.state[2:] == (None, None)
     assert torch.equal(q_only.state[0], full.state[0]) and torch.equal(q_only.state[1], full.state[1])
 
@@ -77,12 +82,21 @@ def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
 def test_fused_lstm_equals_step_by_step_reset(float32):
     """The fused nn.LSTM over pieces cut at episode starts gives the outputs, final state and gradients of a
     step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference)."""
-    A, K, H, B, L = 3, 7, 8, 4, 9
+    A = 3
+    K = 7
+    H = 8
+    B = 4
+    L = 9
     torch.manual_seed(0)
     net = reactor.ReactorNetwork(A, ATARI, K, H)
     obs = torch.randint(0, 255, (B, L, 84, 84), dtype=torch.uint8)
     first = torch.zeros(B, L, dtype=torch.bool)
-    first[0, 0] = first[1, 3] = first[1, 7] = first[2, 3] = first[3, 8] = True  # starts at 0, mid, shared, last
+    # starts at 0, mid, shared, last
+    first[0, 0] = True
+    first[1, 3] = True
+    first[1, 7] = True
+    first[2, 3] = True
+    first[3, 8] = True
     state = tuple(torch.randn(B, H) for _ in range(4))
 
     def cell_like(lstm):
@@ -93,10 +107,12 @@ def test_fused_lstm_equals_step_by_step_reset(float32):
         return cell
 
     def reference(net):
-        q_cell, pi_cell = cell_like(net.q_lstm), cell_like(net.pi_lstm)
+        q_cell = cell_like(net.q_lstm)
+        pi_cell = cell_like(net.pi_lstm)
         x = net.torso(obs.reshape(B * L, 1, 84, 84).float() / 255.0).reshape(B, L, -1)
         hq, cq, hp, cp = state
-        qs, ps = [], []
+        qs = []
+        ps = []
         for t in range(L):
             k = (~first[:, t]).float()[:, None]
             hq, cq = q_cell(x[:, t], (hq * k, cq * k))
@@ -165,7 +181,8 @@ def test_training_env_ends_the_learning_episode_at_a_lost_life():
     for evaluation in (False, True):
         env = reactor.make_env("ALE/Breakout-v5", 0, reactor.Args(sticky_action_prob=0.0), evaluation=evaluation)
         _, info = env.reset(seed=0)
-        lives, rng = info["lives"], np.random.default_rng(0)
+        lives = info["lives"]
+        rng = np.random.default_rng(0)
         for _ in range(2000):
             _, _, terminated, truncated, info = env.step(int(rng.integers(env.action_space.n)))
             if info["lives"] < lives or terminated or truncated:
@@ -234,7 +251,8 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             self.t += 1
             return obs, r + 0.25 * self.t, term, trunc, info
 
-    limit, steps = 8, 150
+    limit = 8
+    steps = 150
     monkeypatch.setattr(
         reactor,
         "make_env",
@@ -244,11 +262,14 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
         env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16, seed=5, actor_sync_every=1
     )
     probe = reactor.make_env(args.env_id, 0, args)
-    A, shape = int(probe.action_space.n), probe.observation_space.shape
+    A = int(probe.action_space.n)
+    shape = probe.observation_space.shape
     torch.manual_seed(0)
     shared = reactor.make_network(args, A, shape)
-    channel, stop = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape), threading.Event()
-    actor_steps, threads = [0], torch.get_num_threads()
+    channel = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape)
+    stop = threading.Event()
+    actor_steps = [0]
+    threads = torch.get_num_threads()
     actor = threading.Thread(
         target=reactor.actor_loop,
         args=(
@@ -275,9 +296,12 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     env = StepReward(make_minatar_env(args.env_id, args.seed, max_episode_steps=limit))  # the direct rollout
     net = reactor.make_network(args, A, shape)
     net.load_state_dict(shared.state_dict())
-    rng, rows, ends = np.random.default_rng(args.seed), [], {"term": 0, "trunc": 0}
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    ends = {"term": 0, "trunc": 0}
     obs, _ = env.reset(seed=args.seed)
-    state, first = net.initial_state(1), True
+    state = net.initial_state(1)
+    first = True
     while len(rows) < replay.written[0]:
         with torch.no_grad():
             o = net(torch.from_numpy(obs)[None, None], torch.zeros(1, 1, dtype=torch.bool), state)
@@ -291,9 +315,12 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             if not term:
                 rows.append((nxt, 0, 0.0, False, True, False, np.full(A, 1 / A), torch.cat(o.state, 0).numpy()))
             obs, _ = env.reset()
-            state, first = net.initial_state(1), True
+            state = net.initial_state(1)
+            first = True
         else:
-            obs, state, first = nxt, o.state, False
+            obs = nxt
+            state = o.state
+            first = False
     assert ends["term"] >= 1 and ends["trunc"] >= 1
     n = int(replay.written[0])
     assert len({row[2] for row in rows[:n]}) >= 8  # rewards that differ from step to step
@@ -312,8 +339,13 @@ class EpisodeStub:
     lengths[e % len(lengths)] steps; on_step(n) runs within the n-th step of the whole run (n = 1, 2, ...)."""
 
     def __init__(self, lengths, on_step=lambda n: None):
-        self.observation_space, self.action_space = SimpleNamespace(shape=MINATAR), SimpleNamespace(n=3)
-        self.lengths, self.on_step, self.episode, self.t, self.steps = lengths, on_step, -1, 0, 0
+        self.observation_space = SimpleNamespace(shape=MINATAR)
+        self.action_space = SimpleNamespace(n=3)
+        self.lengths = lengths
+        self.on_step = on_step
+        self.episode = -1
+        self.t = 0
+        self.steps = 0
 
     def frame(self):
         obs = np.zeros(MINATAR, np.uint8)
@@ -321,7 +353,8 @@ class EpisodeStub:
         return obs
 
     def reset(self, seed=None):
-        self.episode, self.t = self.episode + 1, 0
+        self.episode = self.episode + 1
+        self.t = 0
         return self.frame(), {}
 
     def step(self, action):
@@ -342,10 +375,12 @@ def run_actor_thread(
     (`SequenceReplay.add`), until `slots_wanted` slots are stored or `stop` is set. Returns the replay; an exception
     of the actor is raised here."""
     monkeypatch.setattr(reactor, "make_env", lambda *a, **k: env)
-    A, shape = env.action_space.n, env.observation_space.shape
+    A = env.action_space.n
+    shape = env.observation_space.shape
     channel = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape)
     replay = SequenceReplay(args.replay_size, 1, args.sequence_length, A, args.lstm_size, shape)
-    errors, threads = [], torch.get_num_threads()
+    errors = []
+    threads = torch.get_num_threads()
 
     def actor():
         try:
@@ -393,7 +428,8 @@ def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_c
         seed=3,
     )
     torch.manual_seed(0)
-    shared, version = reactor.make_network(args, 3, MINATAR), SimpleNamespace(value=0)
+    shared = reactor.make_network(args, 3, MINATAR)
+    version = SimpleNamespace(value=0)
     new_mu = np.array([0.01 / 3, 0.01 / 3, 0.99 + 0.01 / 3])  # (1 - eps) softmax([0, 0, 30]) + eps / 3, eps = 0.01
 
     def publish(n):
@@ -448,9 +484,14 @@ def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
         replay_ratio=2.5,
         ratio_slack=6,
     )
-    base, stop = (20, 3), threading.Event()
-    learner_steps, actor_steps = SimpleNamespace(value=base[1]), [0, 5]  # (actor 1: 5 steps, then no more)
-    acted, waited = [], []  # (env steps since base[0], learning steps since base[1]) at each step, at each wait
+    base = (20, 3)
+    stop = threading.Event()
+    # (actor 1: 5 steps, then no more)
+    learner_steps = SimpleNamespace(value=base[1])
+    actor_steps = [0, 5]
+    # (env steps since base[0], learning steps since base[1]) at each step, at each wait
+    acted = []
+    waited = []
 
     def on_step(n):
         acted.append((sum(actor_steps) - base[0], learner_steps.value - base[1]))
@@ -488,7 +529,8 @@ def test_learner_may_learn_keeps_learning_steps_at_the_acting_ratio():
     steps since ratio_base[1] stay exactly ceil((env steps - ratio_base[0]) / replay_ratio) (none before ratio_base[0],
     e.g. learning_starts), and none while the replay holds less than a batch."""
     args = reactor.Args(replay_ratio=2.5, batch_size=4)
-    base, learn_steps = reactor.RatioBase(100, 7), 7
+    base = reactor.RatioBase(100, 7)
+    learn_steps = 7
     for global_step in range(0, 160):
         assert not reactor.learner_may_learn(global_step, learn_steps, 3, base, args)  # (3 sequences < a batch)
         # (at most 10 tries: a broken gate fails here rather than looping for ever)
@@ -515,7 +557,9 @@ def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_th
         priority_exponent=0.5,
         learning_rate=1e-3,
     )
-    A, T, rng = 3, args.sequence_length, np.random.default_rng(0)
+    A = 3
+    T = args.sequence_length
+    rng = np.random.default_rng(0)
     torch.manual_seed(0)
     net, target_net, optimizer = reactor.make_learner(args, A, MINATAR, "cpu")
     shared = reactor.make_network(args, A, MINATAR)
@@ -546,10 +590,12 @@ def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_th
         seen["loss"], seen["priorities"], stats = loss_fn(*a, **k)
         return seen["loss"], seen["priorities"], stats
 
-    replay_sample, loss_fn = replay.sample, reactor.reactor_loss
+    replay_sample = replay.sample
+    loss_fn = reactor.reactor_loss
     monkeypatch.setattr(replay, "sample", spy_sample)
     monkeypatch.setattr(reactor, "reactor_loss", spy_loss)
-    version, learner_steps = SimpleNamespace(value=0), SimpleNamespace(value=0)
+    version = SimpleNamespace(value=0)
+    learner_steps = SimpleNamespace(value=0)
 
     def weights(model):
         return {k: v.clone() for k, v in model.state_dict().items()}
@@ -599,7 +645,9 @@ def test_chunk_channel_carries_every_row_once_in_order_and_recycles_its_buffers(
     channel = reactor.ChunkChannel(ctx, 2, 4, {"step": (np.int64, ()), "vec": (np.float32, (2,))}, num_buffers=2)
     procs = [ctx.Process(target=_chunk_writer, args=(channel, a, 11)) for a in range(2)]
     [p.start() for p in procs]
-    got, done, sizes = {0: [], 1: []}, set(), []
+    got = {0: [], 1: []}
+    done = set()
+    sizes = []
     while len(done) < 2:
         msg = channel.get(timeout=60)
         if msg[0] == "chunk":

@@ -91,11 +91,13 @@ def test_lazy_priority_estimates_equal_brute_force():
                 p = rng.uniform(0.01, 2.0, size=len(ks))
                 lp.set_priority(ks, p)
                 for k_, p_ in zip(ks, p):
-                    prio[k_], known[k_] = p_, True
+                    prio[k_] = p_
+                    known[k_] = True
             elif op == 2 and valid.any():
                 ks = rng.choice(np.flatnonzero(valid), size=int(rng.integers(1, 3)))
                 lp.remove(ks)
-                valid[ks] = known[ks] = False
+                valid[ks] = False
+                known[ks] = False
             if not valid.any():
                 continue
             want, p_hat = brute_force_probabilities(valid, known, prio, eps)
@@ -195,7 +197,10 @@ class SlowLazyPriorities:
     keys it samples must be the same."""
 
     def __init__(self, N, eps):
-        self.N, self.eps, self.valid, self.prio = N, eps, set(), {}
+        self.N = N
+        self.eps = eps
+        self.valid = set()
+        self.prio = {}
 
     def add(self, keys):
         self.valid |= set(int(k) for k in keys)
@@ -212,7 +217,8 @@ class SlowLazyPriorities:
 
     def cells(self):
         """Sorted valid keys, sorted known keys, owner of each valid key, cell size of each known key."""
-        keys, ks = sorted(self.valid), sorted(self.prio)
+        keys = sorted(self.valid)
+        ks = sorted(self.prio)
         owner = {t: max([s for s in ks if s <= t], default=ks[-1] if ks else None) for t in keys}
         return keys, ks, owner, {s: sum(owner[t] == s for t in keys) for s in ks}
 
@@ -232,7 +238,8 @@ class SlowLazyPriorities:
         return {s: self.prio[s] + sum(p_hat[t] for t in owner if owner[t] == s and t != s) for s in ks}
 
     def probability(self, keys):
-        n, p_hat = len(self.valid), self.p_hat()
+        n = len(self.valid)
+        p_hat = self.p_hat()
         total = sum(p_hat.values())
         if not self.prio or total <= 0:
             return [1.0 / n] * len(keys)
@@ -242,7 +249,8 @@ class SlowLazyPriorities:
         """5 uniforms per draw (LazyPriorities.sample's docstring): rank, uniform coin, mass point, known or not,
         offset; cells by a search in the cumulative masses, keys by position in the sorted list."""
         keys, ks, _, size = self.cells()
-        n, masses = len(keys), self.masses()
+        n = len(keys)
+        masses = self.masses()
         total = sum(masses.values())
         cum = np.cumsum([masses[s] for s in ks])
         out = []
@@ -289,7 +297,8 @@ def test_lazy_priorities_random_operations_equal_slow_reference(seed):
     for case in range(12):
         N = int(rng.integers(3, 60))
         eps = float(rng.choice([0.0, 0.1, 0.5]))
-        lp, slow = LazyPriorities(N, eps), SlowLazyPriorities(N, eps)
+        lp = LazyPriorities(N, eps)
+        slow = SlowLazyPriorities(N, eps)
         for step in range(60):
             op = int(rng.integers(6))
             valid = sorted(slow.valid)
@@ -343,7 +352,8 @@ def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
 
 
 def test_sequence_replay_keys_eviction_and_gathers():
-    T, seg = 4, 20
+    T = 4
+    seg = 20
     rp = SequenceReplay(2 * seg, 2, T, 3, 4, ATARI, uniform_eps=0.1)
     rp.add(0, fill_chunk(0, 3))
     assert len(rp) == 0  # no complete sequence of T + 1 = 5 slots yet
@@ -388,7 +398,8 @@ def test_resumed_replay_cuts_each_segment_at_the_checkpoint():
     the resumed actor starts a new episode (first). After `cut_at_heads` the last stored slot is a pad: the
     transition into it bootstraps from it (gamma, trace cut), the one out of it carries no loss; without the cut the
     old episode's last transition bootstrapped from the new episode's first frame."""
-    T, seg = 4, 40
+    T = 4
+    seg = 40
     rp = reactor.SequenceReplay(2 * seg, 2, T, 3, 4, ATARI, uniform_eps=1.0)
     for segment in (0, 1):
         rp.add(segment, fill_chunk(0, 10))  # an episode still running at the checkpoint
@@ -426,7 +437,10 @@ def test_sequence_replay_sample_reads_state_and_mu_of_the_right_slots():
     """Slots whose LSTM state and mu encode (segment, time) (elsewhere they hold constants, where any slot looks right):
     a sampled sequence starts from the state stored with its first slot (its key), each of the 4 parts (h_q, c_q,
     h_pi, c_pi) in its place, and its mu rows are those of its own T + 1 slots, across the wrap of a segment's ring."""
-    T, seg, A, H = 4, 20, 3, 4
+    T = 4
+    seg = 20
+    A = 3
+    H = 4
     rp = SequenceReplay(2 * seg, 2, T, A, H, ATARI, uniform_eps=1.0)
 
     def encoded_chunk(segment, start, m):

@@ -51,33 +51,11 @@ def test_minatar_run_end_to_end(tmp_path, monkeypatch):
     saves; the network and replay take their input size from the env."""
     r = run_script(
         tmp_path,
-        "--env-id",
-        "MinAtar/Breakout-v0",
-        "--num-actors",
-        "1",
-        "--replay-size",
-        "600",
-        "--learning-starts",
-        "100",
-        "--replay-ratio",
-        "60",
-        "--ratio-slack",
-        "32",
-        "--lstm-size",
-        "16",
-        "--num-atoms",
-        "11",
-        "--sequence-length",
-        "8",
-        "--batch-size",
-        "2",
-        "--eval-episodes",
-        "1",
-        "--total-timesteps",
-        "300",
-        "--no-progress",
-        "--no-cuda",
-        "--save-model",
+        *(
+            "--env-id MinAtar/Breakout-v0 --num-actors 1 --replay-size 600 --learning-starts 100 "
+            "--replay-ratio 60 --ratio-slack 32 --lstm-size 16 --num-atoms 11 --sequence-length 8 "
+            "--batch-size 2 --eval-episodes 1 --total-timesteps 300 --no-progress --no-cuda --save-model"
+        ).split(),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = list((tmp_path / "runs").iterdir())
@@ -95,34 +73,12 @@ def test_minatar_run_end_to_end(tmp_path, monkeypatch):
 
 def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
     """Resume with the replay saved in the checkpoint (--checkpoint-replay); tests/test_lifecycle.py resumes without."""
-    common = [
-        "--num-actors",
-        "2",
-        "--replay-size",
-        "1200",
-        "--learning-starts",
-        "100",
-        "--replay-ratio",
-        "60",
-        "--ratio-slack",
-        "32",
-        "--log-every",
-        "1",
-        "--lstm-size",
-        "32",
-        "--num-atoms",
-        "11",
-        "--no-progress",
-        "--sequence-length",
-        "8",
-        "--batch-size",
-        "2",
-        "--eval-episodes",
-        "0",
-        "--no-cuda",
-        "--start-method",
-        "forkserver",
-    ]  # forkserver: the actors share one import of torch (faster here)
+    # forkserver: the actors share one import of torch (faster here)
+    common = (
+        "--num-actors 2 --replay-size 1200 --learning-starts 100 --replay-ratio 60 --ratio-slack 32 --log-every 1 "
+        "--lstm-size 32 --num-atoms 11 --no-progress --sequence-length 8 --batch-size 2 --eval-episodes 0 --no-cuda "
+        "--start-method forkserver"
+    ).split()
     r = run_script(tmp_path, *common, "--total-timesteps", "260", "--checkpoint-every", "200", "--checkpoint-replay")
     assert r.returncode == 0, r.stdout + r.stderr
     (run1,) = list((tmp_path / "runs").iterdir())
@@ -158,7 +114,8 @@ def test_smoke_two_actors_and_resume_with_the_replay(tmp_path):
     assert summary2["global_step"] >= 360 and summary2["learning_steps"] > ckpt["learn_steps"]
     assert (run1 / "reactor.model").exists()
     # the resumed run cut each actor's segment at the checkpoint (its last stored slot became a pad)
-    rep1, rep2 = ckpt["replay"], torch.load(run1 / "checkpoint.pt", weights_only=False)["replay"]
+    rep1 = ckpt["replay"]
+    rep2 = torch.load(run1 / "checkpoint.pt", weights_only=False)["replay"]
     seg_cap = len(rep1["pad"]) // 2
     assert rep1["written"].max() > 0
     for segment, written in enumerate(rep1["written"]):
@@ -187,41 +144,12 @@ def test_run_writes_priorities_back_refreshes_the_target_and_keeps_the_ratio(tmp
     (the learner's gate and the actor's gate; the actor may take one step past its check)."""
     r = run_script(
         tmp_path,
-        "--env-id",
-        "MinAtar/Breakout-v0",
-        "--num-actors",
-        "1",
-        "--replay-size",
-        "600",
-        "--learning-starts",
-        "100",
-        "--replay-ratio",
-        "20",
-        "--ratio-slack",
-        "16",
-        "--lstm-size",
-        "16",
-        "--num-atoms",
-        "11",
-        "--sequence-length",
-        "8",
-        "--batch-size",
-        "2",
-        "--eval-episodes",
-        "0",
-        "--total-timesteps",
-        "300",
-        "--target-update-period",
-        "1",
-        "--log-every",
-        "1",
-        "--checkpoint-every",
-        "100000",
-        "--checkpoint-replay",
-        "--start-method",
-        "forkserver",
-        "--no-progress",
-        "--no-cuda",
+        *(
+            "--env-id MinAtar/Breakout-v0 --num-actors 1 --replay-size 600 --learning-starts 100 "
+            "--replay-ratio 20 --ratio-slack 16 --lstm-size 16 --num-atoms 11 --sequence-length 8 "
+            "--batch-size 2 --eval-episodes 0 --total-timesteps 300 --target-update-period 1 --log-every 1 "
+            "--checkpoint-every 100000 --checkpoint-replay --start-method forkserver --no-progress --no-cuda"
+        ).split(),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = list((tmp_path / "runs").iterdir())

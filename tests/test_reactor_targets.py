@@ -27,7 +27,8 @@ float64_by_default = reactor_helpers.float64_by_default
 # slow textbook versions
 def textbook_projection(atoms, probs, support):
     """C51 Eq. (7): out_i = sum_j p_j clip(1 - |clip(x_j, vmin, vmax) - z_i| / dz, 0, 1), one loop per atom and bin."""
-    vmin, vmax = support[0], support[-1]
+    vmin = support[0]
+    vmax = support[-1]
     dz = (vmax - vmin) / (len(support) - 1)
     out = np.zeros(len(support))
     for x, p in zip(atoms, probs):
@@ -67,9 +68,11 @@ def textbook_distributional_retrace(rewards, discounts, c, pi, q, actions, suppo
     c[T] = 0.0
     out = np.zeros((T, len(support)))
     for t in range(T):
-        atoms, probs = [], []
+        atoms = []
+        probs = []
         for n in range(1, T - t + 1):
-            g, disc = 0.0, 1.0
+            g = 0.0
+            disc = 1.0
             for s in range(t, t + n):
                 g += disc * rewards[s]
                 disc *= discounts[s]
@@ -136,7 +139,8 @@ def random_sequence(rng, T, A, K, terminal_prob=0.0):
 def test_scalar_retrace_matches_textbook():
     rng = np.random.default_rng(1)
     for case in range(20):
-        T, A = int(rng.integers(1, 9)), int(rng.integers(2, 5))
+        T = int(rng.integers(1, 9))
+        A = int(rng.integers(2, 5))
         rewards, discounts, c, pi, _, actions = random_sequence(rng, T, A, 4, terminal_prob=0.2 * (case % 2))
         Q = rng.normal(size=(T + 1, A))
         want = textbook_retrace(rewards, discounts, np.r_[c[:T], 0.0], pi, Q, actions)
@@ -155,7 +159,8 @@ def test_distributional_retrace_matches_textbook_mass_one_and_mean():
     K = 21
     support = np.linspace(-10, 10, K)
     for case in range(12):
-        T, A = int(rng.integers(1, 7)), int(rng.integers(2, 4))
+        T = int(rng.integers(1, 7))
+        A = int(rng.integers(2, 4))
         rewards, discounts, c, pi, q, actions = random_sequence(rng, T, A, K, terminal_prob=0.25 * (case % 2))
         got = distributional_retrace_target(
             torch.tensor(rewards)[None],
@@ -178,7 +183,10 @@ def test_distributional_retrace_matches_textbook_mass_one_and_mean():
 
 def test_distributional_target_can_be_signed_but_keeps_mass():
     rng = np.random.default_rng(3)
-    B, T, A, K = 16, 8, 4, 11
+    B = 16
+    T = 8
+    A = 4
+    K = 11
     support = torch.linspace(-10, 10, K)
     q = torch.softmax(torch.tensor(rng.normal(size=(B, T, A, K))) * 3, -1)
     pi = torch.softmax(torch.tensor(rng.normal(size=(B, T, A))), -1)
@@ -197,12 +205,15 @@ def test_distributional_target_can_be_signed_but_keeps_mass():
 
 def test_trace_cutting_at_episode_end_and_bootstrap_on_truncation():
     # slots 0..5; transition 2 terminates -> slot 3 starts a new episode
-    T, A, K = 5, 3, 11
+    T = 5
+    A = 3
+    K = 11
     rho = torch.ones(1, T + 1)
     term = torch.zeros(1, T + 1, dtype=torch.bool)
     pad = torch.zeros_like(term)
     first = torch.zeros_like(term)
-    term[0, 2], first[0, 3] = True, True
+    term[0, 2] = True
+    first[0, 3] = True
     disc, c_next, mask = discounts_and_traces(rho, term, pad, first, 0.9, 1.0)
     np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.0, 0.9, 0.9])
     np.testing.assert_allclose(c_next[0].numpy(), [1, 1, 0, 1, 1])
@@ -215,7 +226,9 @@ def test_trace_cutting_at_episode_end_and_bootstrap_on_truncation():
     a = torch.tensor(rng.integers(0, A, (1, T)))
     target = distributional_retrace_target(rewards, disc, c_next, pi, q, a, support)
     # nothing after the episode end reaches t <= 2: change everything after it
-    rewards2, q2, pi2 = rewards.clone(), q.clone(), pi.clone()
+    rewards2 = rewards.clone()
+    q2 = q.clone()
+    pi2 = pi.clone()
     rewards2[0, 3:] = 0.7
     q2[0, 2:] = torch.softmax(torch.tensor(rng.normal(size=(T - 2, A, K))), -1)
     pi2[0, 2:] = 1.0 / A
@@ -224,8 +237,10 @@ def test_trace_cutting_at_episode_end_and_bootstrap_on_truncation():
     # at the terminal transition the target is the projected point mass at r_2
     np.testing.assert_allclose(target[0, 2].numpy(), categorical_projection(rewards[0, 2:3], torch.ones(1), support))
     # truncation at transition 2: slot 3 is the true last frame (pad), slot 4 starts a new episode
-    term[0, 2], first[0, 3] = False, False
-    pad[0, 3], first[0, 4] = True, True
+    term[0, 2] = False
+    first[0, 3] = False
+    pad[0, 3] = True
+    first[0, 4] = True
     disc, c_next, mask = discounts_and_traces(rho, term, pad, first, 0.9, 1.0)
     np.testing.assert_allclose(disc[0].numpy(), [0.9, 0.9, 0.9, 0.0, 0.9])  # bootstrap on truncation
     np.testing.assert_allclose(c_next[0].numpy(), [1, 1, 0, 0, 1])
@@ -268,7 +283,8 @@ def test_beta_loo_with_c1_is_loo_and_tislr_gradient():
     A = 3
     theta = torch.tensor([0.2, -0.4, 0.9], requires_grad=True)
     pi = torch.softmax(theta, -1)
-    q, R = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5])
+    q = torch.tensor([1.0, 2.0, -1.0])
+    R = torch.tensor([0.5])
     l1 = beta_loo_policy_loss(pi[None], q[None], torch.tensor([1]), R, torch.tensor([0.01]), 1.0)
     l2 = beta_loo_policy_loss(pi[None], q[None], torch.tensor([1]), R, torch.tensor([0.9]), 1.0)
     assert torch.allclose(l1, l2)
@@ -290,7 +306,11 @@ def test_beta_loo_with_c1_is_loo_and_tislr_gradient():
 # the Reactor loss
 @pytest.mark.parametrize("distributional,pg", [(True, "beta-loo"), (False, "beta-loo"), (True, "tislr")])
 def test_reactor_loss_runs_and_priorities(float32, distributional, pg):
-    A, K, H, B, T = 3, 11, 16, 3, 6
+    A = 3
+    K = 11
+    H = 16
+    B = 3
+    T = 6
     args = reactor.Args(distributional=distributional, policy_gradient=pg, num_atoms=K, lstm_size=H)
     net = reactor.ReactorNetwork(A, ATARI, K, H, distributional=distributional)
     target = reactor.ReactorNetwork(A, ATARI, K, H, distributional=distributional)
@@ -316,7 +336,11 @@ def test_learner_fits_a_fixed_batch(float32):
     steps: the loss bottoms out near step 10 (the target moves with pi); after that it drifts on a plateau where float
     round-off alone decides whether the end lands 0.2 below the start."""
     torch.manual_seed(0)
-    A, K, H, B, T = 3, 11, 16, 2, 5
+    A = 3
+    K = 11
+    H = 16
+    B = 2
+    T = 5
     args = reactor.Args(num_atoms=K, lstm_size=H, v_min=-2.0, v_max=2.0)
     net = reactor.ReactorNetwork(A, ATARI, K, H)
     target = reactor.ReactorNetwork(A, ATARI, K, H)
@@ -346,7 +370,15 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
     dropped, or rho is shifted by one step). The ablations too: Reactor ND (scalar Q, Eq. (3) target, squared error,
     priority mean |TD|) and TISLR (ACER's truncated IS with bias correction, c = 1 so that both terms act)."""
     rng = np.random.default_rng(11)
-    B, T, A, K, gamma, lam, c_loo, c_tislr, ent = 3, 6, 3, 11, 0.9, 1.0, 1.0, 1.0, 0.01
+    B = 3
+    T = 6
+    A = 3
+    K = 11
+    gamma = 0.9
+    lam = 1.0
+    c_loo = 1.0
+    c_tislr = 1.0
+    ent = 0.01
     support = torch.linspace(-2.0, 2.0, K)
     args = reactor.Args(
         num_atoms=K,
@@ -361,21 +393,28 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
         tislr_c=c_tislr,
     )
     q_shape = (B, T + 1, A, K) if distributional else (B, T + 1, A)
-    q_on, pl_on = rng.normal(size=q_shape), rng.normal(size=(B, T + 1, A))
+    q_on = rng.normal(size=q_shape)
+    pl_on = rng.normal(size=(B, T + 1, A))
     q_tg = rng.normal(size=q_shape)
 
     class Stub(torch.nn.Module):
         def __init__(self, q, pl):
             super().__init__()
-            self.q, self.pl = torch.nn.Parameter(torch.tensor(q)), torch.nn.Parameter(torch.tensor(pl))
+            self.q = torch.nn.Parameter(torch.tensor(q))
+            self.pl = torch.nn.Parameter(torch.tensor(pl))
 
         def forward(self, obs, first, state, policy=True):
             return reactor.NetOut(self.q, torch.softmax(self.pl, -1), state)
 
     term = np.zeros((B, T + 1), bool)
-    pad, first = term.copy(), term.copy()
-    term[0, 2], first[0, 3] = True, True  # a termination, then a new episode
-    pad[1, 4], first[1, 5] = True, True  # a truncation: pad slot (true last frame), then a new episode
+    pad = term.copy()
+    first = term.copy()
+    # a termination, then a new episode
+    term[0, 2] = True
+    first[0, 3] = True
+    # a truncation: pad slot (true last frame), then a new episode
+    pad[1, 4] = True
+    first[1, 5] = True
     first[2, 0] = True
     actions = rng.integers(0, A, (B, T + 1))
     mu = rng.dirichlet(np.ones(A), size=(B, T + 1))
@@ -392,12 +431,15 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
         tuple(torch.zeros(B, 2) for _ in range(4)),
         torch.tensor(weights),
     )
-    net, target = Stub(q_on, pl_on), Stub(q_tg, rng.normal(size=(B, T + 1, A)))
+    net = Stub(q_on, pl_on)
+    target = Stub(q_tg, rng.normal(size=(B, T + 1, A)))
     loss, prios, _ = reactor.reactor_loss(net, target, batch, support, args)
     loss.backward()
 
     ref = Stub(q_on, pl_on)  # the slow loop, differentiable in the same parameters
-    z, total, want_prios = support.double().numpy(), 0.0, []
+    z = support.double().numpy()
+    total = 0.0
+    want_prios = []
     for b in range(B):
         pi = torch.softmax(ref.pl[b], -1)
         pi_np = pi.detach().numpy()
@@ -413,7 +455,8 @@ def test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper(float64_by_defa
             R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, (q_next * z).sum(-1), actions[b])
         else:  # Reactor ND: the target net's scalar Q in Eq. (3)
             R = textbook_retrace(rewards[b, :T], disc, np.r_[c[:T], 0.0], pi_np, q_tg[b], actions[b])
-        per_step, tv = [], []
+        per_step = []
+        tv = []
         for t in range(T):
             if pad[b, t]:
                 continue

@@ -604,14 +604,7 @@ def test_smoke_two_actors_and_resume_round_trip(tmp_path):
     p = run_script(
         tmp_path,
         *SMALL,
-        "--total-timesteps",
-        "1300",
-        "--checkpoint-every",
-        "400",
-        "--checkpoint-replay",
-        "--save-model",
-        "--eval-episodes",
-        "1",
+        *"--total-timesteps 1300 --checkpoint-every 400 --checkpoint-replay --save-model --eval-episodes 1".split(),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     run = next((tmp_path / "runs").iterdir())
@@ -680,25 +673,10 @@ def test_one_action_dimension_task_runs(tmp_path):
     model run (before, the first stored episode crashed)."""
     p = run_script(
         tmp_path,
-        "--env-id",
-        "InvertedPendulum-v5",
-        "--num-actors",
-        "1",
-        "--learning-starts",
-        "64",
-        "--buffer-size",
-        "64",
-        "--batch-size",
-        "16",
-        "--total-timesteps",
-        "200",
-        "--log-every",
-        "20",
-        "--stats-every",
-        "50",
-        "--save-model",
-        "--eval-episodes",
-        "1",
+        *(
+            "--env-id InvertedPendulum-v5 --num-actors 1 --learning-starts 64 --buffer-size 64 --batch-size 16 "
+            "--total-timesteps 200 --log-every 20 --stats-every 50 --save-model --eval-episodes 1"
+        ).split(),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "learning starts at env step" in p.stdout

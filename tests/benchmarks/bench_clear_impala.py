@@ -46,7 +46,8 @@ CONFIGS = {
 
 def bench_learner(cfg, B, T, iters, device, threads):
     torch.set_num_threads(threads)
-    obs_shape, A = cfg["obs_shape"], cfg["num_actions"]
+    obs_shape = cfg["obs_shape"]
+    A = cfg["num_actions"]
     rng = np.random.default_rng(0)
     specs = ci.unroll_specs(obs_shape, A, T)
     N = B  # one slot per actor, num_actors = batch_size
@@ -130,7 +131,8 @@ def env_only_worker(env_id, seed, seconds, out_q, num_envs=1):
     envs = [ci.make_env(env_id, seed + e, ci.Args()) for e in range(num_envs)]
     for e, env in enumerate(envs):
         env.reset(seed=seed + e)
-    n, t0 = 0, time.time()
+    n = 0
+    t0 = time.time()
     while time.time() - t0 < seconds:
         for env in envs:
             _, _, term, trunc, _ = env.step(env.action_space.sample())

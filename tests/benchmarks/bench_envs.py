@@ -25,7 +25,8 @@ from common.procgen_env import ProcgenVecEnv  # noqa: E402
 
 def single_env_sps(env, seconds):
     env.reset(seed=0)
-    steps, start = 0, time.perf_counter()
+    steps = 0
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         _, _, terminated, truncated, _ = env.step(env.action_space.sample())
         steps += 1
@@ -38,7 +39,8 @@ def vec_env_sps(envs, seconds, next_level=None, levels=None):
     envs.reset(levels)
     rng = np.random.default_rng(0)
     n = envs.single_action_space.n
-    steps, start = 0, time.perf_counter()
+    steps = 0
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         envs.step(rng.integers(0, n, envs.num_envs), next_level=next_level)
         steps += envs.num_envs

@@ -112,7 +112,9 @@ def cpprb_ops(n, seed=0):
     rng = np.random.default_rng(seed)
     rb = cpprb.PrioritizedReplayBuffer(n, {"obs": {"shape": 1}}, alpha=1.0)
     rb.add(obs=np.zeros((n, 1)), priorities=rng.uniform(0.01, 1.0, size=n))
-    one, sixteen, batches = np.zeros((1, 1)), np.zeros((16, 1)), []
+    one = np.zeros((1, 1))
+    sixteen = np.zeros((16, 1))
+    batches = []
 
     def sample_batches(repeats):
         batches[:] = [(rb.sample(4)["indexes"], rng.uniform(0.01, 1.0, size=4)) for _ in range(repeats)]
@@ -181,7 +183,8 @@ def env_only(env_id, seconds, out, i):
     torch.set_num_threads(1)
     env = reactor.make_env(env_id, i, reactor.Args(env_id=env_id))
     env.reset(seed=i)
-    steps, start = 0, time.perf_counter()
+    steps = 0
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         _, _, term, trunc, _ = env.step(env.action_space.sample())
         steps += 1
@@ -204,7 +207,8 @@ def run_actors(ctx, env_id, num_actors, seconds):
     that copies every chunk into a SequenceReplay, as the main loop (no learning, so never throttled)."""
     args = reactor.Args(env_id=env_id, num_actors=num_actors, learning_starts=10**12)
     probe = reactor.make_env(env_id, 0, args)
-    num_actions, obs_shape = int(probe.action_space.n), probe.observation_space.shape
+    num_actions = int(probe.action_space.n)
+    obs_shape = probe.observation_space.shape
     probe.close()
     net = reactor.make_network(args, num_actions, obs_shape)
     net.share_memory()
@@ -222,7 +226,8 @@ def run_actors(ctx, env_id, num_actors, seconds):
             [p.kill() for p in procs]
             raise SystemExit("error: an actor died at start-up (see its traceback above)")
         time.sleep(0.1)
-    t0, s0 = time.perf_counter(), sum(steps[:])
+    t0 = time.perf_counter()
+    s0 = sum(steps[:])
     while time.perf_counter() - t0 < seconds:
         try:
             msg = channel.get(timeout=0.1)
@@ -250,11 +255,13 @@ def bench_acting(num_actors, seconds, rounds):
         f"actions (steps/s) | Reactor actors (steps/s) | actors / env only |\n|---|---|---|---|"
     )
     for env_id in ("ALE/Pong-v5", "MinAtar/Breakout-v0"):
-        env_sps, act_sps = [], []
+        env_sps = []
+        act_sps = []
         for _ in range(rounds):
             env_sps.append(run_env_only(ctx, env_id, num_actors, seconds))
             act_sps.append(run_actors(ctx, env_id, num_actors, seconds))
-        e, a = float(np.median(env_sps)), float(np.median(act_sps))
+        e = float(np.median(env_sps))
+        a = float(np.median(act_sps))
         print(f"| {env_id} | {e:,.0f} | {a:,.0f} | {a / e:.3f} |", flush=True)
 
 
@@ -292,7 +299,8 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
         )
     shared = make_network(args, 6, obs_shape)
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
-    size, m = 20_000, 2000
+    size = 20_000
+    m = 2000
     replay = module.SequenceReplay(
         size, 1, args.sequence_length, 6, args.lstm_size, **({} if old else {"obs_shape": obs_shape})
     )
@@ -315,7 +323,8 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
         )
 
     if hasattr(module, "publish_weights"):  # the main loop's own functions
-        counters, learn_steps = SimpleNamespace(value=0), [0]
+        counters = SimpleNamespace(value=0)
+        learn_steps = [0]
 
         def step():
             module.learning_step(net, target, opt, replay, support, args, rng, device)
@@ -352,13 +361,16 @@ def bench_learner(seconds, rounds, baseline, threads):
     for name, env_id, obs_shape in LEARNER_CONFIGS:
         runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or not pre_minatar(m)}
         steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in runs_here.items()}
-        wall, cpu = {v: [] for v in steps}, {v: [] for v in steps}
+        wall = {v: [] for v in steps}
+        cpu = {v: [] for v in steps}
         for f in steps.values():
             f()
             f()  # warm-up
         for _ in range(rounds):
             for v, f in steps.items():
-                n, start, start_cpu = 0, time.perf_counter(), time.thread_time()
+                n = 0
+                start = time.perf_counter()
+                start_cpu = time.thread_time()
                 while time.perf_counter() - start < seconds:
                     f()
                     n += 1

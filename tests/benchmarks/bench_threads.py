@@ -51,7 +51,8 @@ def load_actor(script, i, steps, stop_event):
         args = ci.Args()
         task = i % len(args.env_ids)
         env = ci.make_env(args.env_ids[task], i, args)
-        obs_shape, num_actions = env.observation_space.shape, int(env.action_space.n)
+        obs_shape = env.observation_space.shape
+        num_actions = int(env.action_space.n)
         model = ci.Agent(obs_shape, num_actions, ci.resolve_torso(args, obs_shape))
         obs, _ = env.reset(seed=i)
 
@@ -81,8 +82,10 @@ def load_actor(script, i, steps, stop_event):
 
         args = vr.Args()
         env = vr.make_env(args.env_id, i)
-        obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
-        low, high = env.action_space.low.astype(np.float64), env.action_space.high.astype(np.float64)
+        obs_dim = env.observation_space.shape[0]
+        act_dim = env.action_space.shape[0]
+        low = env.action_space.low.astype(np.float64)
+        high = env.action_space.high.astype(np.float64)
         agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual)
         net = vr.numpy_params(agent, args.std_map, np.zeros(obs_dim), np.ones(obs_dim))
         obs, _ = env.reset(seed=i)
@@ -109,7 +112,8 @@ def timed_blocks(step, max_seconds):
     def block(threads, n):
         torch.set_num_threads(threads)
         step()  # warm-up after a thread change
-        done, t = 0, time.perf_counter()
+        done = 0
+        t = time.perf_counter()
         while done < n and (done == 0 or time.perf_counter() - t < max_seconds):
             step()
             done += 1
@@ -130,7 +134,9 @@ def setup(script, a, device):
         K = len(args.env_ids)
         num_procs = args.num_actors + K * args.num_test_actors
         old = max(1, cpu - args.num_actors - K * args.num_test_actors)
-        cfg, B, T = bench_clear_impala.CONFIGS["minigrid"], args.batch_size, args.unroll_length
+        cfg = bench_clear_impala.CONFIGS["minigrid"]
+        B = args.batch_size
+        T = args.unroll_length
 
         def block(threads, n):  # its own warm-up; each iteration also times a replay-0 step (not counted)
             out = bench_clear_impala.bench_learner(cfg, B, T, n, device, threads)
@@ -150,7 +156,9 @@ def setup(script, a, device):
         import vracer_refer as vr
 
         args = vr.Args()
-        obs_dim, act_dim = 17, 6  # HalfCheetah-v5, the default env
+        # HalfCheetah-v5, the default env
+        obs_dim = 17
+        act_dim = 6
         rng = np.random.default_rng(0)
         rm = bench_vracer_refer.filled_replay(args.buffer_size, obs_dim, act_dim, 1000, rng)
         agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
@@ -169,7 +177,9 @@ def setup(script, a, device):
 
         args = plr_ppo.resolve_defaults(plr_ppo.Args())
         assert plr_ppo.is_procgen(args.env_id)  # the default env: no worker processes
-        obs_shape, num_actions, M = (64, 64, 3), 15, a.plr_minibatch
+        obs_shape = (64, 64, 3)
+        num_actions = 15
+        M = a.plr_minibatch
         agent = plr_ppo.make_agent(args, obs_shape, num_actions).to(device)
         opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
         g = torch.Generator().manual_seed(0)
@@ -207,7 +217,8 @@ def measure(script, a, device):
         startup = time.perf_counter() - t0
         for r in range(a.reps):
             for rule in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                s0, t = sum(steps[:num_procs]), time.perf_counter()
+                s0 = sum(steps[:num_procs])
+                t = time.perf_counter()
                 res[rule].append(block(old if rule == "old" else new, n))
                 act[rule].append((sum(steps[:num_procs]) - s0) / (time.perf_counter() - t))
                 group.check()

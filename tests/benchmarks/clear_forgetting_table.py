@@ -84,7 +84,9 @@ def collapse_and_recovery(
 ):
     """(t_learned, before, after, end_of_next_visit) for the displaced task around the moment the displacing task
     is first learned in its first visit; t_learned is None (and before/after nan) if it is not learned there."""
-    v0, v1 = displacing * steps_per_task, (displacing + 1) * steps_per_task  # the displacing task's first visit
+    # the displacing task's first visit
+    v0 = displacing * steps_per_task
+    v1 = (displacing + 1) * steps_per_task
     end_next = window_mean(records, displaced, v1 + steps_per_task - window, v1 + steps_per_task)
     for t in range(v0, v1, step):
         if window_mean(records, displacing, t, t + step) >= threshold:
@@ -115,7 +117,8 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str, random_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    K, total = len(env_ids), V * L
+    K = len(env_ids)
+    total = V * L
     fig, axes = plt.subplots(
         K, len(groups), figsize=(2.3 * len(groups), 1.5 * K + 0.5), sharex=True, sharey="row", squeeze=False
     )
@@ -125,7 +128,8 @@ def plot_configs(groups: dict, env_ids: list, L: int, V: int, path: str, random_
             ax = axes[k][col]
             curves = [binned_returns([tuple(x) for x in r["records"]], k, total, num_bins=50) for r in rs]
             n = min(len(c[0]) for c in curves)
-            steps, ys = curves[0][0][-n:] / 1e6, np.array([c[1][-n:] for c in curves])
+            steps = curves[0][0][-n:] / 1e6
+            ys = np.array([c[1][-n:] for c in curves])
             ax.plot(steps, ys.mean(0), lw=1, color=f"C{k}")
             row_max[k] = max(row_max[k], ys.mean(0).max())
             ax.fill_between(steps, ys.min(0), ys.max(0), color=f"C{k}", alpha=0.25, lw=0)
@@ -159,7 +163,8 @@ def main() -> None:
     cli = p.parse_args()
     runs = [load_run(d) for d in cli.runs]
     env_ids = runs[0]["args"]["env_ids"]
-    K, L = len(env_ids), runs[0]["args"]["steps_per_task"]
+    K = len(env_ids)
+    L = runs[0]["args"]["steps_per_task"]
     V = K * runs[0]["args"]["num_cycles"]
     for r in runs:
         same = (r["args"]["env_ids"], r["args"]["steps_per_task"], r["args"]["num_cycles"]) == (
@@ -232,7 +237,8 @@ def main() -> None:
         plot_configs(groups, env_ids, L, V, cli.plot, cli.random)
 
     if cli.displaced is not None and cli.displacing is not None:
-        a, b = cli.displaced, cli.displacing
+        a = cli.displaced
+        b = cli.displacing
         print(
             f"\n{short(env_ids[a])} around the moment {short(env_ids[b])} is first learned (test return >= 0.5 "
             f"in a 2.5k-step window of its first visit), and at the end of the next visit"

@@ -69,7 +69,8 @@ def check_script(script, out, hook_dir):
     from test_lifecycle import RESUME_TO as LIFECYCLE_RESUME_TO
     from test_lifecycle import SHORT, TINY
 
-    tiny, resume_to = [f for f in TINY[script] if f != "--no-cuda"], RESUME_TO.get(script, LIFECYCLE_RESUME_TO[script])
+    tiny = [f for f in TINY[script] if f != "--no-cuda"]
+    resume_to = RESUME_TO.get(script, LIFECYCLE_RESUME_TO[script])
     work = os.path.join(out, script.removesuffix(".py"))
     os.makedirs(work)
     error, peak, _ = run_script(script, [*tiny, *SHORT[script]], work, hook_dir, "first")
@@ -113,10 +114,17 @@ def check_reactor_cuda_vs_cpu():
 
     import reactor
 
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
+    # compare float32 with float32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     tol = dict(rtol=1e-4, atol=1e-5)
-    A, K, H, B, L = 4, 51, 32, 3, 12
-    cpu, gpu = torch.device("cpu"), GPU
+    A = 4
+    K = 51
+    H = 32
+    B = 3
+    L = 12
+    cpu = torch.device("cpu")
+    gpu = GPU
 
     def learners(args):
         torch.manual_seed(0)
@@ -129,7 +137,9 @@ def check_reactor_cuda_vs_cpu():
     net_cpu, _, net_gpu, _ = learners(reactor.Args(num_atoms=K, lstm_size=H))
     obs = torch.randint(0, 255, (B, L, 1, 84, 84), dtype=torch.uint8)
     first = torch.zeros(B, L, dtype=torch.bool)
-    first[0, 0] = first[1, 5] = first[2, 11] = True
+    first[0, 0] = True
+    first[1, 5] = True
+    first[2, 11] = True
     state = tuple(torch.randn(B, H) for _ in range(4))
     out_cpu = net_cpu(obs, first, state)
     out_gpu = net_gpu(obs.to(gpu), first.to(gpu), tuple(s.to(gpu) for s in state))

@@ -227,7 +227,9 @@ def main():
     a = p.parse_args()
     runs_rows = [read_run(d) for d in a.runs]  # read each file once
     shown = [[r for r in rows if a.max_step is None or r["global_step"] <= a.max_step] for rows in runs_rows]
-    tables, lasts, names = [], [], []
+    tables = []
+    lasts = []
+    names = []
     for d, rows in zip(a.runs, shown):
         t, _, vals = binned(rows, a.metric, a.bin)
         tables.append(t)

@@ -20,12 +20,17 @@ def random_returns(env_id: str, episodes: int, seed: int = 0) -> tuple[np.ndarra
     env = make_minatar_env(env_id, seed)
     env.reset(seed=seed)
     rng = np.random.default_rng(seed)
-    returns, lengths = [], []
+    returns = []
+    lengths = []
     for _ in range(episodes):
-        done, ret, n = False, 0.0, 0
+        done = False
+        ret = 0.0
+        n = 0
         while not done:
             _, r, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
-            ret, n, done = ret + r, n + 1, term or trunc
+            ret = ret + r
+            n = n + 1
+            done = term or trunc
         returns.append(ret)
         lengths.append(n)
         env.reset()

@@ -29,7 +29,8 @@ def main():
     torch.set_num_threads(1)
     ckpts = [load_checkpoint(os.path.join(d, "checkpoint.pt")) for d in a.runs]
     args = SimpleNamespace(**ckpts[0]["args"])
-    rng, pools = np.random.default_rng(a.seed), {}
+    rng = np.random.default_rng(a.seed)
+    pools = {}
     while min((len(v) for v in pools.values()), default=0) < a.episodes + 64 or len(pools) < 2:
         s = int(rng.integers(2**31 - 1))  # held-out: test levels are drawn from the full distribution
         if args.num_train_levels and args.start_level <= s < args.start_level + args.num_train_levels:
@@ -47,7 +48,8 @@ def main():
         cells = []
         for k in sorted(pools):
             it = iter(pools[k])
-            obs, rets = envs.reset([next(it) for _ in range(envs.num_envs)]), []
+            obs = envs.reset([next(it) for _ in range(envs.num_envs)])
+            rets = []
             while len(rets) < a.episodes:  # stochastic policy, every new episode on the next level of this difficulty
                 with torch.no_grad():
                     logits = agent(torch.as_tensor(obs))[0]

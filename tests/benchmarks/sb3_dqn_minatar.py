@@ -53,7 +53,10 @@ class JsonlLogger(BaseCallback):
 
     def __init__(self, path: str, every: int = 10_000):
         super().__init__()
-        self.file, self.every, self.start, self.last = open(path, "w"), every, time.time(), 0
+        self.file = open(path, "w")
+        self.every = every
+        self.start = time.time()
+        self.last = 0
 
     def _on_step(self) -> bool:
         step = self.num_timesteps
@@ -79,7 +82,8 @@ class JsonlLogger(BaseCallback):
 def evaluate(model, env_id: str, seed: int, episodes: int) -> list[float]:
     env = make_minatar_env(env_id, seed)
     obs, _ = env.reset(seed=seed)
-    returns, ret = [], 0.0
+    returns = []
+    ret = 0.0
     while len(returns) < episodes:
         action, _ = model.predict(obs, deterministic=True)
         obs, r, term, trunc, _ = env.step(int(action))
