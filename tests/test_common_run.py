@@ -345,3 +345,29 @@ def test_each_script_runs_help_with_exactly_the_common_files_readme_lists(tmp_pa
             [sys.executable, script, "--help"], cwd=folder, env=env, capture_output=True, text=True, timeout=120
         )
         assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr[-1500:])
+
+
+def test_readme_commands_parse_and_pass_each_scripts_checks(monkeypatch):
+    """Every `python <script>.py ...` line of README's bash blocks (except --resume, which needs a run) parses with the
+    script's own command line and passes its start-up checks: a renamed or removed flag fails here."""
+    import importlib
+    import re
+
+    from common.args import cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] == "python" and re.fullmatch(r"\w+\.py", words[1]) and "--resume" not in words:
+                commands.append(words[1:])
+    assert {c[0] for c in commands} == {"clear_impala.py", "plr_ppo.py", "reactor.py", "vracer_refer.py"}
+    for script, *flags in commands:
+        module = importlib.import_module(script[: -len(".py")])
+        monkeypatch.setattr(sys, "argv", [script, *flags])
+        args = cli(module.Args)
+        if hasattr(module, "resolve_defaults"):
+            args = module.resolve_defaults(args)
+        module.validate_args(args)
