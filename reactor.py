@@ -394,9 +394,9 @@ def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
 
 
 def make_learner(args: Args, num_actions: int, obs_shape, device):
-    """The network, its target copy and Adam (3.4.1); channels-last convs, fused Adam: same up to rounding, faster on CPU."""
-    net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
-    target_net = make_network(args, num_actions, obs_shape).to(device, memory_format=torch.channels_last)
+    """The network, its target copy and Adam (3.4.1, fused: the same up to rounding)."""
+    net = make_network(args, num_actions, obs_shape).to(device)
+    target_net = make_network(args, num_actions, obs_shape).to(device)
     target_net.load_state_dict(net.state_dict())
     # Adam's beta2 and eps: torch's defaults (not in the recovered paper)
     optimizer = torch.optim.Adam(net.parameters(), args.learning_rate, (args.adam_beta1, 0.999), fused=True)

@@ -4,7 +4,7 @@
    then `--resume` of its checkpoint on CUDA and, from a copy, on the CPU (`--no-cuda`): each completes past the
    checkpoint's step; the learner's peak CUDA memory is above 32 MiB on CUDA (more than its weights, gradients and
    Adam state could take) and 0 on the CPU;
-2. Reactor's learner as `make_learner` builds it (channels-last, fused LSTM on cuDNN) against the same weights on the
+2. Reactor's learner as `make_learner` builds it (fused Adam, fused LSTM on cuDNN) against the same weights on the
    CPU: outputs, final state and gradients with episode starts inside the sequences; `reactor_loss` (loss,
    priorities, gradients) for Reactor, ND and TISLR on one batch with unequal IS weights.
 
@@ -107,7 +107,7 @@ def assert_same_gradients(net_cpu, net_gpu, what):
 
 
 def check_reactor_cuda_vs_cpu():
-    """The learner as the main loop builds it (`make_learner`: channels-last, fused Adam) on CUDA and on the CPU with
+    """The learner as the main loop builds it (`make_learner`: fused Adam) on CUDA and on the CPU with
     the same weights: network outputs and gradients with episode starts inside the sequences; then reactor_loss
     (loss, priorities, gradients) for Reactor, Reactor ND and TISLR on one batch with unequal IS weights."""
     from reactor_helpers import make_batch
