@@ -146,8 +146,7 @@ def parse_run_args(args_class: type, script: str, fixed: Iterable[str]):
     args = cli(args_class)
     args.exp_name = args.exp_name or script[: -len(".py")]
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
-    if not 0 <= args.seed < 2**31:
-        raise SystemExit(f"error: --seed must be in [0, 2**31), got {args.seed}")
+    require(0 <= args.seed < 2**31, f"--seed must be in [0, 2**31), got {args.seed}")
     require(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if not args.resume:
         return args, None, []
