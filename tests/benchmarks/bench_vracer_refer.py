@@ -78,6 +78,16 @@ def make_sac(env_id, device, transitions=10_000):
     return model
 
 
+def train_steps(learner, state, args, bookkeeping: bool):
+    """A function running n V-RACER gradient steps (bookkeeping=False: no write-back, refresh or n_far)."""
+
+    def run(n):
+        for _ in range(n):
+            vr.train_step(learner, state, args, bookkeeping=bookkeeping)
+
+    return run
+
+
 def bench_learner(a):
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
@@ -94,27 +104,22 @@ def bench_learner(a):
         learner = vr.Learner(
             agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device
         )
-        setups[refer] = (args, learner, state)
+        setups[refer] = train_steps(learner, state, args, bookkeeping=refer != "bare")
     if a.sac:
-        setups["sac"] = (None, make_sac(a.env_id, device), None)
+        sac = make_sac(a.env_id, device)
+        setups["sac"] = lambda n: sac.train(gradient_steps=n, batch_size=a.batch_size)
     wall = {k: 0.0 for k in setups}
     cpu = {k: 0.0 for k in setups}
-    for refer, (args, learner, state) in setups.items():
-        if refer == "sac":
-            learner.train(gradient_steps=20, batch_size=a.batch_size)
-            continue
-        for _ in range(20):  # warm-up
-            vr.train_step(learner, state, args)
+    for run in setups.values():
+        # warm-up
+        run(20)
     for rep in range(a.reps):  # interleave short chunks of the two learners so machine load hits both alike
-        for refer, (args, learner, state) in setups.items():
+        for refer, run in setups.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
             c = time.process_time()
-            if refer == "sac":
-                learner.train(gradient_steps=a.steps, batch_size=a.batch_size)
-            for _ in range(a.steps if refer != "sac" else 0):
-                vr.train_step(learner, state, args, bookkeeping=refer != "bare")
+            run(a.steps)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall[refer] += time.perf_counter() - t
