@@ -274,7 +274,50 @@ class CReLU(nn.Module):
 class NetOut(NamedTuple):
     q: torch.Tensor  # [B, L, A, K] categorical logits (distributional) or [B, L, A] action values (ND)
     pi: torch.Tensor  # [B, L, A] mixed policy probabilities
-    state: tuple  # (h_q, c_q, h_pi, c_pi) after the last step
+    state: tuple | None  # (h_q, c_q, h_pi, c_pi) after a one-frame call (acting); None after a sequence
+
+
+class EpisodePieces(NamedTuple):
+    """[B, L] frames cut at episode starts into P pieces (a piece begins at frame 0 and at each `first` frame)."""
+
+    frame: torch.Tensor  # [P, longest] each piece's frames as flat indices b * L + t (past its end: its last frame)
+    sequence: torch.Tensor  # [P] the sequence b of each piece
+    carries_state: torch.Tensor  # [P] the piece starts at frame 0 of a sequence that does not start an episode there
+    position: torch.Tensor  # [B * L] where each frame sits in the pieces' [P, longest] grid, flattened
+
+
+def cut_at_episode_starts(first: torch.Tensor) -> EpisodePieces:
+    """The pieces of `first` [B, L]: an LSTM state reset before frame t is the same as a new sequence starting at t."""
+    batch_size, length = first.shape
+    piece_starts = first.clone()
+    piece_starts[:, 0] = True
+    piece_starts = piece_starts.flatten()
+    start_frame = torch.nonzero(piece_starts).flatten()
+    # each frame's piece, and its step within the piece
+    piece = piece_starts.cumsum(0) - 1
+    step = torch.arange(batch_size * length, device=first.device) - start_frame[piece]
+    longest = int(step.max()) + 1
+    # a piece ends before the next one starts; the last one at the last frame
+    end_frame = torch.cat([start_frame[1:] - 1, start_frame.new_tensor([batch_size * length - 1])])
+    frame = torch.minimum(start_frame[:, None] + torch.arange(longest, device=first.device), end_frame[:, None])
+    carries_state = (start_frame % length == 0) & ~first.flatten()[start_frame]
+    return EpisodePieces(frame, start_frame // length, carries_state, piece * longest + step)
+
+
+def unroll_lstm(lstm: nn.LSTM, inputs: torch.Tensor, state: tuple, pieces: EpisodePieces):
+    """nn.LSTM over inputs [B, L, F] from state (h, c) [B, H], the state reset to zero before each episode start, in
+    one fused call: the pieces run as the rows of one batch (each ends where the next episode starts, so none needs
+    another's state), padded at their ends with repeats of their last frame (whose outputs are never read). The same as
+    the step-by-step loop `for t: (h, c) = cell(x_t, (h, c) * (1 - first_t))` up to float rounding. Returns the outputs
+    [B, L, H] and the state (h, c) after the last frame, the right one only for one-frame calls (acting): a longer
+    call's last piece may end before its padding does."""
+    batch_size, length, _ = inputs.shape
+    keep = pieces.carries_state.to(inputs.dtype)[None, :, None]
+    initial = tuple(part[pieces.sequence].unsqueeze(0) * keep for part in state)
+    rows = inputs.reshape(batch_size * length, -1)[pieces.frame]
+    out, (h, c) = lstm(rows, initial)
+    outputs = out.reshape(-1, out.shape[-1])[pieces.position].reshape(batch_size, length, -1)
+    return outputs, (h[0], c[0])
 
 
 class ReactorNetwork(nn.Module):
@@ -336,42 +379,37 @@ class ReactorNetwork(nn.Module):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
-        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that frame).
+        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that frame),
+        state: 4 x [B, H] before frame 0. Both LSTMs run all pieces between episode starts in one call (`unroll_lstm`).
         policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are
         None."""
         batch_size, length = obs.shape[:2]
         frames = obs.reshape(batch_size * length, *self.obs_shape).float() / self.obs_scale
         features = self.torso(frames).reshape(batch_size, length, -1)
-        h_q, c_q, h_pi, c_pi = (part.unsqueeze(0) for part in state)
-        keep = (~first.bool()).float().T[:, None, :, None]  # [L, 1, B, 1]
-        # cut where any sequence starts an episode: fused pieces, the state reset at each cut (= step-by-step resets)
-        episode_starts = torch.nonzero(first[:, 1:].any(0)).flatten() + 1
-        cuts = [0, *episode_starts.tolist(), length]
-        q_out = []
-        pi_out = []
-        for start, end in zip(cuts[:-1], cuts[1:]):
-            h_q = h_q * keep[start]
-            c_q = c_q * keep[start]
-            q_lstm_out, (h_q, c_q) = self.q_lstm(features[:, start:end], (h_q, c_q))
-            q_out.append(q_lstm_out)
-            if policy:
-                h_pi = h_pi * keep[start]
-                c_pi = c_pi * keep[start]
-                # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
-                pi_lstm_out, (h_pi, c_pi) = self.pi_lstm(features[:, start:end].detach(), (h_pi, c_pi))
-                pi_out.append(pi_lstm_out)
-        q_hidden = self.q_hidden(torch.cat(q_out, 1).reshape(batch_size * length, -1))
+        h_q, c_q, h_pi, c_pi = state
+        pieces = cut_at_episode_starts(first)
+        q_lstm_out, q_state = unroll_lstm(self.q_lstm, features, (h_q, c_q), pieces)
+        if policy:
+            # gradient blocking (3.4.1): only the Q LSTM back-propagates into the shared torso
+            pi_lstm_out, pi_state = unroll_lstm(self.pi_lstm, features.detach(), (h_pi, c_pi), pieces)
+        q_hidden = self.q_hidden(q_lstm_out.reshape(batch_size * length, -1))
         # "Final action-value logits are produced by summing state- and action-specific logits" (no mean subtraction)
         action_logits = self.action_logits(q_hidden).view(batch_size * length, self.num_actions, -1)
         q = self.value_logits(q_hidden).unsqueeze(1) + action_logits
         q = q.view(batch_size, length, *q.shape[1:]) if self.distributional else q.view(batch_size, length, self.num_actions)
+        # the state after a one-frame call (acting); the learner's sequences start from stored states and return none
+        next_state = None
         if not policy:
-            return NetOut(q, None, (h_q[0], c_q[0], None, None))
-        pi_hidden = self.pi_hidden(torch.cat(pi_out, 1).reshape(batch_size * length, -1))
+            if length == 1:
+                next_state = (*q_state, None, None)
+            return NetOut(q, None, next_state)
+        pi_hidden = self.pi_hidden(pi_lstm_out.reshape(batch_size * length, -1))
         # policy: softmax mixed with a fixed uniform distribution (3.4.1)
         eps = self.policy_uniform_eps
         pi = (1 - eps) * F.softmax(self.pi_logits(pi_hidden), -1) + eps / self.num_actions
-        return NetOut(q, pi.view(batch_size, length, self.num_actions), (h_q[0], c_q[0], h_pi[0], c_pi[0]))
+        if length == 1:
+            next_state = (*q_state, *pi_state)
+        return NetOut(q, pi.view(batch_size, length, self.num_actions), next_state)
 
 
 def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:

@@ -57,7 +57,7 @@ def test_network_shapes_uniform_mix_and_gradient_blocking(float32):
 
 def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
     """CReLU equals [relu(x), relu(-x)] in values and gradients (zeros included); policy=False (the target network)
-    gives the full unroll's Q and Q-LSTM state, across episode starts."""
+    gives the full unroll's Q across episode starts (sequences return no state), and a one-frame call's Q-LSTM state."""
     x = torch.randn(3, 4, 5, 5)
     x[0, 0, :2] = 0.0
     x.requires_grad_()
@@ -75,13 +75,18 @@ def test_crelu_and_the_q_only_unroll_of_the_target_network(float32):
     with torch.no_grad():
         full = net(obs, first, state)
         q_only = net(obs, first, state, policy=False)
-    assert torch.equal(q_only.q, full.q) and q_only.pi is None and q_only.state[2:] == (None, None)
+    assert torch.equal(q_only.q, full.q) and q_only.pi is None and q_only.state is None and full.state is None
+    with torch.no_grad():
+        full = net(obs[:, :1], first[:, :1], state)
+        q_only = net(obs[:, :1], first[:, :1], state, policy=False)
+    assert torch.equal(q_only.q, full.q) and q_only.state[2:] == (None, None)
     assert torch.equal(q_only.state[0], full.state[0]) and torch.equal(q_only.state[1], full.state[1])
 
 
 def test_fused_lstm_equals_step_by_step_reset(float32):
-    """The fused nn.LSTM over pieces cut at episode starts gives the outputs, final state and gradients of a
-    step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference)."""
+    """The fused nn.LSTM over pieces cut at episode starts gives the outputs and gradients (the torso's included) of a
+    step-by-step LSTMCell unroll that zeroes each sequence's state right before its `first` frames (the reference);
+    acting one frame at a time, carrying the state, ends in the reference's final state."""
     A = 3
     K = 7
     H = 8
@@ -91,11 +96,12 @@ def test_fused_lstm_equals_step_by_step_reset(float32):
     net = reactor.ReactorNetwork(A, ATARI, K, H)
     obs = torch.randint(0, 255, (B, L, 84, 84), dtype=torch.uint8)
     first = torch.zeros(B, L, dtype=torch.bool)
-    # starts at 0, mid, shared, last
+    # starts at 0, mid, shared, on two frames in a row (a one-frame piece), last
     first[0, 0] = True
     first[1, 3] = True
     first[1, 7] = True
     first[2, 3] = True
+    first[2, 4] = True
     first[3, 8] = True
     state = tuple(torch.randn(B, H) for _ in range(4))
 
@@ -128,13 +134,23 @@ def test_fused_lstm_equals_step_by_step_reset(float32):
     q_ref, pi_ref, state_ref, cells = reference(net)
     torch.testing.assert_close(captured["q"], q_ref.reshape(B * L, H))
     torch.testing.assert_close(captured["pi"], pi_ref.reshape(B * L, H))
-    for got, want in zip(out.state, state_ref):
-        torch.testing.assert_close(got, want)
+    assert out.state is None
     (captured["q"].square().sum() + captured["pi"].sum()).backward()
+    # the torso's gradient comes back through the pieces (the reference shares the torso: its gradient is taken apart)
+    fused_torso_grads = [p.grad.clone() for p in net.torso.parameters()]
+    net.torso.zero_grad()
     (q_ref.square().sum() + pi_ref.sum()).backward()
+    for got, p in zip(fused_torso_grads, net.torso.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5)
     for lstm, cell in zip((net.q_lstm, net.pi_lstm), cells):
         torch.testing.assert_close(lstm.weight_hh_l0.grad, cell.weight_hh.grad, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(lstm.weight_ih_l0.grad, cell.weight_ih.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        carried = state
+        for t in range(L):
+            carried = net(obs[:, t : t + 1], first[:, t : t + 1], carried).state
+    for got, want in zip(carried, state_ref):
+        torch.testing.assert_close(got, want)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,12 +8,17 @@
   ALE/Pong-v5 and MinAtar/Breakout-v0;
 - learner steps/s (sample + loss + backward + clipping + Adam + priorities + weight publication: the main loop's
   `learning_step` and `publish_weights`, or an earlier script's inline equivalent) for the Atari (1x84x84) and MinAtar
-  Breakout (4x10x10) networks, 6 actions.
+  Breakout (4x10x10) networks, 6 actions, on replays whose frames start an episode with probability `--start-fractions`
+  (MinAtar Breakout's episodes last about 20 frames in its first 100k steps, 80-100 up to 500k, 170-300 after: 5%, 1%,
+  0.5% of frames);
+- the real loop (`run`): a 30k-step MinAtar Breakout run of this script and of the baseline, alone, one after the
+  other (`--run-rounds` times): the learner steps/s the run logs once learning starts (`charts/learner_steps_per_s`,
+  the learning step's own time: early training, ~20-frame episodes) and its wall time.
 
     pip install cpprb==11.0.0  # benchmark-only, not in requirements.txt; without it the cpprb columns are left out
     python tests/benchmarks/bench_reactor.py [--baseline-script PATH] [--sizes 10000 1000000] [--rounds 5]
-        [--repeats 300] [--learn-seconds 5] [--learner-threads 1] [--num-actors 2] [--seconds 10] [--acting-rounds 2]
-        [--skip replay acting learner]
+        [--repeats 300] [--learn-seconds 5] [--learner-threads 1] [--start-fractions 0.01 0.05] [--num-actors 2]
+        [--seconds 10] [--acting-rounds 2] [--run-rounds 1] [--skip replay acting learner run]
 
 --baseline-script: an earlier reactor.py (e.g. `git show HEAD:reactor.py > /tmp/reactor_before.py`), timed beside
 this one in the replay and learner tables (one from before MinAtar, e.g. b311819 with its LSTMCell loops: Atari
@@ -23,9 +28,14 @@ constant-cost frame copy per slot on top.
 
 import argparse
 import importlib.util
+import itertools
+import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -274,7 +284,7 @@ def pre_minatar(module) -> bool:
     return not hasattr(module, "make_network")
 
 
-def learner_step(module, env_id, obs_shape, device, seed=0):
+def learner_step(module, env_id, obs_shape, device, start_fraction, seed=0):
     """One learning step of `module`'s reactor.py as its main loop runs it, on a replay of random sequences."""
     args = module.Args(env_id=env_id)
     torch.manual_seed(seed)
@@ -316,7 +326,7 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
                 "reward": rng.choice([-1.0, 0.0, 1.0], m),
                 "term": rng.random(m) < 0.01,
                 "pad": np.zeros(m, bool),
-                "first": rng.random(m) < 0.01,
+                "first": rng.random(m) < start_fraction,
                 "mu": np.full((m, 6), 1 / 6),
                 "state": np.zeros((m, 4, args.lstm_size)),
             },
@@ -346,7 +356,7 @@ def learner_step(module, env_id, obs_shape, device, seed=0):
     return step
 
 
-def bench_learner(seconds, rounds, baseline, threads):
+def bench_learner(seconds, rounds, baseline, threads, start_fractions):
     """Steps/s by wall clock and per CPU-second of the learner thread (with 1 thread all of torch's work runs on it:
     the CPU rate is what an idle core would give, less disturbed by the machine's other processes)."""
     torch.set_num_threads(threads)
@@ -358,9 +368,9 @@ def bench_learner(seconds, rounds, baseline, threads):
         f"\n| learner ({device}, {threads} thread(s), batch 4 x 33 frames, 6 actions; median of {rounds} interleaved "
         f"rounds) | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
     )
-    for name, env_id, obs_shape in LEARNER_CONFIGS:
+    for (name, env_id, obs_shape), start_fraction in itertools.product(LEARNER_CONFIGS, start_fractions):
         runs_here = {v: m for v, m in variants.items() if obs_shape == (1, 84, 84) or not pre_minatar(m)}
-        steps = {v: learner_step(mod, env_id, obs_shape, device) for v, mod in runs_here.items()}
+        steps = {v: learner_step(mod, env_id, obs_shape, device, start_fraction) for v, mod in runs_here.items()}
         wall = {v: [] for v in steps}
         cpu = {v: [] for v in steps}
         for f in steps.values():
@@ -382,8 +392,48 @@ def bench_learner(seconds, rounds, baseline, threads):
         for rates in (wall, cpu):
             med = {v: float(np.median(r)) for v, r in rates.items()} | {v: np.nan for v in variants if v not in steps}
             row += [f"{med[v]:.2f}" for v in variants] + ([f"{med['ours'] / med['before']:.2f}"] if baseline else [])
-        print(f"| {name} {'x'.join(map(str, obs_shape))} | " + " | ".join(row) + " |", flush=True)
+        config = f"{name} {'x'.join(map(str, obs_shape))}, {start_fraction:.1%} episode starts"
+        print(f"| {config} | " + " | ".join(row) + " |", flush=True)
         del steps
+
+
+# THE REAL LOOP
+def run_once(script, seconds_limit=900):
+    """One 30k-step MinAtar Breakout run of `script` in a fresh folder (the repo's common/ beside it): the learner
+    steps/s it logged and its wall time."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copy(script, os.path.join(folder, "reactor.py"))
+        os.symlink(os.path.join(repo, "common"), os.path.join(folder, "common"))
+        command = [sys.executable, "reactor.py", "--env-id", "MinAtar/Breakout-v0", "--total-timesteps", "30000"]
+        command += ["--eval-episodes", "0", "--no-cuda", "--no-progress", "--exp-name", "bench"]
+        subprocess.run(command, cwd=folder, check=True, timeout=seconds_limit, capture_output=True)
+        (run_dir,) = [os.path.join(folder, "runs", d) for d in os.listdir(os.path.join(folder, "runs"))]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            wall = json.load(f)["wall_time_s"]
+    rates = [r["charts/learner_steps_per_s"] for r in records if "charts/learner_steps_per_s" in r]
+    return float(np.median(rates)), wall
+
+
+def bench_run(baseline_script, rounds):
+    scripts = {"ours": reactor.__file__} | ({"before": baseline_script} if baseline_script else {})
+    results = {v: [] for v in scripts}
+    for _ in range(rounds):
+        for v, script in scripts.items():
+            results[v].append(run_once(script))
+    print(
+        f"\n| real loop, MinAtar/Breakout-v0, 30k steps (learning from 10k), 2 actors, median of {rounds} round(s) | "
+        "learner steps/s (median of the logged values) | wall time (s) |\n|---|---|---|"
+    )
+    for v, runs in results.items():
+        rate = float(np.median([r for r, _ in runs]))
+        wall = float(np.median([w for _, w in runs]))
+        print(f"| {v} | {rate:.1f} | {wall:.0f} |", flush=True)
+    if baseline_script:
+        ratio = np.median([r for r, _ in results["ours"]]) / np.median([r for r, _ in results["before"]])
+        print(f"| ours / before | {ratio:.2f} | |", flush=True)
 
 
 if __name__ == "__main__":
@@ -402,7 +452,11 @@ if __name__ == "__main__":
         default=1,
         help="torch threads of the learner (set_learner_threads gives 1 with 2 actors on 2 cores)",
     )
-    parser.add_argument("--skip", nargs="*", default=[], help="replay | acting | learner")
+    parser.add_argument(
+        "--start-fractions", type=float, nargs="+", default=[0.01, 0.05], help="episode starts per replay frame (learner)"
+    )
+    parser.add_argument("--run-rounds", type=int, default=1, help="real runs of each script (run)")
+    parser.add_argument("--skip", nargs="*", default=[], help="replay | acting | learner | run")
     a = parser.parse_args()
     baseline = load_script(a.baseline_script) if a.baseline_script else None
     t0 = time.time()
@@ -414,7 +468,9 @@ if __name__ == "__main__":
     if "replay" not in a.skip:
         bench_replay(a.sizes, a.rounds, a.repeats, baseline)
     if "learner" not in a.skip:
-        bench_learner(a.learn_seconds, a.rounds, baseline, a.learner_threads)
+        bench_learner(a.learn_seconds, a.rounds, baseline, a.learner_threads, a.start_fractions)
     if "acting" not in a.skip:
         bench_acting(a.num_actors, a.seconds, a.acting_rounds)
+    if "run" not in a.skip:
+        bench_run(a.baseline_script, a.run_rounds)
     print(f"\n{time.time() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")

@@ -148,7 +148,7 @@ def setup(script, a, device):
 
         import reactor
 
-        step = bench_reactor.learner_step(reactor, "ALE/Pong-v5", (1, 84, 84), device)
+        step = bench_reactor.learner_step(reactor, "ALE/Pong-v5", (1, 84, 84), device, start_fraction=0.01)
         return DEFAULT_THREADS, reactor.Args().num_actors, timed_blocks(step, a.max_block_seconds)  # old: it set nothing
     if script == "vracer_refer":
         import bench_vracer_refer
