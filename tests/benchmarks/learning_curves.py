@@ -18,6 +18,8 @@ Usage:
       [--series plr/mass_rooms=1 plr/mass_rooms=2 ...]      (with --plot: one line per metric, over the runs given)
       [--summary final_test_return wall_time_s ...]         (a table of summary.json values, mean ± sd per config)
       [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
+      [--point 20000000 0.45 "PLR, published (approx.)"]    (with --plot, repeatable: a labelled marker, e.g. a
+                                                              published figure read off a paper's plot)
       [--max-step 1000000]                                  (tables and plots leave out records past this step)
       [--eval-reactor 100]                                  (reactor.py runs with --save-model: greedy games)
       [--export tests/benchmarks/results/<experiment>]       (keep each run's returns and --with metrics as
@@ -98,9 +100,11 @@ def plot_groups(
     title: str,
     hline: list | None = None,
     ylim: list | None = None,
+    points: list | None = None,
 ) -> None:
     """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps;
-    `ylim` cuts the y axis (a curve that leaves it is drawn up to where it does)."""
+    `ylim` cuts the y axis (a curve that leaves it is drawn up to where it does); `points`: (step, value, label)
+    markers, one legend entry per label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,6 +120,11 @@ def plot_groups(
         ax.fill_between(ends, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
     if hline:
         ax.axhline(float(hline[0]), color="gray", linestyle="--", linewidth=1, label=" ".join(hline[1:]) or None)
+    markers = iter("oD^sv")
+    for point_label in dict.fromkeys(text for _, _, text in points or []):
+        steps = [float(step) for step, _, text in points if text == point_label]
+        values = [float(value) for _, value, text in points if text == point_label]
+        ax.scatter(steps, values, marker=next(markers), color="black", s=25, zorder=3, label=point_label)
     if ylim:
         ax.set_ylim(*ylim)
     ax.set_xlabel("environment steps")
@@ -216,6 +225,14 @@ def main():
     )
     p.add_argument("--hline", nargs="+", default=None, help="with --plot: VALUE [LABEL], a dashed reference line")
     p.add_argument("--ylim", type=float, nargs=2, default=None, help="with --plot: LOW HIGH of the y axis")
+    p.add_argument(
+        "--point",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("STEP", "VALUE", "LABEL"),
+        help="with --plot (repeatable): a labelled marker, e.g. a published figure",
+    )
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
     p.add_argument(
         "--max-step",
@@ -304,6 +321,7 @@ def main():
             a.title,
             a.hline,
             a.ylim,
+            a.point,
         )
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
