@@ -1,12 +1,17 @@
 """Held-out success and return of saved plr_ppo.py runs, per level difficulty (MultiRoom: number of rooms; gamut:
 variant), with standard errors (not collected by pytest). Uses each run's checkpoint.pt (written by
---checkpoint-every, and at the end of a run that has it) and the script's own network, envs and `evaluate`.
+--checkpoint-every, and at the end of a run that has it; or a checkpoint file given directly) and the script's own
+network and envs. Also the sampler's level scores per difficulty (PLR runs): mean and median score, the best rank,
+and how many of the top 10 / top 100 levels are of that difficulty (with rank prioritisation and beta 0.1, the top
+level alone holds about 1 - rho of the replay mass).
 
 Usage (from the repo root):
   python tests/benchmarks/plr_eval_by_difficulty.py runs/MultiRoom-N4-Random__plr__1__* ... [--episodes 200]
+      [--json out.json]   (the tables' numbers, per run)
 """
 
 import argparse
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -25,9 +30,12 @@ def main():
     p.add_argument("runs", nargs="+")
     p.add_argument("--episodes", type=int, default=200, help="held-out episodes per difficulty")
     p.add_argument("--seed", type=int, default=777, help="draws the held-out level seeds (the same for every run)")
+    p.add_argument("--json", default=None, help="write the tables' numbers here")
     a = p.parse_args()
     torch.set_num_threads(1)
-    ckpts = [load_checkpoint(os.path.join(d, "checkpoint.pt")) for d in a.runs]
+    paths = [d if d.endswith(".pt") else os.path.join(d, "checkpoint.pt") for d in a.runs]
+    ckpts = [load_checkpoint(path) for path in paths]
+    records = {}
     args = SimpleNamespace(**ckpts[0]["args"])
     rng = np.random.default_rng(a.seed)
     pools = {}
@@ -45,7 +53,10 @@ def main():
         )
         agent.load_state_dict(ckpt["model"])
         agent.eval()
+        # the policy's samples: the same stream for every run
+        torch.manual_seed(a.seed)
         cells = []
+        held_out = {}
         for k in sorted(pools):
             it = iter(pools[k])
             obs = envs.reset([next(it) for _ in range(envs.num_envs)])
@@ -58,9 +69,54 @@ def main():
                 rets += [float(r) for r in info["episode_return"][info["_episode"]]]
             rets = np.array(rets[: a.episodes])
             succ = (rets > 0).mean()
-            cells.append(f"{succ:.2f} ± {np.sqrt(succ * (1 - succ) / len(rets)):.2f} / {rets.mean():.2f}")
+            se = np.sqrt(succ * (1 - succ) / len(rets))
+            cells.append(f"{succ:.2f} ± {se:.2f} / {rets.mean():.2f}")
+            held_out[k] = {
+                "success": float(succ),
+                "success_se": float(se),
+                "return": float(rets.mean()),
+                "episodes": len(rets),
+            }
         envs.close()
         print(f"| {os.path.basename(os.path.normpath(d))} | {ckpt['global_step']:,} | " + " | ".join(cells) + " |")
+        records[d] = {"global_step": ckpt["global_step"], "held_out": held_out, "scores": level_scores(ckpt)}
+    print("\n| run | difficulty | levels | score mean / median | best rank | in top 10 / top 100 |\n|---|---|---|---|---|---|")
+    for d, record in records.items():
+        name = os.path.basename(os.path.normpath(d))
+        for k, row in record["scores"].items():
+            print(
+                f"| {name} | {k} | {row['levels']} | {row['mean']:.3f} / {row['median']:.3f} | {row['best_rank']} | "
+                f"{row['top10']} / {row['top100']} |"
+            )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"episodes": a.episodes, "seed": a.seed, "runs": records}, f, indent=1)
+
+
+def level_scores(ckpt) -> dict:
+    """The sampler's scores of its seen training levels, per difficulty (empty for a run that never scored them)."""
+    sampler = ckpt["sampler"]
+    seen = np.asarray(sampler["seen"], bool)
+    scores = np.asarray(sampler["scores"], float)[seen]
+    if not seen.any() or not scores.any():
+        return {}
+    seeds = np.asarray(sampler["seeds"])[seen]
+    difficulty = np.array([level_difficulty(ckpt["args"]["env_id"], int(s)) for s in seeds])
+    # rank 1 = the highest score, as rank prioritisation orders them
+    rank = np.empty(len(scores), int)
+    rank[np.argsort(-scores, kind="stable")] = np.arange(1, len(scores) + 1)
+    table = {}
+    for k in sorted(set(difficulty)):
+        here = difficulty == k
+        table[k] = {
+            "levels": int(here.sum()),
+            "mean": float(scores[here].mean()),
+            "median": float(np.median(scores[here])),
+            "best_rank": int(rank[here].min()),
+            "top10": int((rank[here] <= 10).sum()),
+            "top100": int((rank[here] <= 100).sum()),
+        }
+    return table
 
 
 if __name__ == "__main__":
