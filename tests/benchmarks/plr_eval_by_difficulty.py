@@ -79,10 +79,13 @@ def main():
             }
         envs.close()
         print(f"| {os.path.basename(os.path.normpath(d))} | {ckpt['global_step']:,} | " + " | ".join(cells) + " |")
-        records[d] = {"global_step": ckpt["global_step"], "held_out": held_out, "scores": level_scores(ckpt)}
+        records[os.path.basename(os.path.normpath(d))] = {
+            "global_step": ckpt["global_step"],
+            "held_out": held_out,
+            "scores": level_scores(ckpt),
+        }
     print("\n| run | difficulty | levels | score mean / median | best rank | in top 10 / top 100 |\n|---|---|---|---|---|---|")
-    for d, record in records.items():
-        name = os.path.basename(os.path.normpath(d))
+    for name, record in records.items():
         for k, row in record["scores"].items():
             print(
                 f"| {name} | {k} | {row['levels']} | {row['mean']:.3f} / {row['median']:.3f} | {row['best_rank']} | "
