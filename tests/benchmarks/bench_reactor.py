@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import reactor  # noqa: E402
+from common.logger import read_metrics  # noqa: E402
 
 try:
     import cpprb
@@ -409,8 +410,7 @@ def run_once(script, seconds_limit=900):
         command += ["--eval-episodes", "0", "--no-cuda", "--no-progress", "--exp-name", "bench"]
         subprocess.run(command, cwd=folder, check=True, timeout=seconds_limit, capture_output=True)
         (run_dir,) = [os.path.join(folder, "runs", d) for d in os.listdir(os.path.join(folder, "runs"))]
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         with open(os.path.join(run_dir, "summary.json")) as f:
             wall = json.load(f)["wall_time_s"]
     rates = [r["charts/learner_steps_per_s"] for r in records if "charts/learner_steps_per_s" in r]
