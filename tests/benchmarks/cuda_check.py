@@ -5,8 +5,9 @@
    checkpoint's step; the learner's peak CUDA memory is above 32 MiB on CUDA (more than its weights, gradients and
    Adam state could take) and 0 on the CPU;
 2. Reactor's learner as `make_learner` builds it (fused Adam, fused LSTM on cuDNN) against the same weights on the
-   CPU: outputs, final state and gradients with episode starts inside the sequences; `reactor_loss` (loss,
-   priorities, gradients) for Reactor, ND and TISLR on one batch with unequal IS weights.
+   CPU: outputs and gradients with episode starts inside the sequences (a one-frame piece among them), the LSTM states
+   after a one-frame call (acting); `reactor_loss` (loss, priorities, gradients) for Reactor, ND and TISLR on one
+   batch with unequal IS weights.
 
     python tests/benchmarks/cuda_check.py [--out DIR]   # needs requirements.txt's packages (any CUDA torch)
 
@@ -140,15 +141,26 @@ def check_reactor_cuda_vs_cpu():
     first[0, 0] = True
     first[1, 5] = True
     first[2, 11] = True
+    # two starts in a row: a one-frame piece among the padded pieces of one fused call
+    first[2, 3] = True
+    first[2, 4] = True
     state = tuple(torch.randn(B, H) for _ in range(4))
     out_cpu = net_cpu(obs, first, state)
     out_gpu = net_gpu(obs.to(gpu), first.to(gpu), tuple(s.to(gpu) for s in state))
-    for x, y in zip((out_cpu.q, out_cpu.pi, *out_cpu.state), (out_gpu.q, out_gpu.pi, *out_gpu.state)):
+    for x, y in zip((out_cpu.q, out_cpu.pi), (out_gpu.q, out_gpu.pi)):
         torch.testing.assert_close(y.cpu(), x, **tol)
     for out in (out_cpu, out_gpu):  # gradients through both LSTMs (the policy's sees a detached torso)
-        (out.q.square().mean() + out.pi.log().mean() + sum(s.sum() for s in out.state)).backward()
+        (out.q.square().mean() + out.pi.log().mean()).backward()
     assert_same_gradients(net_cpu, net_gpu, "network")
-    lines = ["ok   reactor network on cuDNN = CPU (q, pi, LSTM states, every parameter's gradient; episode starts)"]
+    # acting's one-frame call returns the LSTM states
+    step_cpu = net_cpu(obs[:, :1], first[:, :1], state)
+    step_gpu = net_gpu(obs[:, :1].to(gpu), first[:, :1].to(gpu), tuple(s.to(gpu) for s in state))
+    for x, y in zip(step_cpu.state, step_gpu.state):
+        torch.testing.assert_close(y.cpu(), x, **tol)
+    lines = [
+        "ok   reactor network on cuDNN = CPU (q, pi, every parameter's gradient; episode starts, a one-frame piece; "
+        "a one-frame call's LSTM states)"
+    ]
 
     batch = make_batch(B, 8, A, H, np.random.default_rng(0), pad_at=2)
     batch = batch._replace(obs=batch.obs[:, :, None], weights=torch.tensor([1.0, 0.3, 0.7]))
