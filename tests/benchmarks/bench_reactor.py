@@ -11,6 +11,8 @@
   Breakout (4x10x10) networks, 6 actions, on replays whose frames start an episode with probability `--start-fractions`
   (MinAtar Breakout's episodes last about 20 frames in its first 100k steps, 80-100 up to 500k, 170-300 after: 5%, 1%,
   0.5% of frames);
+- where a learning step's time goes (`sections`): this script's step taken apart (sample, each forward pass, targets
+  and losses, backward, clipping, Adam, priorities, the weight copy), thread time per section, MinAtar, 1 thread;
 - the real loop (`run`): a 30k-step MinAtar Breakout run of this script and of the baseline, alone, one after the
   other (`--run-rounds` times): the learner steps/s the run logs once learning starts (`charts/learner_steps_per_s`,
   the learning step's own time: early training, ~20-frame episodes) and its wall time.
@@ -18,7 +20,8 @@
     pip install cpprb==11.0.0  # benchmark-only, not in requirements.txt; without it the cpprb columns are left out
     python tests/benchmarks/bench_reactor.py [--baseline-script PATH] [--sizes 10000 1000000] [--rounds 5]
         [--repeats 300] [--learn-seconds 5] [--learner-threads 1] [--start-fractions 0.01 0.05] [--num-actors 2]
-        [--seconds 10] [--acting-rounds 2] [--run-rounds 1] [--skip replay acting learner run]
+        [--seconds 10] [--acting-rounds 2] [--run-rounds 1] [--section-steps 100]
+        [--skip replay learner sections acting run]
 
 --baseline-script: an earlier reactor.py (e.g. `git show HEAD:reactor.py > /tmp/reactor_before.py`), timed beside
 this one in the replay and learner tables (one from before MinAtar, e.g. b311819 with its LSTMCell loops: Atari
@@ -342,6 +345,10 @@ def learner_step(module, env_id, obs_shape, device, start_fraction, seed=0):
             learn_steps[0] += 1
             module.publish_weights(net, target, shared, counters, counters, learn_steps[0], args)
 
+        # (for `bench_sections`)
+        step.learner = SimpleNamespace(
+            net=net, target=target, optimizer=opt, replay=replay, support=support, args=args, rng=rng, shared=shared
+        )
         return step
 
     def step():  # (an earlier script: its main loop's steps, inline)
@@ -396,6 +403,71 @@ def bench_learner(seconds, rounds, baseline, threads, start_fractions):
         config = f"{name} {'x'.join(map(str, obs_shape))}, {start_fraction:.1%} episode starts"
         print(f"| {config} | " + " | ".join(row) + " |", flush=True)
         del steps
+
+
+SECTIONS = (
+    "sample",
+    "online forward",
+    "target forward",
+    "targets and losses",
+    "backward",
+    "clipping",
+    "Adam",
+    "priorities",
+    "weights to the actors",
+)
+
+
+def bench_sections(steps, start_fractions):
+    """Where a learning step's time goes: this reactor.py's main-loop step (`learning_step` + `publish_weights`, taken
+    apart), MinAtar Breakout network, CPU, 1 thread; thread time per section. The two forward passes are timed again on
+    their own (`reactor_loss` runs them inside): "targets and losses" is the loss's time less theirs."""
+    torch.set_num_threads(1)
+    print(
+        f"\n| MinAtar 4x10x10, CPU, 1 thread, ms per step (thread time, mean of {steps} steps) | "
+        + " | ".join(SECTIONS)
+        + " | step |\n|---|"
+        + "---|" * (len(SECTIONS) + 1)
+    )
+    for start_fraction in start_fractions:
+        step = learner_step(reactor, "MinAtar/Breakout-v0", (4, 10, 10), torch.device("cpu"), start_fraction)
+        for _ in range(10):  # warm-up
+            step()
+        learner = step.learner
+        args = learner.args
+        counter = SimpleNamespace(value=0)
+        times = dict.fromkeys(SECTIONS + ("loss",), 0.0)
+
+        def timed(section, fn):
+            start = time.thread_time()
+            out = fn()
+            times[section] += time.thread_time() - start
+            return out
+
+        for i in range(steps):
+            keys, batch = timed("sample", lambda: learner.replay.sample(args.batch_size, learner.rng, "cpu"))
+            timed("online forward", lambda: learner.net(batch.obs, batch.first, batch.state))
+            with torch.no_grad():
+                timed("target forward", lambda: learner.target(batch.obs, batch.first, batch.state, policy=False))
+            loss, priorities, _ = timed(
+                "loss", lambda: reactor.reactor_loss(learner.net, learner.target, batch, learner.support, args)
+            )
+            learner.optimizer.zero_grad()
+            timed("backward", loss.backward)
+            timed("clipping", lambda: torch.nn.utils.clip_grad_norm_(learner.net.parameters(), args.max_grad_norm))
+            timed("Adam", learner.optimizer.step)
+            timed(
+                "priorities",
+                lambda: learner.replay.update_priorities(keys, priorities.cpu().numpy(), args.priority_exponent),
+            )
+            timed(
+                "weights to the actors",
+                lambda: reactor.publish_weights(learner.net, learner.target, learner.shared, counter, counter, i + 1, args),
+            )
+        times["targets and losses"] = times["loss"] - times["online forward"] - times["target forward"]
+        total = sum(times[s] for s in SECTIONS)
+        cells = [f"{times[s] / steps * 1000:.2f} ({times[s] / total:.0%})" for s in SECTIONS]
+        print(f"| {start_fraction:.1%} episode starts | " + " | ".join(cells) + f" | {total / steps * 1000:.2f} |", flush=True)
 
 
 # THE REAL LOOP
@@ -456,7 +528,8 @@ if __name__ == "__main__":
         "--start-fractions", type=float, nargs="+", default=[0.01, 0.05], help="episode starts per replay frame (learner)"
     )
     parser.add_argument("--run-rounds", type=int, default=1, help="real runs of each script (run)")
-    parser.add_argument("--skip", nargs="*", default=[], help="replay | acting | learner | run")
+    parser.add_argument("--section-steps", type=int, default=100, help="learning steps per row (sections)")
+    parser.add_argument("--skip", nargs="*", default=[], help="replay | learner | sections | acting | run")
     a = parser.parse_args()
     baseline = load_script(a.baseline_script) if a.baseline_script else None
     t0 = time.time()
@@ -469,6 +542,8 @@ if __name__ == "__main__":
         bench_replay(a.sizes, a.rounds, a.repeats, baseline)
     if "learner" not in a.skip:
         bench_learner(a.learn_seconds, a.rounds, baseline, a.learner_threads, a.start_fractions)
+    if "sections" not in a.skip:
+        bench_sections(a.section_steps, a.start_fractions)
     if "acting" not in a.skip:
         bench_acting(a.num_actors, a.seconds, a.acting_rounds)
     if "run" not in a.skip:
