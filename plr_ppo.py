@@ -814,6 +814,16 @@ def eval_level_sets(args: Args, sampler: LevelSampler, rng: np.random.Generator)
     return {kind: lambda kind=kind: draw_eval_level(kind, args, sampler, rng) for kind in ("train", "test")}
 
 
+def make_eval_rng(args: Args) -> np.random.Generator:
+    """The RNG that draws the evaluation levels: a stream of its own (saved in checkpoints), apart from training's."""
+    return np.random.default_rng(args.seed + 12345)
+
+
+def make_eval_envs(args: Args):
+    """The evaluation envs: one worker, seeded apart from the training envs."""
+    return make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
+
+
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
     ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
@@ -933,7 +943,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     sampler = make_sampler(args, seed=args.seed)
     normalizer = ReturnNormalizer(args.num_envs, args.gamma) if args.norm_reward else None
-    eval_rng = np.random.default_rng(args.seed + 12345)
+    eval_rng = make_eval_rng(args)
     # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
     difficulties = None
     if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
@@ -968,7 +978,7 @@ if __name__ == "__main__":
     def run_eval(num_episodes):
         global eval_envs
         if eval_envs is None:
-            eval_envs = make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
+            eval_envs = make_eval_envs(args)
         agent.eval()
         metrics = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
         agent.train()

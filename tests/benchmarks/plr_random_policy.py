@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -37,9 +36,9 @@ if __name__ == "__main__":
     torch.manual_seed(a.seed)
     args = plr_ppo.resolve_defaults(plr_ppo.Args(env_id=a.env_id, seed=a.seed))
     sampler = plr_ppo.make_sampler(args, a.seed)
-    # as the script draws them: its eval RNG and eval envs
-    eval_rng = np.random.default_rng(args.seed + 12345)
-    envs = plr_ppo.make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
+    # the script's own eval RNG and eval envs
+    eval_rng = plr_ppo.make_eval_rng(args)
+    envs = plr_ppo.make_eval_envs(args)
     policy = UniformPolicy(int(envs.single_action_space.n))
     metrics = plr_ppo.evaluate(policy, envs, plr_ppo.eval_level_sets(args, sampler, eval_rng), a.episodes, args, "cpu")
     envs.close()
