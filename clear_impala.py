@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.args import CommonArgs, parse_run_args, require
-from common.checkpoint import rng_state, save_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import save_run_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
 from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads, stop_on_signals
@@ -1226,21 +1226,17 @@ if __name__ == "__main__":
             # CHECKPOINT
             if args.checkpoint_every and (step - last_checkpoint_step >= args.checkpoint_every or step >= end_step):
                 last_checkpoint_step = step
-                save_checkpoint(
-                    logger.dir / "checkpoint.pt",
-                    {
-                        "script": "clear_impala.py",
-                        "run_name": logger.run_name,
-                        "args": vars(args),
-                        "models": [model.state_dict() for model in models],
-                        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
-                        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
-                        "global_step": step,
-                        "learner_steps": learner_steps,
-                        "eval_records": eval_records,
-                        "rng": rng_state(),
-                        "pair_rng": pair_rng.bit_generator.state,
-                    },
+                save_run_checkpoint(
+                    logger,
+                    "clear_impala.py",
+                    args,
+                    step,
+                    models=[model.state_dict() for model in models],
+                    optimizers=[optimizer.state_dict() for optimizer in optimizers],
+                    schedulers=[scheduler.state_dict() for scheduler in schedulers],
+                    learner_steps=learner_steps,
+                    eval_records=eval_records,
+                    pair_rng=pair_rng.bit_generator.state,
                 )
                 handles.checkpoint_request.value += 1
             processes.check()
@@ -1275,9 +1271,5 @@ if __name__ == "__main__":
     }
     print(json.dumps({key: summary[key] for key in ("global_step", "final_cumulative_return", "task_mismatch")}))
 
-    def save_model():
-        path = logger.dir / f"{args.exp_name}.model"
-        torch.save({"models": [model.state_dict() for model in models], "args": vars(args)}, path)
-        return path
-
-    finish_run(logger, error, summary, save_model if args.save_model else None)
+    model_file = {"models": [model.state_dict() for model in models], "args": vars(args)}
+    finish_run(logger, error, summary, model_file if args.save_model else None)

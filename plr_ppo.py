@@ -48,8 +48,8 @@ from torch.distributions import Categorical
 from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import (
     load_state_dicts,
-    rng_state,
-    save_checkpoint,
+    next_checkpoint_step,
+    save_run_checkpoint,
     seed_everything,
     select_device,
     set_rng_state,
@@ -984,24 +984,19 @@ if __name__ == "__main__":
         agent.train()
         return metrics
 
-    def save(path):
-        checkpoint = {
-            "script": "plr_ppo.py",
-            "args": vars(args),
-            "run_name": logger.run_name,
-            "global_step": global_step,
-            "update": update,
-            "eval_rng": eval_rng.bit_generator.state,
-            "rng": rng_state(),
-            "env_levels": np.array(envs.levels, np.int64),
-        }
-        checkpoint |= state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
-        save_checkpoint(path, checkpoint)
+    def make_checkpoint():
+        save_run_checkpoint(
+            logger,
+            "plr_ppo.py",
+            args,
+            global_step,
+            update=update,
+            eval_rng=eval_rng.bit_generator.state,
+            env_levels=np.array(envs.levels, np.int64),
+            **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
+        )
 
-    if args.checkpoint_every:
-        next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every
-    else:
-        next_checkpoint = None
+    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
     error = None
     try:
         while global_step < end_step:
@@ -1144,7 +1139,7 @@ if __name__ == "__main__":
 
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:
-                save(logger.dir / "checkpoint.pt")
+                make_checkpoint()
                 next_checkpoint += args.checkpoint_every
     except (KeyboardInterrupt, StopRun) as e:
         # StopRun: a dead MiniGrid env worker or an unwritable checkpoint
@@ -1153,12 +1148,7 @@ if __name__ == "__main__":
         envs.close()
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if error is None and args.checkpoint_every:
-        save(logger.dir / "checkpoint.pt")
-
-    def save_model():
-        path = logger.dir / f"{args.exp_name}.model"
-        save_checkpoint(path, {"model": agent.state_dict(), "args": vars(args)})
-        return path
+        make_checkpoint()
 
     def final_eval() -> dict:
         final = run_eval(args.final_eval_episodes)
@@ -1168,9 +1158,10 @@ if __name__ == "__main__":
     summary = {"global_step": global_step, "updates": update}
     if args.plr_strategy != "random":
         summary |= {name.replace("plr/", "plr_"): value for name, value in sampler.stats().items()}
+    model_file = {"model": agent.state_dict(), "args": vars(args)}
     try:
         finish_run(
-            logger, error, summary, save_model if args.save_model else None, final_eval if args.final_eval_episodes else None
+            logger, error, summary, model_file if args.save_model else None, final_eval if args.final_eval_episodes else None
         )
     finally:
         if eval_envs is not None:

@@ -51,8 +51,8 @@ from common.args import CommonArgs, parse_run_args, require
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import (
     load_state_dicts,
-    rng_state,
-    save_checkpoint,
+    next_checkpoint_step,
+    save_run_checkpoint,
     seed_everything,
     select_device,
     set_rng_state,
@@ -1351,30 +1351,24 @@ if __name__ == "__main__":
     start_time = time.time()
     start_step = global_step
     last_log_step = learn_steps
-    next_checkpoint = None
-    if args.checkpoint_every:
-        next_checkpoint = (global_step // args.checkpoint_every + 1) * args.checkpoint_every
+    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
     # the learning steps' stats summed on the device since the last log line, and their time
     stats_sum = {}
     learn_time = 0.0
     recent_returns = deque(maxlen=100)
 
     def make_checkpoint():
-        save_checkpoint(
-            logger.dir / "checkpoint.pt",
-            {
-                "script": "reactor.py",
-                "args": vars(args),
-                "run_name": logger.run_name,
-                "global_step": global_step,
-                "learn_steps": learn_steps,
-                "episodes": episodes_done,
-                "rng": rng_state(),
-                "np_rng": rng,
-                **state_dicts(
-                    model=net, target_model=target_net, optimizer=optimizer, replay=replay if args.checkpoint_replay else None
-                ),
-            },
+        save_run_checkpoint(
+            logger,
+            "reactor.py",
+            args,
+            global_step,
+            learn_steps=learn_steps,
+            episodes=episodes_done,
+            np_rng=rng,
+            **state_dicts(
+                model=net, target_model=target_net, optimizer=optimizer, replay=replay if args.checkpoint_replay else None
+            ),
         )
 
     error = None
@@ -1461,11 +1455,6 @@ if __name__ == "__main__":
     if args.checkpoint_every and error is None:
         make_checkpoint()
 
-    def save_model():
-        path = logger.dir / f"{args.exp_name}.model"
-        torch.save({"model": net.state_dict(), "args": vars(args)}, path)
-        return path
-
     def final_eval() -> dict:
         returns = evaluate(net, args, args.eval_episodes, device, args.seed + 10_000)
         for episodic_return in returns:
@@ -1487,6 +1476,6 @@ if __name__ == "__main__":
             "episodes": episodes_done,
             "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None,
         },
-        save_model if args.save_model else None,
+        {"model": net.state_dict(), "args": vars(args)} if args.save_model else None,
         final_eval if args.save_model and args.eval_episodes else None,
     )

@@ -52,8 +52,7 @@ import torch.nn as nn
 from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import (
     load_state_dicts,
-    rng_state,
-    save_checkpoint,
+    save_run_checkpoint,
     seed_everything,
     select_device,
     set_rng_state,
@@ -1242,26 +1241,22 @@ if __name__ == "__main__":
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
-                save_checkpoint(
-                    logger.dir / "checkpoint.pt",
-                    {
-                        "script": "vracer_refer.py",
-                        "run_name": run_name,
-                        "args": vars(args),
-                        "dims": (obs_dim, act_dim),
-                        "state": dict(state),
-                        "global_step": global_step,
-                        "t0": t0,
-                        "stats_ready": stats_ready,
-                        "obs_mean": obs_mean.cpu(),
-                        "obs_std": obs_std.cpu(),
-                        "reward_scale": replay.reward_scale,
-                        "np_rng": rng,
-                        "rng": rng_state(),
-                        **state_dicts(
-                            model=agent, optimizer=optimizer, replay=replay if args.checkpoint_replay and started else None
-                        ),
-                    },
+                save_run_checkpoint(
+                    logger,
+                    "vracer_refer.py",
+                    args,
+                    global_step,
+                    dims=(obs_dim, act_dim),
+                    state=dict(state),
+                    t0=t0,
+                    stats_ready=stats_ready,
+                    obs_mean=obs_mean.cpu(),
+                    obs_std=obs_std.cpu(),
+                    reward_scale=replay.reward_scale,
+                    np_rng=rng,
+                    **state_dicts(
+                        model=agent, optimizer=optimizer, replay=replay if args.checkpoint_replay and started else None
+                    ),
                 )
                 last_ckpt = global_step
 
@@ -1278,13 +1273,6 @@ if __name__ == "__main__":
         procs.stop()
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
-    def save_model():
-        path = logger.dir / f"{args.exp_name}.model"
-        torch.save(
-            {"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu()}, path
-        )
-        return path
-
     def final_eval() -> dict:
         eval_seed = args.seed + 10_000
         returns = evaluate(agent, args.env_id, eval_seed, args.eval_episodes, obs_mean, obs_std, device, args.clip_actions)
@@ -1292,6 +1280,7 @@ if __name__ == "__main__":
             logger.log(global_step, {"eval/episodic_return": episode_return})
         return {"eval_return_mean": float(np.mean(returns))}
 
+    model_file = {"model": agent.state_dict(), "args": vars(args), "obs_mean": obs_mean.cpu(), "obs_std": obs_std.cpu()}
     finish_run(
         logger,
         error,
@@ -1302,6 +1291,6 @@ if __name__ == "__main__":
             "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
             "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time),
         },
-        save_model if args.save_model else None,
+        model_file if args.save_model else None,
         final_eval if args.save_model and args.eval_episodes else None,
     )

@@ -5,6 +5,9 @@
 - `save_checkpoint(path, obj)`: `torch.save` to a temporary file in the same folder, fsync, then `os.replace`, so a
   crash mid-write never leaves a truncated checkpoint (the old one stays valid until the rename).
 - `load_checkpoint(path)`: the inverse, with a one-line error for a missing or unreadable file.
+- `save_run_checkpoint(logger, script, args, global_step, **state)`: the run's `checkpoint.pt`, with what every
+  `--resume` reads (`script`, `run_name`, `args`, `global_step`, `rng`) and the script's own `state`.
+- `next_checkpoint_step(global_step, every)`: the first multiple of `every` after `global_step` (None when 0).
 - `load_run_checkpoint(path, script)`: for `--resume`: SystemExit('error: --resume: ...') unless `path` is a
   readable checkpoint written by `script` (every script stores `"script": "<name>.py"` in its checkpoints).
 - `select_device(cuda)`: CUDA when asked for and present, else CPU.
@@ -69,10 +72,30 @@ def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise CheckpointFailed(f"checkpoint not written: {e}") from None
+        raise CheckpointFailed(f"{path.name} not written: {e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def save_run_checkpoint(logger, script: str, args: Any, global_step: int, **state) -> None:
+    """Atomically write `<run dir>/checkpoint.pt`: the keys every script's `--resume` reads (`script`, e.g.
+    "reactor.py", `run_name`, `args`, `global_step`, `rng`: every global RNG) and the script's own `state`."""
+    checkpoint = {
+        "script": script,
+        "run_name": logger.run_name,
+        "args": vars(args),
+        "global_step": global_step,
+        "rng": rng_state(),
+    }
+    save_checkpoint(logger.dir / "checkpoint.pt", checkpoint | state)
+
+
+def next_checkpoint_step(global_step: int, every: int) -> int | None:
+    """The first multiple of `every` after `global_step`: when the next checkpoint is due (None when `every` is 0)."""
+    if not every:
+        return None
+    return (global_step // every + 1) * every
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:

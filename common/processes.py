@@ -139,12 +139,14 @@ def stop_reason(error: BaseException | None) -> tuple[str, int]:
 
 
 def finish_run(
-    logger, error: BaseException | None, summary: dict, save_model: Callable | None = None, final_eval: Callable | None = None
+    logger, error: BaseException | None, summary: dict, model_file: dict | None = None, final_eval: Callable | None = None
 ) -> None:
-    """The end of every script, once its processes are stopped: print why the run stopped; after a normal end save
-    the model (`save_model()` returns its path) and run the final evaluation (`final_eval()` logs and returns summary
-    entries; a signal during either stops it and keeps the summary); write summary.json with `stop_reason`, close the
-    logger and exit with the stop's code (0, 128 + signal, 1)."""
+    """The end of every script, once its processes are stopped: print why the run stopped; after a normal end write
+    `model_file` (the weights and `args`) atomically to `<run dir>/<exp_name>.model` and run the final evaluation
+    (`final_eval()` logs and returns summary entries; a signal during either stops it and keeps the summary); write
+    summary.json with `stop_reason`, close the logger and exit with the stop's code (0, 128 + signal, 1)."""
+    from common.checkpoint import save_checkpoint
+
     reason, exit_code = stop_reason(error)
     if isinstance(error, ActorDied) and error.traceback:
         print(error.traceback, flush=True)
@@ -154,8 +156,10 @@ def finish_run(
     if not exit_code:
         try:
             check_stop()
-            if save_model is not None:
-                print(f"model saved to {save_model()}", flush=True)
+            if model_file is not None:
+                path = logger.dir / f"{model_file['args']['exp_name']}.model"
+                save_checkpoint(path, model_file)
+                print(f"model saved to {path}", flush=True)
             if final_eval is not None:
                 summary.update(final_eval())
             check_stop()
@@ -163,6 +167,11 @@ def finish_run(
             reason, exit_code = stop_reason(e)
             summary["stop_reason"] = f"{reason} during the final evaluation"
             print(f"stopped: {summary['stop_reason']}", flush=True)
+        except CheckpointFailed as e:
+            # an unwritable run folder: the model file is lost; the summary says so if it can still be written
+            summary["stop_reason"] = str(e)
+            print(f"error: {e}", flush=True)
+            exit_code = 1
     try:
         logger.summary(summary)
     except OSError as e:

@@ -192,6 +192,59 @@ def test_available_cores_falls_back_to_cpu_count(monkeypatch):
     assert available_cores() == 5
 
 
+def test_run_checkpoint_holds_what_every_resume_reads_and_the_first_checkpoint_step(tmp_path):
+    from common.checkpoint import load_run_checkpoint, next_checkpoint_step, save_run_checkpoint
+
+    logger = RunLogger("run", _Args(), root=tmp_path, progress=False)
+    random.seed(5)
+    torch.manual_seed(5)
+    save_run_checkpoint(logger, "a_script.py", _Args(seed=4), 1234, learn_steps=56, np_rng=np.random.default_rng(1))
+    draws = random.random(), torch.rand(2)
+    ckpt = load_run_checkpoint(logger.dir / "checkpoint.pt", "a_script.py")
+    assert ckpt["script"] == "a_script.py" and ckpt["run_name"] == "run" and ckpt["global_step"] == 1234
+    assert ckpt["args"] == {"env_id": "ALE/Pong-v5", "seed": 4, "learning_rate": 2.5e-4}
+    assert ckpt["learn_steps"] == 56 and ckpt["np_rng"].random() == np.random.default_rng(1).random()
+    # the global RNGs as they were at the save: the same draws again after restoring them
+    set_rng_state(ckpt["rng"])
+    assert random.random() == draws[0] and torch.equal(torch.rand(2), draws[1])
+    assert not any(".tmp" in f for f in os.listdir(logger.dir))
+    with pytest.raises(SystemExit, match="is a checkpoint of a_script.py, not of reactor.py"):
+        load_run_checkpoint(logger.dir / "checkpoint.pt", "reactor.py")
+    logger.close()
+    assert next_checkpoint_step(0, 100) == 100
+    assert next_checkpoint_step(99, 100) == 100
+    assert next_checkpoint_step(100, 100) == 200
+    assert next_checkpoint_step(250, 100) == 300
+    assert next_checkpoint_step(250, 0) is None
+
+
+def test_finish_run_writes_the_model_file_atomically_after_a_normal_end_only(tmp_path, capsys):
+    from common.processes import finish_run
+
+    weights = {"weight": torch.arange(6.0).reshape(2, 3)}
+    logger = RunLogger("done", _Args(), root=tmp_path, progress=False)
+    finish_run(logger, None, {"global_step": 10}, {"model": weights, "args": {"exp_name": "an_exp"}})
+    saved = load_checkpoint(logger.dir / "an_exp.model")
+    assert torch.equal(saved["model"]["weight"], weights["weight"]) and saved["args"] == {"exp_name": "an_exp"}
+    assert not any(".tmp" in f for f in os.listdir(logger.dir))
+    assert f"model saved to {logger.dir / 'an_exp.model'}" in capsys.readouterr().out
+    assert json.loads((logger.dir / "summary.json").read_text())["stop_reason"] == "completed"
+    # a run stopped by a dead actor: no model file, the stop's reason and exit code
+    logger = RunLogger("died", _Args(), root=tmp_path, progress=False)
+    with pytest.raises(SystemExit) as e:
+        finish_run(logger, ActorDied("actor-0 died (exit code -9)"), {}, {"model": weights, "args": {"exp_name": "an_exp"}})
+    assert e.value.code == 1 and not (logger.dir / "an_exp.model").exists()
+    assert json.loads((logger.dir / "summary.json").read_text())["stop_reason"] == "actor-0 died (exit code -9)"
+    # a model file that cannot be written: one error line, exit code 1, the summary says why
+    logger = RunLogger("unwritable", _Args(), root=tmp_path, progress=False)
+    (logger.dir / "an_exp.model").mkdir()
+    with pytest.raises(SystemExit) as e:
+        finish_run(logger, None, {}, {"model": weights, "args": {"exp_name": "an_exp"}})
+    assert e.value.code == 1
+    assert "error: an_exp.model not written: " in capsys.readouterr().out
+    assert json.loads((logger.dir / "summary.json").read_text())["stop_reason"].startswith("an_exp.model not written: ")
+
+
 def test_signals_are_recorded_and_raised_at_the_next_check_and_stop_reason_names_the_end():
     import signal as sig
 

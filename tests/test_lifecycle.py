@@ -274,8 +274,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_line(tmp_pat
             pass
     assert finish(proc, timeout=90) == 1
     out = (tmp_path / "stdout.txt").read_text()
-    assert "stopped: checkpoint not written: " in out, out[-2000:]
-    assert json.loads((run / "summary.json").read_text())["stop_reason"].startswith("checkpoint not written: ")
+    assert "stopped: checkpoint.pt not written: " in out, out[-2000:]
+    assert json.loads((run / "summary.json").read_text())["stop_reason"].startswith("checkpoint.pt not written: ")
     assert_clean_end(tmp_path, proc)
 
 
