@@ -145,6 +145,7 @@ def finish_run(
     `model_file` (the weights and `args`) atomically to `<run dir>/<exp_name>.model` and run the final evaluation
     (`final_eval()` logs and returns summary entries; a signal during either stops it and keeps the summary); write
     summary.json with `stop_reason`, close the logger and exit with the stop's code (0, 128 + signal, 1)."""
+    # imported here like torch elsewhere in this module: common.checkpoint imports torch
     from common.checkpoint import save_checkpoint
 
     reason, exit_code = stop_reason(error)
