@@ -129,14 +129,43 @@ class Args(CommonArgs):
 # the flags a resumed run may not change (replay and tasks are per actor)
 FIXED_ON_RESUME = (
     "env_ids",
-    "seed",
+    "steps_per_task",
     "mode",
     "torso",
     "num_actors",
     "envs_per_actor",
     "unroll_length",
     "replay_ratio",
+    "buffer_frames",
     "behavior_cloning",
+    "sticky_action_prob",
+    "max_episode_frames",
+    "minigrid_max_steps",
+    "bootstrap_truncation",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "num_cycles",
+    "num_test_actors",
+    "batch_size",
+    "policy_cloning_cost",
+    "value_cloning_cost",
+    "gamma",
+    "pg_cost",
+    "baseline_cost",
+    "entropy_cost",
+    "clip_rho_threshold",
+    "clip_pg_rho_threshold",
+    "learning_rate",
+    "rmsprop_alpha",
+    "rmsprop_eps",
+    "max_grad_norm",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "checkpoint_replay",
+    "test_actor_max_sps",
+    "log_every_seconds",
 )
 
 
@@ -972,7 +1001,9 @@ if __name__ == "__main__":
     # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     stop_on_signals()
     # --resume: the checkpoint's flags, the flags given on this command line override them
-    args, checkpoint, overridden = parse_run_args(Args, "clear_impala.py", FIXED_ON_RESUME)
+    args, checkpoint, overridden = parse_run_args(
+        Args, "clear_impala.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME
+    )
     # all checks before anything heavy and before the run's folder exists
     validate_args(args)
     # probe_envs also resolves --bootstrap-truncation's default

@@ -176,7 +176,6 @@ def resolve_defaults(args: Args) -> Args:
 # the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
 FIXED_ON_RESUME = (
     "env_id",
-    "seed",
     "distribution_mode",
     "num_train_levels",
     "start_level",
@@ -189,6 +188,34 @@ FIXED_ON_RESUME = (
     "plr_commit",
     "plr_buffer_size",
 )
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "num_steps",
+    "num_minibatches",
+    "update_epochs",
+    "learning_rate",
+    "adam_eps",
+    "gamma",
+    "gae_lambda",
+    "clip_coef",
+    "clip_vloss",
+    "ent_coef",
+    "vf_coef",
+    "max_grad_norm",
+    "norm_adv",
+    "eval_every",
+    "eval_episodes",
+    "final_eval_episodes",
+    "num_eval_envs",
+    "plr_temperature",
+    "plr_staleness_coef",
+    "plr_replay_prob",
+    "plr_min_fill",
+    "plr_score_alpha",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = ("num_workers",)
 
 
 def validate_args(args: Args) -> None:
@@ -899,7 +926,7 @@ if __name__ == "__main__":
     # SIGINT (even when inherited as ignored) and SIGTERM stop every process and still write summary.json
     stop_on_signals()
     # --resume: the checkpoint's flags, overridden by the flags given on this command line
-    args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     args = resolve_defaults(args)
     # every check before anything heavy starts and before RunLogger
     validate_args(args)

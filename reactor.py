@@ -158,8 +158,8 @@ class Args(CommonArgs):
 # the flags a resumed run may not change (environment, seed, network, method; the replay is per actor)
 FIXED_ON_RESUME = (
     "env_id",
-    "seed",
     "sticky_action_prob",
+    "noop_max",
     "torso",
     "lstm_size",
     "crelu",
@@ -174,6 +174,33 @@ FIXED_ON_RESUME = (
     "num_actors",
     "replay_size",
     "sequence_length",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "learning_starts",
+    "batch_size",
+    "replay_ratio",
+    "ratio_slack",
+    "learning_rate",
+    "adam_beta1",
+    "max_grad_norm",
+    "target_update_period",
+    "retrace_lambda",
+    "beta_loo_c",
+    "tislr_c",
+    "entropy_coef",
+    "replay_uniform_eps",
+    "priority_exponent",
+    "actor_sync_every",
+    "eval_episodes",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "actor_chunk",
+    "log_every",
+    "checkpoint_replay",
+    "memory_fraction",
 )
 
 
@@ -1255,7 +1282,7 @@ if __name__ == "__main__":
     # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
     stop_on_signals()
     # tyro; --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks before anything heavy and before the run folder
     validate_args(args)
     if ckpt:

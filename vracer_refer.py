@@ -143,7 +143,6 @@ GRAD_STEPS_PER_READ = 64
 # The flags a resumed run may not change: environment, seed, network, method and replay size.
 FIXED_ON_RESUME = (
     "env_id",
-    "seed",
     "gamma",
     "hidden_size",
     "residual",
@@ -152,6 +151,36 @@ FIXED_ON_RESUME = (
     "kl_direction",
     "per",
     "buffer_size",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "learning_starts",
+    "batch_size",
+    "learning_rate",
+    "adam_eps",
+    "F",
+    "C",
+    "A",
+    "D",
+    "beta_init",
+    "beta_lr",
+    "logrho_clip",
+    "per_alpha",
+    "per_beta0",
+    "init_std",
+    "action_noise",
+    "clip_actions",
+    "stats_every",
+    "state_stats_rate",
+    "num_actors",
+    "eval_episodes",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "ring_size",
+    "log_every",
+    "checkpoint_replay",
 )
 
 
@@ -1069,7 +1098,7 @@ if __name__ == "__main__":
     # SIGINT (even when inherited as ignored) and SIGTERM stop every process and write summary.json
     stop_on_signals()
     # with --resume: the checkpoint's flags, overridden by the flags given on this command line
-    args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks come before anything heavy and before the run folder is made
     validate_args(args)
     steps_left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)

@@ -2,8 +2,11 @@
 
 - `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
   script's `@dataclass class Args(CommonArgs)` adds its own. Choices are `Literal` types, checked by tyro.
-- `parse_run_args(Args, script, fixed)`: the start of every script: `cli`, then, with `--resume`, the checkpoint
-  (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, then, with `--resume`,
+  the checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `resume_classes(Args, fixed, applied, run_only)`: every flag of a script in exactly one class on `--resume`
+  (below); a flag in none, or in two, stops every start of the script (a programming error, so a new flag is
+  classified the day it is added).
 - `cli(Args)`: `tyro.cli(Args)`; a parse error becomes one line `error: ...` (`one_line_error`).
 - `require(condition, message)`: a range check in a script's `validate_args`, e.g.
   `require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")`; stops with one line `error: ...`.
@@ -12,6 +15,14 @@
   (one that changes the experiment: environment, seed, network, method) must equal the checkpoint's value. The
   resumed run writes into the checkpoint's run directory (`RunLogger(..., resume_step=...)` drops what was logged
   after the checkpoint, so metrics never go backwards).
+
+The three classes of a flag on `--resume` (each script names its own flags in `FIXED_ON_RESUME`,
+`APPLIED_ON_RESUME` and `RUN_ONLY_ON_RESUME`; the common flags' classes are `COMMON_*_ON_RESUME` below):
+- fixed: a changed value is refused in one line (it would change the experiment);
+- applied: a changed value takes effect from the resumed step on (the optimizer's settings, a schedule, a budget);
+  each script's resume test changes every one of them and reads the value in effect;
+- run only: how the run is executed and reported, never what it learns (logging, progress, checkpoint cadence, the
+  device); read where it is used, so a changed value takes effect too.
 """
 
 from __future__ import annotations
@@ -59,6 +70,42 @@ class CommonArgs:
     """print a compact progress line"""
     start_method: Literal["spawn", "forkserver"] = "spawn"
     """multiprocessing start method for actor processes: spawn | forkserver"""
+
+
+# the common flags' classes on --resume (see the module docstring)
+COMMON_FIXED_ON_RESUME = ("exp_name", "seed")
+COMMON_APPLIED_ON_RESUME = ()
+COMMON_RUN_ONLY_ON_RESUME = (
+    "torch_deterministic",
+    "cuda",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "capture_video",
+    "save_model",
+    "checkpoint_every",
+    "resume",
+    "progress",
+    "start_method",
+)
+
+
+def resume_classes(args_class: type, fixed: Iterable[str], applied: Iterable[str], run_only: Iterable[str]) -> dict:
+    """{flag name: "fixed" | "applied" | "run_only"} for every field of `args_class`, the common flags' classes
+    included; raises TypeError naming each field that is in no class, in two, or not a field at all."""
+    classes = {
+        "fixed": (*COMMON_FIXED_ON_RESUME, *fixed),
+        "applied": (*COMMON_APPLIED_ON_RESUME, *applied),
+        "run_only": (*COMMON_RUN_ONLY_ON_RESUME, *run_only),
+    }
+    fields = [f.name for f in dataclasses.fields(args_class)]
+    found = {name: [kind for kind, names in classes.items() if name in names] for name in fields}
+    problems = [f"{name} in no class" for name, kinds in found.items() if not kinds]
+    problems += [f"{name} in {' and '.join(kinds)}" for name, kinds in found.items() if len(kinds) > 1]
+    problems += [f"{name} is not a flag" for names in classes.values() for name in names if name not in found]
+    if problems:
+        raise TypeError(f"{args_class.__module__}.{args_class.__name__} on --resume: {'; '.join(problems)}")
+    return {name: kinds[0] for name, kinds in found.items()}
 
 
 def cli(args_class: type) -> Any:
@@ -140,9 +187,13 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
     return dataclasses.replace(args, **restored), sorted(given)
 
 
-def parse_run_args(args_class: type, script: str, fixed: Iterable[str]):
+def parse_run_args(
+    args_class: type, script: str, fixed: Iterable[str], applied: Iterable[str], run_only: Iterable[str]
+) -> tuple[Any, dict | None, list[str]]:
     """(args, checkpoint or None, the flags this command line overrides): the command line parsed by `cli`, and with
-    `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied."""
+    `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied (`fixed`, `applied`, `run_only`: the
+    script's classes of its own flags, checked by `resume_classes`)."""
+    classes = resume_classes(args_class, fixed, applied, run_only)
     args = cli(args_class)
     args.exp_name = args.exp_name or script[: -len(".py")]
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
@@ -151,5 +202,6 @@ def parse_run_args(args_class: type, script: str, fixed: Iterable[str]):
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)
-    args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], fixed)
+    fixed_flags = [name for name, kind in classes.items() if kind == "fixed"]
+    args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], fixed_flags)
     return args, ckpt, overridden

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from common.args import explicit_flags, require, resume_args
+from common.args import CommonArgs, explicit_flags, require, resume_args
 from common.logger import RunLogger, read_metrics
 
 
@@ -102,3 +102,59 @@ def test_cli_returns_the_args_with_their_help_and_one_line_errors(monkeypatch, c
         with pytest.raises(SystemExit) as e:
             cli(DocumentedArgs)
         assert str(e.value).startswith("error: ") and needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("script", ["clear_impala", "reactor", "plr_ppo", "vracer_refer"])
+def test_every_flag_of_each_script_is_in_exactly_one_resume_class(script):
+    """Read off the dataclass, so a flag added tomorrow fails here (and at every start of its script) until it is
+    classified; each script's resume test changes every flag of its applied class and reads the value in effect."""
+    import importlib
+
+    from common.args import resume_classes
+
+    module = importlib.import_module(script)
+    classes = resume_classes(module.Args, module.FIXED_ON_RESUME, module.APPLIED_ON_RESUME, module.RUN_ONLY_ON_RESUME)
+    assert sorted(classes) == sorted(f.name for f in dataclasses.fields(module.Args))
+    assert classes["seed"] == classes["env_ids" if script == "clear_impala" else "env_id"] == "fixed"
+
+
+@dataclasses.dataclass
+class ScriptArgs(CommonArgs):
+    env_id: str = "Pong"
+    env_ids: tuple = ("a", "b")
+    mode: str = "sequential"
+    gamma: float = 0.99
+    learning_rate: float = 1e-3
+    total_timesteps: int = 1000
+
+
+def test_resume_classes_name_an_unclassified_a_doubly_classified_and_an_unknown_flag():
+    from common.args import resume_classes
+
+    classes = resume_classes(ScriptArgs, ("env_id", "env_ids", "mode"), ("gamma", "learning_rate", "total_timesteps"), ())
+    assert classes["learning_rate"] == "applied" and classes["seed"] == "fixed" and classes["progress"] == "run_only"
+    with pytest.raises(TypeError) as e:
+        resume_classes(ScriptArgs, ["env_id", "gamma"], ["gamma", "total_timesteps", "nonsense"], ["learning_rate"])
+    message = str(e.value)
+    assert "env_ids in no class" in message and "mode in no class" in message
+    assert "gamma in fixed and applied" in message and "nonsense is not a flag" in message
+
+
+def test_parse_run_args_refuses_a_changed_fixed_flag_and_applies_the_others(tmp_path, monkeypatch):
+    """The whole start of a resumed script: the checkpoint's flags, a changed common fixed flag (--seed) refused in
+    one line, a changed applied flag taken."""
+    import torch
+
+    from common.args import parse_run_args
+
+    path = tmp_path / "checkpoint.pt"
+    saved = dataclasses.asdict(ScriptArgs(exp_name="x", learning_rate=5e-4, seed=7))
+    torch.save({"script": "x.py", "args": saved, "global_step": 10, "run_name": "r"}, path)
+    classes = (("env_id", "env_ids", "mode"), ("gamma", "learning_rate", "total_timesteps"), ())
+    for argv, lr in ((["--resume", str(path)], 5e-4), (["--resume", str(path), "--learning-rate", "1e-4"], 1e-4)):
+        monkeypatch.setattr(sys, "argv", ["x.py", *argv])
+        args, ckpt, given = parse_run_args(ScriptArgs, "x.py", *classes)
+        assert (args.seed, args.learning_rate, ckpt["global_step"]) == (7, lr, 10)
+    monkeypatch.setattr(sys, "argv", ["x.py", "--resume", str(path), "--seed", "8"])
+    with pytest.raises(SystemExit, match="error: --resume: --seed 8 differs from the checkpoint's 7"):
+        parse_run_args(ScriptArgs, "x.py", *classes)

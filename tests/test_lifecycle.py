@@ -56,12 +56,15 @@ SHORT = {
     "plr_ppo.py": ["--total-timesteps", "256", "--checkpoint-every", "128"],
     "vracer_refer.py": ["--total-timesteps", "1300", "--checkpoint-every", "500"],
 }
+# (--steps-per-task is fixed on resume: it places the task boundaries; a CLEAR run is extended by whole cycles)
 RESUME_TO = {
-    "clear_impala.py": ["--steps-per-task", "480"],
+    "clear_impala.py": ["--num-cycles", "3"],
     "reactor.py": ["--total-timesteps", "400"],
     "plr_ppo.py": ["--total-timesteps", "384"],
     "vracer_refer.py": ["--total-timesteps", "1800"],
 }
+# the step each resumed run reaches (CLEAR: 3 cycles of 2 tasks x 240 steps)
+RESUMED_END = {"clear_impala.py": 1440, "reactor.py": 400, "plr_ppo.py": 384, "vracer_refer.py": 1800}
 CHANGES_EXPERIMENT = {
     "clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-Empty-6x6-v0"],
     "reactor.py": ["--env-id", "ALE/Breakout-v5"],
@@ -340,7 +343,7 @@ def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path,
     assert not any("test/after_checkpoint" in r for r in rows)  # what followed the checkpoint was dropped
     assert steps == sorted(steps) and times == sorted(times) and steps[-1] > ckpt_step
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed" and summary["global_step"] >= int(RESUME_TO[script][1]) * 0.9
+    assert summary["stop_reason"] == "completed" and summary["global_step"] >= RESUMED_END[script] * 0.9
 
 
 def junk_checkpoint(tmp_path):
