@@ -8,7 +8,7 @@ gamma the discount.
 Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
   act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair and its `SlotInfo` until the
-  learner has copied it (`take_batch`).
+  learner has copied it (`take_batch`); one update and the publication of its weights `learner_step`.
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
@@ -16,7 +16,7 @@ Paper parts implemented here
   (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`.
 
 Defaults and their source
-- T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the whole run, alpha 0.99, eps 0.01
+- T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the run's frames, alpha 0.99, eps 0.01
   (IMPALA Table G.1); rho_bar = c_bar = 1 (IMPALA Sec. 4.2); pg / value / entropy 1 / 0.5 / 0.005, cloning
   0.01 / 0.005 (CLEAR App. A.4); replay_ratio 0.5 (Sec. 3); buffer = half the training frames (App. A.3).
 - Loss sums over time and batch (scalable_agent). A "frame" / "step" is one agent step of NEW experience.
@@ -427,6 +427,9 @@ class Agent(nn.Module):
         self.torso, hidden = make_torso(torso, obs_shape)
         self.policy = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.baseline = layer_init(nn.Linear(hidden, 1), std=1.0)
+        # the learner updates these weights have had: it travels with them to the actors' copy, so an actor records
+        # the version it really acted with (SlotInfo.policy_version)
+        self.register_buffer("version", torch.zeros((), dtype=torch.int64))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs: uint8 [N, *obs_shape] -> (logits [N, A], value [N])."""
@@ -510,7 +513,7 @@ class SlotInfo(NamedTuple):
 
     task: torch.Tensor  # the task the new unroll was played on
     start_step: torch.Tensor  # the learner-counted step at which the new unroll started
-    policy_version: torch.Tensor  # learner updates before the weights that played the new unroll
+    policy_version: torch.Tensor  # the version (learner updates) of the weights that played the new unroll
     replay_valid: torch.Tensor  # 1: the replay half holds a stored unroll
     replay_task: torch.Tensor  # the task the replay unroll was played on (-1: none)
     buffer_size: torch.Tensor  # unrolls in the actor's reservoir buffer
@@ -758,6 +761,33 @@ def learner_loss(model, batch: dict, halves: torch.Tensor, args: Args, device):
     return loss, parts, logits_all, values_all, device_batch
 
 
+def annealed_learning_rate(step: int, end_step: int, args: Args) -> float:
+    """The lr of a batch taken at learner-counted step `step`: lr_0 (1 - step / end_step), linear to 0 over the run's
+    new frames (IMPALA Table G.1; torchbeast's lr_lambda counts frames too). A function of the step, so a run
+    resumed with another --learning-rate, --num-cycles or --batch-size continues on the schedule they define."""
+    return args.learning_rate * (1.0 - min(step, end_step) / end_step)
+
+
+def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tensor, learning_rate: float, args, device):
+    """One update (IMPALA's learner, torchbeast's learn()): the gradient of this batch's CLEAR loss alone, clipped to a
+    global norm of --max-grad-norm, one RMSProp step with `learning_rate` and the flags' alpha and eps; then the new
+    weights and their version go to the actors' shared copy. Returns (parts, the gradient norm before clipping,
+    logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    # the optimizer's settings come from the flags at every step (a resumed run applies new ones)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+        group["alpha"] = args.rmsprop_alpha
+        group["eps"] = args.rmsprop_eps
+    loss, parts, logits_all, values_all, device_batch = learner_loss(model, batch, halves, args, device)
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    model.version += 1
+    shared_model.load_state_dict(model.state_dict())
+    return parts, grad_norm, logits_all, values_all, device_batch
+
+
 def task_for_actor(slot: int, step: int, args: Args) -> int:
     """The task of actor `slot` (env e of process p) for an unroll that starts at learner-counted step `step` (CLEAR
     App. A.6: all actors switch at the same step). With n tasks: sequential: (step // steps_per_task) mod n, the last
@@ -779,11 +809,13 @@ def net_for_task(task: int, args: Args) -> int:
 def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple[np.ndarray, np.ndarray]:
     """(bin end steps, mean test return of one task's episodes that ended in each of `num_bins` equal bins of [0, total]),
     forward-filled over empty bins (leading ones dropped). Averaging per bin, not per episode, keeps short (often
-    successful or often failed) episodes from dominating."""
+    successful or often failed) episodes from dominating. Bin k holds the steps in [k total / n, (k + 1) total / n),
+    the last one also `total`, computed exactly (integer steps)."""
     steps = np.array([step for step, record_task, _ in records if record_task == task], dtype=float)
     returns = np.array([ret for _, record_task, ret in records if record_task == task], dtype=float)
-    edges = np.linspace(0, max(total, 1), num_bins + 1)
-    bins = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, num_bins - 1)
+    total = max(total, 1)
+    edges = np.linspace(0, total, num_bins + 1)
+    bins = np.clip((steps * num_bins) // total, 0, num_bins - 1).astype(np.int64)
     counts = np.bincount(bins, minlength=num_bins)
     means = np.bincount(bins, returns, minlength=num_bins) / np.maximum(counts, 1)
     # forward fill: each bin points at the last non-empty bin at or before it (-1: none yet)
@@ -801,6 +833,15 @@ def cumulative_returns(
 
 
 # ACTOR PROCESSES (module-level so spawn can pickle them)
+def actor_seed(base_seed: int, args: Args, resume_step: int) -> int:
+    """The seed of an actor's streams (actions, reservoir keep/drop draws, env seeds): `base_seed` in a new run; in a
+    run started with --resume, a seed drawn from `base_seed` and the checkpoint's step, so that the first run's
+    streams are not repeated (a restored buffer brings back its own keep/drop stream)."""
+    if not args.resume:
+        return base_seed
+    return int(np.random.SeedSequence([base_seed, resume_step]).generate_state(1)[0]) % 2**31
+
+
 class ActorHandles(NamedTuple):
     """What the learner shares with every training actor process, in one picklable bundle."""
 
@@ -810,7 +851,7 @@ class ActorHandles(NamedTuple):
     full_queues: list  # one per network: ids of the slots whose pair is ready
     slot_free: list  # one semaphore per slot, released when the learner has copied its pair
     global_step: Any  # learner-counted steps of new experience (its only writer: the learner)
-    policy_version: Any  # learner updates so far
+    resume_step: int  # the checkpoint's step in a run started with --resume (else 0)
     frames_done: Any  # steps played, one counter per actor process (each its only writer)
     stop: Any  # event: the run is stopping
     stats_queue: Any  # (task, return, length) of each finished training episode
@@ -825,11 +866,7 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
     has copied it."""
     envs_per_actor = args.envs_per_actor
     T = args.unroll_length
-    seed = args.seed + 1000 * actor_id
-    if handles.global_step.value > 0:
-        # a resumed run: new streams seeded by the step it resumes at, so the actions, keep/drop draws and env seeds of
-        # the first run are not repeated (a restored buffer brings back its own keep/drop stream)
-        seed = int(np.random.SeedSequence([seed, handles.global_step.value]).generate_state(1)[0]) % 2**31
+    seed = actor_seed(args.seed + 1000 * actor_id, args, handles.resume_step)
     capacity = buffer_capacity_per_actor(args)
     torch.manual_seed(seed)
     buffer = None
@@ -881,9 +918,10 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
                 envs[e] = make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
                 # reset seeds distinct per env (a prime stride apart) and per task switch (the episodes played so far)
                 new_half["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episodes)[0]
-        version = handles.policy_version.value
-        # with --mode separate all envs of a process play one task, hence one network
+        # the latest weights of our network (with --mode separate all envs of a process play one task, hence one
+        # network); their version came with them
         model.load_state_dict(handles.shared_models[net_for_task(tasks[0], args)].state_dict())
+        version = int(model.version)
         episodes += play_unroll(model, envs, tasks, new_half, args, handles.stats_queue)
 
         # PUBLISH the pairs: CLEAR App. A.1, insert the new unrolls (reservoir), then sample the replay halves
@@ -952,10 +990,10 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
     return episodes_ended
 
 
-def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, stop, eval_queue):
-    """A test actor (CLEAR App. A.5): plays its own task forever with the current weights; no buffer, never feeds the
-    learner; reports each finished episode's return."""
-    seed = args.seed + 1000 * (args.num_actors + test_id) + 17
+def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, resume_step, stop, eval_queue):
+    """A test actor (CLEAR App. A.5): plays its own task forever, sampling from pi of its task's latest weights; no
+    buffer, never feeds the learner; reports each finished episode's return (Atari: the game's score)."""
+    seed = actor_seed(args.seed + 1000 * (args.num_actors + test_id) + 17, args, resume_step)
     torch.manual_seed(seed)
     env = make_env(args.env_ids[task], seed, args)
     model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
@@ -1043,25 +1081,23 @@ if __name__ == "__main__":
     # the learner gets the cores the actors leave free
     set_learner_threads(args.num_actors + num_tasks * args.num_test_actors)
 
-    # SETUP: networks (one per task if separate), shared CPU copies, optimizers, lr annealed to 0 over the WHOLE run
+    # SETUP: networks (one per task if separate), shared CPU copies, optimizers (the lr of each batch:
+    # annealed_learning_rate, set by learner_step)
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
     shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
-    updates_per_net = max(1, end_step // (T * B * num_nets))
     # momentum 0 (IMPALA Table G.1)
     optimizers = [
         torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
         for model in models
-    ]
-    schedulers = [
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: max(0.0, 1.0 - update / updates_per_net))
-        for optimizer in optimizers
     ]
     global_step_value = 0
     learner_steps = [0] * num_nets
     # (global_step, task, return) of every test episode
     eval_records = []
     if checkpoint:
-        for objs, key in ((models, "models"), (optimizers, "optimizers"), (schedulers, "schedulers")):
+        # the weights with their versions and the optimizers' statistics; the lr, alpha and eps in effect come from
+        # the flags (learner_step), the lr schedule from the restored step
+        for objs, key in ((models, "models"), (optimizers, "optimizers")):
             for obj, state in zip(objs, checkpoint[key], strict=True):
                 obj.load_state_dict(state)
         global_step_value = checkpoint["global_step"]
@@ -1075,7 +1111,7 @@ if __name__ == "__main__":
             for i in range(args.num_actors):
                 restored += os.path.exists(os.path.join(checkpoint_dir, f"replay_actor{i}.npz"))
         print(
-            f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), lr schedule, RNG, task "
+            f"resumed {args.resume} at step {global_step_value:,}: model(s), optimizer(s), RNG, task "
             f"{task_for_actor(0, global_step_value, args)}, {len(eval_records)} test episodes, replay buffers of "
             f"{restored}/{args.num_actors} actors (others start empty); flags from this command line: "
             f"{', '.join(overridden) or 'none'}; runs to step {end_step:,}",
@@ -1107,7 +1143,7 @@ if __name__ == "__main__":
         full_queues=[ctx.SimpleQueue() for _ in range(num_nets)],
         slot_free=slot_free,
         global_step=ctx.Value("q", global_step_value, lock=False),
-        policy_version=ctx.Value("q", sum(learner_steps), lock=False),
+        resume_step=global_step_value if args.resume else 0,
         frames_done=ctx.Array("q", args.num_actors, lock=False),
         stop=processes.stop_event,
         stats_queue=ctx.Queue(),
@@ -1115,7 +1151,6 @@ if __name__ == "__main__":
         run_dir=str(logger.dir),
     )
     global_step = handles.global_step
-    policy_version = handles.policy_version
     eval_queue = ctx.Queue()
     pair_rng = np.random.default_rng(args.seed)
     if checkpoint:
@@ -1131,7 +1166,17 @@ if __name__ == "__main__":
         for task in range(num_tasks):
             for j in range(args.num_test_actors):
                 test_id = task * args.num_test_actors + j
-                test_args = (test_id, task, args, obs_shape, num_actions, shared_models, processes.stop_event, eval_queue)
+                test_args = (
+                    test_id,
+                    task,
+                    args,
+                    obs_shape,
+                    num_actions,
+                    shared_models,
+                    handles.resume_step,
+                    processes.stop_event,
+                    eval_queue,
+                )
                 processes.start(test_actor_loop, test_args, name=f"test-{task}-{j}")
         start_time = time.time()
         start_step = global_step_value
@@ -1163,30 +1208,26 @@ if __name__ == "__main__":
             batch_info = slot_info.select(slot_ids)
             replay_valid = batch_info.replay_valid.numpy().astype(bool)
             halves = torch.from_numpy(select_pairs(replay_valid, args.replay_ratio, pair_rng))
-            # every unroll must be on the task its start step designates (App. A.6)
+            # every unroll must be on the task its start step designates (App. A.6), and of this network's task
             for slot, task, unroll_start in zip(slot_ids, batch_info.task.tolist(), batch_info.start_step.tolist()):
-                task_mismatch += task != task_for_actor(slot, unroll_start, args)
+                task_mismatch += task != task_for_actor(slot, unroll_start, args) or net_for_task(task, args) != net
+            learning_rate = annealed_learning_rate(global_step.value, end_step, args)
             batch = take_batch(slots, slot_ids, halves, slot_free, global_step, T)
 
             # LEARN
-            model = models[net]
-            optimizer = optimizers[net]
-            loss, parts, logits_all, values_all, device_batch = learner_loss(model, batch, halves, args, device)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            schedulers[net].step()
-            shared_models[net].load_state_dict(model.state_dict())
+            parts, grad_norm, logits_all, values_all, device_batch = learner_step(
+                models[net], optimizers[net], shared_models[net], batch, halves, learning_rate, args, device
+            )
+            # updates between the weights that acted and the weights that learn from it
+            policy_lag = learner_steps[net] - batch_info.policy_version.float().mean()
             learner_steps[net] += 1
-            policy_version.value += 1
             learn_time += time.time() - learn_start
             # loss parts stay on the device and are summed there: one sync per log line, not 7 per batch
             for key, value in parts.items():
                 metric_sums[key] += value
             metric_sums["losses/grad_norm"] += grad_norm.detach()
             metric_sums["charts/replay_fraction"] += float(halves.float().mean())
-            metric_sums["charts/policy_lag"] += float((policy_version.value - 1 - batch_info.policy_version).float().mean())
+            metric_sums["charts/policy_lag"] += float(policy_lag)
             metric_sums["charts/buffer_fill"] += float(batch_info.buffer_size.float().mean() / max(1, capacity))
             num_summed += 1
             if args.replay_ratio > 0:
@@ -1225,7 +1266,7 @@ if __name__ == "__main__":
                     "charts/SPS": int((step - start_step) / (now - start_time)),
                     "charts/learner_SPS": int((step - last_log_step) / max(1e-9, learn_time)),
                     "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
-                    "charts/learning_rate": schedulers[net].get_last_lr()[0],
+                    "charts/learning_rate": learning_rate,
                     "charts/task": task_for_actor(0, step, args),
                     "charts/task_mismatch": task_mismatch,
                 }
@@ -1264,7 +1305,6 @@ if __name__ == "__main__":
                     step,
                     models=[model.state_dict() for model in models],
                     optimizers=[optimizer.state_dict() for optimizer in optimizers],
-                    schedulers=[scheduler.state_dict() for scheduler in schedulers],
                     learner_steps=learner_steps,
                     eval_records=eval_records,
                     pair_rng=pair_rng.bit_generator.state,

@@ -75,17 +75,12 @@ def bench_learner(cfg, B, T, iters, device, threads):
         t0 = time.perf_counter()
         which = torch.from_numpy(ci.select_pairs(np.ones(B, bool), ratio, rng))
         batch = ci.take_batch(slots, list(range(B)), which, slot_free, global_step, T)
-        loss, parts, logits_all, values_all, rest = ci.learner_loss(model, batch, which, args, device)
+        parts, _, logits_all, values_all, rest = ci.learner_step(model, opt, shared, batch, which, 6e-4, args, device)
         replay_mask = which.float().to(device)
         if ratio > 0:  # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
             rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
             confident = (mu_taken >= 0.5).float() * replay_mask
             rho_sum.index_add_(0, torch.zeros(B, dtype=torch.int64, device=device), (rho * confident).sum(0))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 40.0)
-        opt.step()
-        shared.load_state_dict(model.state_dict())
         float(parts["losses/total_loss"])
         if device.type == "cuda":
             torch.cuda.synchronize()
