@@ -768,7 +768,7 @@ def annealed_learning_rate(step: int, end_step: int, args: Args) -> float:
     return args.learning_rate * (1.0 - min(step, end_step) / end_step)
 
 
-def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tensor, learning_rate: float, args, device):
+def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device):
     """One update (IMPALA's learner, torchbeast's learn()): the gradient of this batch's CLEAR loss alone, clipped to a
     global norm of --max-grad-norm, one RMSProp step with `learning_rate` and the flags' alpha and eps; then the new
     weights and their version go to the actors' shared copy. Returns (parts, the gradient norm before clipping,

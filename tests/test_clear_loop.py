@@ -420,9 +420,9 @@ def test_a_resumed_actor_restores_its_buffer_and_continues_its_stream(tmp_path):
 
 def test_actor_streams_depend_on_the_resume_not_on_the_step_an_actor_starts_at(tmp_path, monkeypatch):
     """Clause R2: a training actor of a new run plays the same first unroll whether it starts at step 0 or late, at
-    step 480 (one actor: the torch stream is not shared between threads); started with --resume at step 480 it plays
-    another one, and at step 960 another again. A test actor of a new run builds and resets its env with the same
-    seeds every time; resumed, with others."""
+    step 480 (one actor: the torch stream is not shared between threads); in a run resumed at step 480 it plays
+    another one, the same whether it starts at 480 or late, at 720; resumed at step 960, another again. A test actor
+    of a new run builds and resets its env with the same seeds every time; resumed, with others."""
     args = ci.Args(
         env_ids=["MiniGrid-LavaGapS5-v0"], num_actors=1, batch_size=1, unroll_length=10, steps_per_task=10_000, seed=2
     )
@@ -431,14 +431,18 @@ def test_actor_streams_depend_on_the_resume_not_on_the_step_an_actor_starts_at(t
     shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
     resumed = ci.Args(**{**vars(args), "resume": str(tmp_path / "checkpoint.pt")})
     first_unrolls = []
-    for run_args, start_step in ((args, 0), (args, 480), (resumed, 480), (resumed, 960)):
+    starts = ((args, 0, 0), (args, 480, 0), (resumed, 480, 480), (resumed, 720, 480), (resumed, 960, 960))
+    for run_args, start_step, resume_step in starts:
         pairs, _, _ = run_actor_loops(
-            run_args, obs_shape, num_actions, shared, 1, tmp_path, start_step=start_step, resume_step=start_step
+            run_args, obs_shape, num_actions, shared, 1, tmp_path, start_step=start_step, resume_step=resume_step
         )
         first_unrolls.append(pairs[0][0])
-    same = [all(torch.equal(first_unrolls[0][k], unroll[k]) for k in ci.UNROLL_FIELDS) for unroll in first_unrolls[1:]]
-    assert same == [True, False, False]
-    assert not all(torch.equal(first_unrolls[2][k], first_unrolls[3][k]) for k in ci.UNROLL_FIELDS)
+
+    def same(a, b):
+        return all(torch.equal(first_unrolls[a][k], first_unrolls[b][k]) for k in ci.UNROLL_FIELDS)
+
+    assert same(0, 1) and same(2, 3)
+    assert not same(0, 2) and not same(0, 4) and not same(2, 4)
     built = []
 
     def make_env(env_id, seed, args, *rest):

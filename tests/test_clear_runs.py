@@ -9,6 +9,7 @@ Signals, a killed actor, the resume rule and bad input: tests/test_lifecycle.py.
 
 import json
 import os
+import random
 import shutil
 import signal
 import time
@@ -163,6 +164,12 @@ def resumed_run(sequential_run, tmp_path_factory):
     # the steps reached and over the planned run give different cumulative returns
     resumed_from = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     resumed_from["eval_records"] = [(step, task, task + step / 480) for step, task, _ in resumed_from["eval_records"]]
+    # global RNG states no fresh start has (the learner draws none after its set-up, so the saved ones would be)
+    resumed_from["rng"] = {
+        "python": random.Random(7).getstate(),
+        "numpy": np.random.RandomState(7).get_state(),
+        "torch": torch.Generator().manual_seed(7).get_state(),
+    }
     torch.save(resumed_from, run_dir / "checkpoint.pt")
     spy_out = tmp_path / "spy.pt"
     flags = [f"--{name.replace('_', '-')}={value}" for name, (value, _) in APPLIED_PROBES.items()]
