@@ -157,122 +157,6 @@ def is_procgen(env_id: str) -> bool:
     return env_id in PROCGEN_GAMES
 
 
-def resolve_defaults(args: Args) -> Args:
-    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
-    procgen = is_procgen(args.env_id)
-    paper = {
-        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
-        "update_epochs": 3 if procgen else 4,
-        "learning_rate": 5e-4 if procgen else 7e-4,
-        "plr_staleness_coef": 0.1 if procgen else 0.3,
-        "bootstrap_truncation": procgen,
-    }
-    for name, value in paper.items():
-        if getattr(args, name) is None or getattr(args, name) == -1:
-            setattr(args, name, value)
-    return args
-
-
-# the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
-FIXED_ON_RESUME = (
-    "env_id",
-    "distribution_mode",
-    "num_train_levels",
-    "start_level",
-    "num_envs",
-    "norm_reward",
-    "bootstrap_truncation",
-    "plr_strategy",
-    "plr_transform",
-    "plr_replay_schedule",
-    "plr_commit",
-    "plr_buffer_size",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "total_timesteps",
-    "num_steps",
-    "num_minibatches",
-    "update_epochs",
-    "learning_rate",
-    "adam_eps",
-    "gamma",
-    "gae_lambda",
-    "clip_coef",
-    "clip_vloss",
-    "ent_coef",
-    "vf_coef",
-    "max_grad_norm",
-    "norm_adv",
-    "eval_every",
-    "eval_episodes",
-    "final_eval_episodes",
-    "num_eval_envs",
-    "plr_temperature",
-    "plr_staleness_coef",
-    "plr_replay_prob",
-    "plr_min_fill",
-    "plr_score_alpha",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = ("num_workers",)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags (after resolve_defaults); one line `error: ...` on a violation."""
-    require(args.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {args.total_timesteps!r}")
-    require(args.num_train_levels >= 0, f"--num-train-levels must be >= 0, got {args.num_train_levels!r}")
-    require(args.start_level >= 0, f"--start-level must be >= 0, got {args.start_level!r}")
-    require(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs!r}")
-    require(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps!r}")
-    require(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches!r}")
-    require(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
-    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
-    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda!r}")
-    require(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef!r}")
-    require(args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef!r}")
-    require(args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef!r}")
-    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
-    require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers!r}")
-    require(args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every!r}")
-    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
-    require(args.final_eval_episodes >= 0, f"--final-eval-episodes must be >= 0, got {args.final_eval_episodes!r}")
-    require(args.num_eval_envs >= 1, f"--num-eval-envs must be >= 1, got {args.num_eval_envs!r}")
-    require(args.plr_temperature > 0, f"--plr-temperature must be > 0, got {args.plr_temperature!r}")
-    require(0 <= args.plr_staleness_coef <= 1, f"--plr-staleness-coef must be in [0, 1], got {args.plr_staleness_coef!r}")
-    require(0 <= args.plr_replay_prob <= 1, f"--plr-replay-prob must be in [0, 1], got {args.plr_replay_prob!r}")
-    require(0 <= args.plr_min_fill <= 1, f"--plr-min-fill must be in [0, 1], got {args.plr_min_fill!r}")
-    require(0 < args.plr_score_alpha <= 1, f"--plr-score-alpha must be in (0, 1], got {args.plr_score_alpha!r}")
-    require(args.plr_buffer_size >= 1, f"--plr-buffer-size must be >= 1, got {args.plr_buffer_size!r}")
-    from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
-
-    if args.env_id not in PROCGEN_GAMES:
-        try:
-            resolve_minigrid_id(args.env_id)
-        except ValueError as e:
-            raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
-    require(
-        not is_procgen(args.env_id) or args.distribution_mode in PROCGEN_DISTRIBUTION_MODES,
-        f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
-    )
-    require(
-        args.start_level + args.num_train_levels <= MAX_SEED,
-        f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
-    )
-    require(
-        args.num_train_levels != 0 or args.plr_replay_schedule == "fixed" or args.plr_strategy == "random",
-        "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
-    )
-    batch_size = args.num_envs * args.num_steps
-    require(
-        batch_size % args.num_minibatches == 0,
-        f"--num-envs x --num-steps ({batch_size}) must be divisible by --num-minibatches",
-    )
-    require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
-
-
 def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
     """A level-settable vector env: ProcgenVecEnv (native threads) or MiniGridVecEnv (worker processes)."""
     if is_procgen(args.env_id):
@@ -810,6 +694,39 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
     return LevelSampler(levels, args.num_envs, config, seed=seed)
 
 
+# ROLLOUT STORAGE
+@dataclass
+class Rollout:
+    """One rollout's buffers, indexed [t, i] for step t of env i; on the learner's device, except `levels`."""
+
+    obs: torch.Tensor  # (T, N, H, W, C) uint8
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # normalized with --norm-reward
+    terminated: torch.Tensor  # the episode ended here, with no bootstrap
+    dones: torch.Tensor  # the episode ended here (terminated or truncated)
+    final_values: torch.Tensor  # V(final obs) where an episode was truncated (--bootstrap-truncation)
+    logits: torch.Tensor  # (T, N, |A|) behaviour logits, for the policy-based scores
+    levels: np.ndarray  # the level each step was played on
+
+
+def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout:
+    shape = (num_steps, num_envs)
+    return Rollout(
+        obs=torch.zeros((*shape, *obs_shape), dtype=torch.uint8, device=device),
+        actions=torch.zeros(shape, dtype=torch.long, device=device),
+        logprobs=torch.zeros(shape, device=device),
+        values=torch.zeros(shape, device=device),
+        rewards=torch.zeros(shape, device=device),
+        terminated=torch.zeros(shape, dtype=torch.bool, device=device),
+        dones=torch.zeros(shape, dtype=torch.bool, device=device),
+        final_values=torch.zeros(shape, device=device),
+        logits=torch.zeros((*shape, num_actions), device=device),
+        levels=np.zeros(shape, np.int64),
+    )
+
+
 # EVALUATION
 def is_training_level(seed: int, args: Args, sampler: LevelSampler) -> bool:
     """Whether `seed` is a training level: in [start_level, start_level + num_train_levels), or in unbounded mode a level
@@ -889,37 +806,121 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     return metrics
 
 
-# ROLLOUT STORAGE
-@dataclass
-class Rollout:
-    """One rollout's buffers, indexed [t, i] for step t of env i; on the learner's device, except `levels`."""
+# RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
+def resolve_defaults(args: Args) -> Args:
+    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
+    procgen = is_procgen(args.env_id)
+    paper = {
+        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
+        "update_epochs": 3 if procgen else 4,
+        "learning_rate": 5e-4 if procgen else 7e-4,
+        "plr_staleness_coef": 0.1 if procgen else 0.3,
+        "bootstrap_truncation": procgen,
+    }
+    for name, value in paper.items():
+        if getattr(args, name) is None or getattr(args, name) == -1:
+            setattr(args, name, value)
+    return args
 
-    obs: torch.Tensor  # (T, N, H, W, C) uint8
-    actions: torch.Tensor
-    logprobs: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor  # normalized with --norm-reward
-    terminated: torch.Tensor  # the episode ended here, with no bootstrap
-    dones: torch.Tensor  # the episode ended here (terminated or truncated)
-    final_values: torch.Tensor  # V(final obs) where an episode was truncated (--bootstrap-truncation)
-    logits: torch.Tensor  # (T, N, |A|) behaviour logits, for the policy-based scores
-    levels: np.ndarray  # the level each step was played on
+
+# the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
+FIXED_ON_RESUME = (
+    "env_id",
+    "distribution_mode",
+    "num_train_levels",
+    "start_level",
+    "num_envs",
+    "norm_reward",
+    "bootstrap_truncation",
+    "plr_strategy",
+    "plr_transform",
+    "plr_replay_schedule",
+    "plr_commit",
+    "plr_buffer_size",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "num_steps",
+    "num_minibatches",
+    "update_epochs",
+    "learning_rate",
+    "adam_eps",
+    "gamma",
+    "gae_lambda",
+    "clip_coef",
+    "clip_vloss",
+    "ent_coef",
+    "vf_coef",
+    "max_grad_norm",
+    "norm_adv",
+    "eval_every",
+    "eval_episodes",
+    "final_eval_episodes",
+    "num_eval_envs",
+    "plr_temperature",
+    "plr_staleness_coef",
+    "plr_replay_prob",
+    "plr_min_fill",
+    "plr_score_alpha",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = ("num_workers",)
 
 
-def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout:
-    shape = (num_steps, num_envs)
-    return Rollout(
-        obs=torch.zeros((*shape, *obs_shape), dtype=torch.uint8, device=device),
-        actions=torch.zeros(shape, dtype=torch.long, device=device),
-        logprobs=torch.zeros(shape, device=device),
-        values=torch.zeros(shape, device=device),
-        rewards=torch.zeros(shape, device=device),
-        terminated=torch.zeros(shape, dtype=torch.bool, device=device),
-        dones=torch.zeros(shape, dtype=torch.bool, device=device),
-        final_values=torch.zeros(shape, device=device),
-        logits=torch.zeros((*shape, num_actions), device=device),
-        levels=np.zeros(shape, np.int64),
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags (after resolve_defaults); one line `error: ...` on a violation."""
+    require(args.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {args.total_timesteps!r}")
+    require(args.num_train_levels >= 0, f"--num-train-levels must be >= 0, got {args.num_train_levels!r}")
+    require(args.start_level >= 0, f"--start-level must be >= 0, got {args.start_level!r}")
+    require(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs!r}")
+    require(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps!r}")
+    require(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches!r}")
+    require(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
+    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
+    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda!r}")
+    require(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef!r}")
+    require(args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef!r}")
+    require(args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers!r}")
+    require(args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    require(args.final_eval_episodes >= 0, f"--final-eval-episodes must be >= 0, got {args.final_eval_episodes!r}")
+    require(args.num_eval_envs >= 1, f"--num-eval-envs must be >= 1, got {args.num_eval_envs!r}")
+    require(args.plr_temperature > 0, f"--plr-temperature must be > 0, got {args.plr_temperature!r}")
+    require(0 <= args.plr_staleness_coef <= 1, f"--plr-staleness-coef must be in [0, 1], got {args.plr_staleness_coef!r}")
+    require(0 <= args.plr_replay_prob <= 1, f"--plr-replay-prob must be in [0, 1], got {args.plr_replay_prob!r}")
+    require(0 <= args.plr_min_fill <= 1, f"--plr-min-fill must be in [0, 1], got {args.plr_min_fill!r}")
+    require(0 < args.plr_score_alpha <= 1, f"--plr-score-alpha must be in (0, 1], got {args.plr_score_alpha!r}")
+    require(args.plr_buffer_size >= 1, f"--plr-buffer-size must be >= 1, got {args.plr_buffer_size!r}")
+    from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
+
+    if args.env_id not in PROCGEN_GAMES:
+        try:
+            resolve_minigrid_id(args.env_id)
+        except ValueError as e:
+            raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
+    require(
+        not is_procgen(args.env_id) or args.distribution_mode in PROCGEN_DISTRIBUTION_MODES,
+        f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
     )
+    require(
+        args.start_level + args.num_train_levels <= MAX_SEED,
+        f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
+    )
+    require(
+        args.num_train_levels != 0 or args.plr_replay_schedule == "fixed" or args.plr_strategy == "random",
+        "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
+    )
+    batch_size = args.num_envs * args.num_steps
+    require(
+        batch_size % args.num_minibatches == 0,
+        f"--num-envs x --num-steps ({batch_size}) must be divisible by --num-minibatches",
+    )
+    require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
 
 
 if __name__ == "__main__":
