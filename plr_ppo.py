@@ -768,16 +768,23 @@ def make_eval_envs(args: Args):
     return make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
 
 
+def episodes_per_env(num_episodes: int, num_envs: int) -> list[int]:
+    """How many episodes each evaluation env contributes: the first `num_episodes` in the order "every env's first
+    episode (env 0, 1, ..., n-1), then every env's second, ...". Fixed before any episode is played, so the episodes
+    counted never depend on their lengths (the first episodes to finish would favour short ones)."""
+    return [num_episodes // num_envs + (1 if env < num_episodes % num_envs else 0) for env in range(num_envs)]
+
+
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
-    ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
+    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted."""
     metrics = {}
     num_envs = envs.num_envs
+    share = episodes_per_env(num_episodes, num_envs)
     for kind, next_level in level_sets.items():
-        quota = (num_episodes + num_envs - 1) // num_envs
         returns_per_env = [[] for _ in range(num_envs)]
         obs = envs.reset([next_level() for _ in range(num_envs)])
-        while sum(min(len(env_returns), quota) for env_returns in returns_per_env) < num_episodes:
+        while any(len(returns_per_env[env]) < share[env] for env in range(num_envs)):
             # a stop signal ends the evaluation between steps
             check_stop()
             with torch.no_grad():
@@ -786,7 +793,7 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
             obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
             for i in np.flatnonzero(info["_episode"]):
                 returns_per_env[i].append(float(info["episode_return"][i]))
-        returns = np.array([ret for env_returns in returns_per_env for ret in env_returns[:quota]][:num_episodes])
+        returns = np.array([ret for env in range(num_envs) for ret in returns_per_env[env][: share[env]]])
         metrics[f"eval/{kind}_return"] = float(returns.mean())
         if len(returns) > 1:
             metrics[f"eval/{kind}_return_se"] = float(returns.std(ddof=1) / np.sqrt(len(returns)))
