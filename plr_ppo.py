@@ -299,6 +299,11 @@ class ReturnNormalizer:
     def state_dict(self):
         return {"ret": self.ret.copy(), "mean": self.mean, "var": self.var, "count": self.count}
 
+    def restart_episodes(self):
+        """Every env's episode restarts from its first frame (`--resume`): its discounted return so far is 0 again;
+        the running statistics are kept."""
+        self.ret[:] = 0.0
+
     def load_state_dict(self, state):
         self.ret = state["ret"].copy()
         self.mean = state["mean"]
@@ -930,6 +935,66 @@ def validate_args(args: Args) -> None:
     require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
 
 
+def observation_and_action_sizes(args: Args) -> tuple[tuple[int, ...], int]:
+    """The env's observation shape and number of actions, without starting its envs (for the start-up checks)."""
+    if is_procgen(args.env_id):
+        # every Procgen game: 64x64 RGB frames, 15 actions
+        return (64, 64, 3), 15
+    from common.minigrid_env import make_minigrid_env
+
+    probe = make_minigrid_env(args.env_id, fully_observable=True)
+    sizes = (probe.observation_space.shape, int(probe.action_space.n))
+    probe.close()
+    return sizes
+
+
+def check_rollout_memory(args: Args) -> None:
+    """Refuse at start-up, with one `error:` line before the run folder, a rollout that does not fit in memory: the
+    `make_rollout` buffers for --num-envs x --num-steps (on a CUDA learner: in GPU memory), and in RAM the batch-sized
+    copies of the update (about 8 numbers per step for GAE and the scores, 3 logits-sized arrays for the policy-based
+    scores) and the float copy of one minibatch's observations."""
+    from common.processes import check_memory
+
+    obs_shape, num_actions = observation_and_action_sizes(args)
+    num_samples = args.num_envs * args.num_steps
+    one_step = make_rollout(1, 1, obs_shape, num_actions, device="meta")
+    buffer_bytes = [value.element_size() * value.numel() for value in vars(one_step).values() if torch.is_tensor(value)]
+    rollout_bytes = num_samples * sum(buffer_bytes)
+    host_bytes = num_samples * (one_step.levels.nbytes + 8 * 8 + 3 * 4 * num_actions)
+    host_bytes += num_samples // args.num_minibatches * int(np.prod(obs_shape)) * 5
+    device = select_device(args.cuda)
+    if device.type == "cuda":
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+        require(
+            rollout_bytes <= 0.9 * free_bytes,
+            f"the rollout needs {rollout_bytes / 2**30:.2f} GiB of GPU memory, more than 90% of the "
+            f"{free_bytes / 2**30:.1f} GiB free: lower --num-steps or --num-envs",
+        )
+    else:
+        host_bytes += rollout_bytes
+    check_memory(host_bytes, "--num-steps or --num-envs")
+
+
+def training_level_difficulties(args: Args) -> np.ndarray | None:
+    """Figure 4: a difficulty label per training level (MultiRoom: rooms, ObstructedMazeGamut: variant), None for other
+    envs and in unbounded mode. Builds each level (4,000 MultiRoom levels: seconds), so it checks for a stop at each."""
+    if not args.num_train_levels or not ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
+        return None
+    labels = []
+    for level in range(args.start_level, args.start_level + args.num_train_levels):
+        check_stop()
+        labels.append(level_difficulty(args.env_id, level))
+    return np.array(labels)
+
+
+def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None:
+    """Adam's settings from the flags. On --resume, `load_state_dict` restores the checkpoint's lr and eps with the
+    moments; --learning-rate and --adam-eps are applied flags (APPLIED_ON_RESUME), so this run's values go back in."""
+    for group in optimizer.param_groups:
+        group["lr"] = args.learning_rate
+        group["eps"] = args.adam_eps
+
+
 if __name__ == "__main__":
     # SIGINT (even when inherited as ignored) and SIGTERM stop every process and still write summary.json
     stop_on_signals()
@@ -938,6 +1003,7 @@ if __name__ == "__main__":
     args = resolve_defaults(args)
     # every check before anything heavy starts and before RunLogger
     validate_args(args)
+    check_rollout_memory(args)
     batch_size = args.num_envs * args.num_steps
     minibatch_size = batch_size // args.num_minibatches
     start_step = ckpt["global_step"] if ckpt else 0
@@ -979,22 +1045,20 @@ if __name__ == "__main__":
     sampler = make_sampler(args, seed=args.seed)
     normalizer = ReturnNormalizer(args.num_envs, args.gamma) if args.norm_reward else None
     eval_rng = make_eval_rng(args)
-    # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
-    difficulties = None
-    if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
-        train_levels = range(args.start_level, args.start_level + args.num_train_levels)
-        difficulties = np.array([level_difficulty(args.env_id, level) for level in train_levels])
 
     global_step = start_step
     update = ckpt["update"] if ckpt else 0
     if ckpt:
         load_state_dicts(ckpt, model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
+        set_optimizer_settings(optimizer, args)
         eval_rng.bit_generator.state = ckpt["eval_rng"]
         set_rng_state(ckpt["rng"])
         # env states are not saved: each env restarts its level from the first frame
         next_obs = envs.reset([int(level) for level in ckpt["env_levels"]])
-        # the saved partial scores S~ belong to frames that are lost: drop them
+        # the saved partial scores S~ and discounted returns so far belong to frames that are lost: drop them
         sampler.restart_episodes()
+        if normalizer is not None:
+            normalizer.restart_episodes()
         print(
             f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
             f"env restarts its level; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
@@ -1034,6 +1098,8 @@ if __name__ == "__main__":
     next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
     error = None
     try:
+        # Figure 4's difficulty labels (seconds of start-up: a stop signal ends it here)
+        difficulties = training_level_difficulties(args)
         while global_step < end_step:
             update_start = time.time()
             replays_before = sampler.num_replays
