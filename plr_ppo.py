@@ -30,7 +30,10 @@ Differences from the paper (long form: README.md, section plr_ppo.py)
 - Time limits: MiniGrid's is a termination (authors' code), Procgen's bootstraps from V(final obs)
   (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
 - Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy, test levels exclude the
-  training levels; `--resume` restarts the current levels from their first frame and drops their partial scores.
+  training levels; `--resume` restarts the current levels from their first frame and drops their partial scores
+  and running returns.
+- Against the authors' level_sampler.py: staleness counted before a draw (Alg. 2 / 4; theirs after), a trailing
+  partial episode scored on its own steps (theirs also averages |V(s_T)|), first levels drawn from P_new and counted.
 Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
 common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """
