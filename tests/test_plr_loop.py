@@ -290,30 +290,33 @@ class Update:
 
 
 def split_updates(recorder):
-    """The recorded training events as a list of `Update`s (a new one starts at the first training step after an
-    optimizer step)."""
+    """The recorded training events as a list of `Update`s: a new one starts with the first training step, or the
+    first level drawn inside it, after an optimizer step (the initial draws, before the first reset, are not in any)."""
     updates = []
     current = None
     learning = False
+    started = False
     for kind, data in recorder.events:
-        if kind == "step" and data["role"] == "train":
-            if current is None or learning:
-                current = Update()
-                updates.append(current)
-                learning = False
+        if kind == "reset":
+            started = started or data["role"] == "train"
+            continue
+        if not started or (kind == "step" and data["role"] == "eval"):
+            continue
+        if kind in ("step", "sample") and (current is None or learning):
+            current = Update()
+            updates.append(current)
+            learning = False
+        if current is None:
+            continue
+        if kind == "step":
             current.steps.append(data)
-            continue
-        if current is None or (kind == "step" or kind == "reset"):
-            continue
-        if kind == "sample" and not learning:
+        elif kind == "sample":
             current.samples.append((len(current.steps), data["actor"], data["level"]))
-            continue
-        if kind == "normalize" and not learning:
+        elif kind == "normalize":
             current.normalized.append(data["out"])
-            continue
-        if kind in ("randperm", "adam"):
-            learning = True
-        current.events.append((kind, data))
+        else:
+            learning = learning or kind in ("randperm", "adam")
+            current.events.append((kind, data))
     return updates
 
 
@@ -542,13 +545,15 @@ def check_phase_order(update, mode):
 
 
 def check_acting(batch, actions):
-    """Clause 1 as statistics over a rollout: with π = π_θold(·|s_t), the number of actions that are the argmax has
-    mean Σ_t max π and the log-likelihood Σ_t log π(a_t) has mean −Σ_t H(π_t) (5-sigma bounds)."""
+    """Clause 1 as statistics over a rollout, with π_t = π_θold(·|s_t): each action a is taken Σ_t π_t(a) times in
+    expectation, and the log-likelihood Σ_t log π_t(a_t) has mean −Σ_t H(π_t) (5-sigma bounds; Poisson-binomial
+    variances). A near-uniform policy cannot tell sampling from uniform actions: the fake-env runs start peaked."""
     probs = batch["probs"]
     actions = actions.reshape(-1)
-    greedy = probs.argmax(-1) == actions
-    top = probs.max(-1)
-    assert abs(greedy.sum() - top.sum()) <= 5 * math.sqrt((top * (1 - top)).sum()) + 1
+    for action in range(probs.shape[1]):
+        taken = (actions == action).sum()
+        expected = probs[:, action].sum()
+        assert abs(taken - expected) <= 5 * math.sqrt((probs[:, action] * (1 - probs[:, action])).sum()) + 1, action
     log_probs = np.log(probs)
     chosen = log_probs[np.arange(len(actions)), actions]
     mean = (probs * log_probs).sum(-1)
@@ -1011,9 +1016,10 @@ class FakeLevelEnv:
 
 
 class UnalignedLevelEnv(FakeLevelEnv):
-    """Episodes of 3 or 5 steps: they run across the 8-step rollouts."""
+    """Episodes of 3 or 9 steps: they run across the 8-step rollouts, and a 9-step first episode ends on the second
+    rollout's first step."""
 
-    LENGTHS = (3, 5)
+    LENGTHS = (3, 9)
 
 
 FAKE = dict(
@@ -1047,9 +1053,22 @@ FAKE = dict(
 FAKE_RUN_FLAGS = ["--no-progress", "--no-cuda", "--checkpoint-every", "48"]
 
 
+real_make_agent = plr_ppo.make_agent
+
+
+def make_peaked_agent(args, obs_shape, num_actions):
+    """plr_ppo.make_agent's network with its policy head biased to a peaked initial policy (π from 0.49 down to 0.01
+    over the 7 actions), so that clause 1's statistics can tell sampling from other ways of acting."""
+    agent = real_make_agent(args, obs_shape, num_actions)
+    with torch.no_grad():
+        agent.actor[-1].bias.copy_(torch.linspace(3.0, -1.0, num_actions))
+    return agent
+
+
 def record_fake_run(env_class, folder, argv, stop_after_checkpoint=False):
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(plr_ppo, "MiniGridVecEnv", env_class)
+        monkeypatch.setattr(plr_ppo, "make_agent", make_peaked_agent)
         monkeypatch.chdir(folder)
         return RecordedRun(*record_run(argv, env_class, stop_after_checkpoint))
 
@@ -1082,6 +1101,8 @@ def test_truncation_bootstrap_and_commit_after_update_on_a_resumed_run(tmp_path)
     normalizer = checkpoint["normalizer"]
     check_normalized_rewards(resumed.updates, settings, prior=(normalizer["count"], normalizer["mean"], normalizer["var"]))
     assert (resumed.recorder.first_step_states[0]["normalizer_ret"] == 0).all()
+    # an episode ended on a rollout's first step (its one-step segment must be scored on its own level)
+    assert any(t == 0 for run in (first, resumed) for update in run.updates for t, _, _ in update.samples)
 
 
 METRICS_OF_TIME = {"time", "charts/SPS", "charts/collect_seconds", "charts/plr_seconds"}
@@ -1249,11 +1270,11 @@ def test_evaluation_samples_the_policy():
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("env_id", ["MultiRoom-N4-Random", "bigfish"])
 def test_a_rollout_too_large_for_memory_is_one_error_line_before_the_run_folder(tmp_path, monkeypatch, capsys, env_id):
-    """A huge --num-steps stops the start with one `error:` line naming the flags that size the rollout, before any
-    run folder or env exists; a rollout that fits passes the same check."""
+    """A huge --num-steps (within the budget: 8 x 10^8 steps) stops the start with one `error:` line naming the flags
+    that size the rollout, before any run folder or env exists; a rollout that fits passes the same check."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stopped:
-        run_main(["--env-id", env_id, "--num-steps", "100000000", "--no-cuda"])
+        run_main(["--env-id", env_id, "--num-envs", "8", "--num-steps", "100000000", "--total-timesteps", "800000000"])
     message = str(stopped.value)
     assert message.startswith("error: ") and "\n" not in message and "--num-steps" in message
     assert not (tmp_path / "runs").exists()
@@ -1278,9 +1299,27 @@ def test_labelling_the_training_levels_stops_at_a_stop_signal(tmp_path, monkeypa
     monkeypatch.setattr(processes, "_received_signals", [])
     monkeypatch.setattr(plr_ppo, "MiniGridVecEnv", FakeLevelEnv)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as stopped:
+    try:
         run_main(["--env-id", "MultiRoom-N4-Random", "--num-envs", "2", "--num-steps", "8", "--no-progress", "--no-cuda"])
-    assert stopped.value.code == 130
+    except SystemExit as stopped:
+        assert stopped.code == 130
+    except KeyboardInterrupt:
+        pytest.fail("the stop escaped the run's loop: a traceback and no summary.json")
+    else:
+        pytest.fail("the run did not stop")
     assert len(labelled) == 3
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["stop_reason"] == "interrupted by SIGINT"
+
+
+def test_on_a_cuda_learner_the_rollout_is_checked_against_free_gpu_memory(monkeypatch):
+    """With the learner on CUDA (faked here: no GPU in CI), the rollout's buffers are checked against the GPU's free
+    memory (100 MiB here): one `error:` line when they do not fit (the paper's 64 x 256 Procgen rollout, 0.19 GiB), and the
+    start goes on when they do."""
+    monkeypatch.setattr(plr_ppo, "select_device", lambda cuda: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**20, 2**31))
+    args = plr_ppo.resolve_defaults(plr_ppo.Args(env_id="bigfish", num_envs=64, num_steps=256))
+    with pytest.raises(SystemExit) as stopped:
+        plr_ppo.check_rollout_memory(args)
+    assert str(stopped.value).startswith("error: the rollout needs") and "GPU memory" in str(stopped.value)
+    plr_ppo.check_rollout_memory(plr_ppo.resolve_defaults(plr_ppo.Args(env_id="bigfish", num_envs=4, num_steps=16)))
