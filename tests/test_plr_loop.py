@@ -1082,8 +1082,8 @@ def fake_argv(**changes):
 def test_truncation_bootstrap_and_commit_after_update_on_a_resumed_run(tmp_path):
     """Clauses 1-4 with --bootstrap-truncation (a truncated episode bootstraps from V(final obs)) and --plr-commit
     update (`after_update` commits each unfinished episode after the PPO update), on episodes that run across
-    rollouts; and clause 6's running returns: the resumed run normalises from the checkpoint's statistics with every
-    env's running return restarted at 0 (the checkpoint's were not 0)."""
+    rollouts; and clause 6's running returns: the resumed run normalises from the checkpoint's statistics, with the
+    new --gamma and every env's running return restarted at 0 (the checkpoint's were not 0)."""
     first = record_fake_run(UnalignedLevelEnv, tmp_path, fake_argv(total_timesteps=48, plr_commit="update"))
     settings = settings_of(FAKE, bootstrap_truncation=True, plr_commit="update", num_updates=2)
     check_initial_levels(first.recorder, FAKE["num_envs"])
@@ -1094,9 +1094,10 @@ def test_truncation_bootstrap_and_commit_after_update_on_a_resumed_run(tmp_path)
     (run_dir,) = (tmp_path / "runs").iterdir()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (checkpoint["normalizer"]["ret"] != 0).any()
-    resumed = record_fake_run(
-        UnalignedLevelEnv, tmp_path, ["--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps", "96"]
-    )
+    # --gamma changed on resume: the normaliser's discount too (MultiRoom's zero rewards cannot show it)
+    resume_argv = ["--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps", "96", "--gamma", "0.8"]
+    resumed = record_fake_run(UnalignedLevelEnv, tmp_path, resume_argv)
+    settings["gamma"] = 0.8
     check_run(resumed.namespace, resumed.recorder, settings)
     normalizer = checkpoint["normalizer"]
     check_normalized_rewards(resumed.updates, settings, prior=(normalizer["count"], normalizer["mean"], normalizer["var"]))
