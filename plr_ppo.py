@@ -30,7 +30,10 @@ Differences from the paper (long form: README.md, section plr_ppo.py)
 - Time limits: MiniGrid's is a termination (authors' code), Procgen's bootstraps from V(final obs)
   (`--bootstrap-truncation`); Procgen episodes end one step before the game's limit.
 - Return normalization uses args.gamma (authors: 0.99); evaluation samples from the policy, test levels exclude the
-  training levels; `--resume` restarts the current levels from their first frame and drops their partial scores.
+  training levels; `--resume` restarts the current levels from their first frame and drops their partial scores
+  and running returns.
+- Against the authors' level_sampler.py: staleness counted before a draw (Alg. 2 / 4; theirs after), a trailing
+  partial episode scored on its own steps (theirs also averages |V(s_T)|), first levels drawn from P_new and counted.
 Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
 common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """
@@ -155,122 +158,6 @@ def is_procgen(env_id: str) -> bool:
     from common.procgen_env import PROCGEN_GAMES
 
     return env_id in PROCGEN_GAMES
-
-
-def resolve_defaults(args: Args) -> Args:
-    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
-    procgen = is_procgen(args.env_id)
-    paper = {
-        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
-        "update_epochs": 3 if procgen else 4,
-        "learning_rate": 5e-4 if procgen else 7e-4,
-        "plr_staleness_coef": 0.1 if procgen else 0.3,
-        "bootstrap_truncation": procgen,
-    }
-    for name, value in paper.items():
-        if getattr(args, name) is None or getattr(args, name) == -1:
-            setattr(args, name, value)
-    return args
-
-
-# the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
-FIXED_ON_RESUME = (
-    "env_id",
-    "distribution_mode",
-    "num_train_levels",
-    "start_level",
-    "num_envs",
-    "norm_reward",
-    "bootstrap_truncation",
-    "plr_strategy",
-    "plr_transform",
-    "plr_replay_schedule",
-    "plr_commit",
-    "plr_buffer_size",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "total_timesteps",
-    "num_steps",
-    "num_minibatches",
-    "update_epochs",
-    "learning_rate",
-    "adam_eps",
-    "gamma",
-    "gae_lambda",
-    "clip_coef",
-    "clip_vloss",
-    "ent_coef",
-    "vf_coef",
-    "max_grad_norm",
-    "norm_adv",
-    "eval_every",
-    "eval_episodes",
-    "final_eval_episodes",
-    "num_eval_envs",
-    "plr_temperature",
-    "plr_staleness_coef",
-    "plr_replay_prob",
-    "plr_min_fill",
-    "plr_score_alpha",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = ("num_workers",)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags (after resolve_defaults); one line `error: ...` on a violation."""
-    require(args.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {args.total_timesteps!r}")
-    require(args.num_train_levels >= 0, f"--num-train-levels must be >= 0, got {args.num_train_levels!r}")
-    require(args.start_level >= 0, f"--start-level must be >= 0, got {args.start_level!r}")
-    require(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs!r}")
-    require(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps!r}")
-    require(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches!r}")
-    require(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
-    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
-    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda!r}")
-    require(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef!r}")
-    require(args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef!r}")
-    require(args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef!r}")
-    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
-    require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers!r}")
-    require(args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every!r}")
-    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
-    require(args.final_eval_episodes >= 0, f"--final-eval-episodes must be >= 0, got {args.final_eval_episodes!r}")
-    require(args.num_eval_envs >= 1, f"--num-eval-envs must be >= 1, got {args.num_eval_envs!r}")
-    require(args.plr_temperature > 0, f"--plr-temperature must be > 0, got {args.plr_temperature!r}")
-    require(0 <= args.plr_staleness_coef <= 1, f"--plr-staleness-coef must be in [0, 1], got {args.plr_staleness_coef!r}")
-    require(0 <= args.plr_replay_prob <= 1, f"--plr-replay-prob must be in [0, 1], got {args.plr_replay_prob!r}")
-    require(0 <= args.plr_min_fill <= 1, f"--plr-min-fill must be in [0, 1], got {args.plr_min_fill!r}")
-    require(0 < args.plr_score_alpha <= 1, f"--plr-score-alpha must be in (0, 1], got {args.plr_score_alpha!r}")
-    require(args.plr_buffer_size >= 1, f"--plr-buffer-size must be >= 1, got {args.plr_buffer_size!r}")
-    from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
-
-    if args.env_id not in PROCGEN_GAMES:
-        try:
-            resolve_minigrid_id(args.env_id)
-        except ValueError as e:
-            raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
-    require(
-        not is_procgen(args.env_id) or args.distribution_mode in PROCGEN_DISTRIBUTION_MODES,
-        f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
-    )
-    require(
-        args.start_level + args.num_train_levels <= MAX_SEED,
-        f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
-    )
-    require(
-        args.num_train_levels != 0 or args.plr_replay_schedule == "fixed" or args.plr_strategy == "random",
-        "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
-    )
-    batch_size = args.num_envs * args.num_steps
-    require(
-        batch_size % args.num_minibatches == 0,
-        f"--num-envs x --num-steps ({batch_size}) must be divisible by --num-minibatches",
-    )
-    require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
 
 
 def make_env(args: Args, num_envs: int, *, seed: int, num_workers: int | None = None):
@@ -414,6 +301,11 @@ class ReturnNormalizer:
 
     def state_dict(self):
         return {"ret": self.ret.copy(), "mean": self.mean, "var": self.var, "count": self.count}
+
+    def restart_episodes(self):
+        """Every env's episode restarts from its first frame (`--resume`): its discounted return so far is 0 again;
+        the running statistics are kept."""
+        self.ret[:] = 0.0
 
     def load_state_dict(self, state):
         self.ret = state["ret"].copy()
@@ -810,6 +702,39 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
     return LevelSampler(levels, args.num_envs, config, seed=seed)
 
 
+# ROLLOUT STORAGE
+@dataclass
+class Rollout:
+    """One rollout's buffers, indexed [t, i] for step t of env i; on the learner's device, except `levels`."""
+
+    obs: torch.Tensor  # (T, N, H, W, C) uint8
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # normalized with --norm-reward
+    terminated: torch.Tensor  # the episode ended here, with no bootstrap
+    dones: torch.Tensor  # the episode ended here (terminated or truncated)
+    final_values: torch.Tensor  # V(final obs) where an episode was truncated (--bootstrap-truncation)
+    logits: torch.Tensor  # (T, N, |A|) behaviour logits, for the policy-based scores
+    levels: np.ndarray  # the level each step was played on
+
+
+def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout:
+    shape = (num_steps, num_envs)
+    return Rollout(
+        obs=torch.zeros((*shape, *obs_shape), dtype=torch.uint8, device=device),
+        actions=torch.zeros(shape, dtype=torch.long, device=device),
+        logprobs=torch.zeros(shape, device=device),
+        values=torch.zeros(shape, device=device),
+        rewards=torch.zeros(shape, device=device),
+        terminated=torch.zeros(shape, dtype=torch.bool, device=device),
+        dones=torch.zeros(shape, dtype=torch.bool, device=device),
+        final_values=torch.zeros(shape, device=device),
+        logits=torch.zeros((*shape, num_actions), device=device),
+        levels=np.zeros(shape, np.int64),
+    )
+
+
 # EVALUATION
 def is_training_level(seed: int, args: Args, sampler: LevelSampler) -> bool:
     """Whether `seed` is a training level: in [start_level, start_level + num_train_levels), or in unbounded mode a level
@@ -851,16 +776,23 @@ def make_eval_envs(args: Args):
     return make_env(args, args.num_eval_envs, seed=args.seed + 1, num_workers=1)
 
 
+def episodes_per_env(num_episodes: int, num_envs: int) -> list[int]:
+    """How many episodes each evaluation env contributes: the first `num_episodes` in the order "every env's first
+    episode (env 0, 1, ..., n-1), then every env's second, ...". Fixed before any episode is played, so the episodes
+    counted never depend on their lengths (the first episodes to finish would favour short ones)."""
+    return [num_episodes // num_envs + (1 if env < num_episodes % num_envs else 0) for env in range(num_envs)]
+
+
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
-    ...}), each env contributing its first ceil(k/n) episodes (so short episodes are not over-represented)."""
+    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted."""
     metrics = {}
     num_envs = envs.num_envs
+    share = episodes_per_env(num_episodes, num_envs)
     for kind, next_level in level_sets.items():
-        quota = (num_episodes + num_envs - 1) // num_envs
         returns_per_env = [[] for _ in range(num_envs)]
         obs = envs.reset([next_level() for _ in range(num_envs)])
-        while sum(min(len(env_returns), quota) for env_returns in returns_per_env) < num_episodes:
+        while any(len(returns_per_env[env]) < share[env] for env in range(num_envs)):
             # a stop signal ends the evaluation between steps
             check_stop()
             with torch.no_grad():
@@ -869,7 +801,7 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
             obs, _, _, _, info = envs.step(actions, next_level=lambda i: next_level())
             for i in np.flatnonzero(info["_episode"]):
                 returns_per_env[i].append(float(info["episode_return"][i]))
-        returns = np.array([ret for env_returns in returns_per_env for ret in env_returns[:quota]][:num_episodes])
+        returns = np.array([ret for env in range(num_envs) for ret in returns_per_env[env][: share[env]]])
         metrics[f"eval/{kind}_return"] = float(returns.mean())
         if len(returns) > 1:
             metrics[f"eval/{kind}_return_se"] = float(returns.std(ddof=1) / np.sqrt(len(returns)))
@@ -889,37 +821,181 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     return metrics
 
 
-# ROLLOUT STORAGE
-@dataclass
-class Rollout:
-    """One rollout's buffers, indexed [t, i] for step t of env i; on the learner's device, except `levels`."""
+# RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
+def resolve_defaults(args: Args) -> Args:
+    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
+    procgen = is_procgen(args.env_id)
+    paper = {
+        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
+        "update_epochs": 3 if procgen else 4,
+        "learning_rate": 5e-4 if procgen else 7e-4,
+        "plr_staleness_coef": 0.1 if procgen else 0.3,
+        "bootstrap_truncation": procgen,
+    }
+    for name, value in paper.items():
+        if getattr(args, name) is None or getattr(args, name) == -1:
+            setattr(args, name, value)
+    return args
 
-    obs: torch.Tensor  # (T, N, H, W, C) uint8
-    actions: torch.Tensor
-    logprobs: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor  # normalized with --norm-reward
-    terminated: torch.Tensor  # the episode ended here, with no bootstrap
-    dones: torch.Tensor  # the episode ended here (terminated or truncated)
-    final_values: torch.Tensor  # V(final obs) where an episode was truncated (--bootstrap-truncation)
-    logits: torch.Tensor  # (T, N, |A|) behaviour logits, for the policy-based scores
-    levels: np.ndarray  # the level each step was played on
+
+# the flags a resumed run may not change: the environment and its levels, the seed, the method, the envs and sampler sizes
+FIXED_ON_RESUME = (
+    "env_id",
+    "distribution_mode",
+    "num_train_levels",
+    "start_level",
+    "num_envs",
+    "norm_reward",
+    "bootstrap_truncation",
+    "plr_strategy",
+    "plr_transform",
+    "plr_replay_schedule",
+    "plr_commit",
+    "plr_buffer_size",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "num_steps",
+    "num_minibatches",
+    "update_epochs",
+    "learning_rate",
+    "adam_eps",
+    "gamma",
+    "gae_lambda",
+    "clip_coef",
+    "clip_vloss",
+    "ent_coef",
+    "vf_coef",
+    "max_grad_norm",
+    "norm_adv",
+    "eval_every",
+    "eval_episodes",
+    "final_eval_episodes",
+    "num_eval_envs",
+    "plr_temperature",
+    "plr_staleness_coef",
+    "plr_replay_prob",
+    "plr_min_fill",
+    "plr_score_alpha",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = ("num_workers",)
 
 
-def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout:
-    shape = (num_steps, num_envs)
-    return Rollout(
-        obs=torch.zeros((*shape, *obs_shape), dtype=torch.uint8, device=device),
-        actions=torch.zeros(shape, dtype=torch.long, device=device),
-        logprobs=torch.zeros(shape, device=device),
-        values=torch.zeros(shape, device=device),
-        rewards=torch.zeros(shape, device=device),
-        terminated=torch.zeros(shape, dtype=torch.bool, device=device),
-        dones=torch.zeros(shape, dtype=torch.bool, device=device),
-        final_values=torch.zeros(shape, device=device),
-        logits=torch.zeros((*shape, num_actions), device=device),
-        levels=np.zeros(shape, np.int64),
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags (after resolve_defaults); one line `error: ...` on a violation."""
+    require(args.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {args.total_timesteps!r}")
+    require(args.num_train_levels >= 0, f"--num-train-levels must be >= 0, got {args.num_train_levels!r}")
+    require(args.start_level >= 0, f"--start-level must be >= 0, got {args.start_level!r}")
+    require(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs!r}")
+    require(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps!r}")
+    require(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches!r}")
+    require(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
+    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
+    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda!r}")
+    require(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef!r}")
+    require(args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef!r}")
+    require(args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers!r}")
+    require(args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    require(args.final_eval_episodes >= 0, f"--final-eval-episodes must be >= 0, got {args.final_eval_episodes!r}")
+    require(args.num_eval_envs >= 1, f"--num-eval-envs must be >= 1, got {args.num_eval_envs!r}")
+    require(args.plr_temperature > 0, f"--plr-temperature must be > 0, got {args.plr_temperature!r}")
+    require(0 <= args.plr_staleness_coef <= 1, f"--plr-staleness-coef must be in [0, 1], got {args.plr_staleness_coef!r}")
+    require(0 <= args.plr_replay_prob <= 1, f"--plr-replay-prob must be in [0, 1], got {args.plr_replay_prob!r}")
+    require(0 <= args.plr_min_fill <= 1, f"--plr-min-fill must be in [0, 1], got {args.plr_min_fill!r}")
+    require(0 < args.plr_score_alpha <= 1, f"--plr-score-alpha must be in (0, 1], got {args.plr_score_alpha!r}")
+    require(args.plr_buffer_size >= 1, f"--plr-buffer-size must be >= 1, got {args.plr_buffer_size!r}")
+    from common.procgen_env import PROCGEN_DISTRIBUTION_MODES, PROCGEN_GAMES
+
+    if args.env_id not in PROCGEN_GAMES:
+        try:
+            resolve_minigrid_id(args.env_id)
+        except ValueError as e:
+            raise SystemExit(f"error: --env-id: {e}; or a Procgen game: {', '.join(PROCGEN_GAMES)}") from None
+    require(
+        not is_procgen(args.env_id) or args.distribution_mode in PROCGEN_DISTRIBUTION_MODES,
+        f"--distribution-mode must be one of {', '.join(PROCGEN_DISTRIBUTION_MODES)}, got {args.distribution_mode!r}",
     )
+    require(
+        args.start_level + args.num_train_levels <= MAX_SEED,
+        f"--start-level + --num-train-levels must stay within level seeds [0, {MAX_SEED}]",
+    )
+    require(
+        args.num_train_levels != 0 or args.plr_replay_schedule == "fixed" or args.plr_strategy == "random",
+        "unbounded mode (--num-train-levels 0) needs --plr-replay-schedule fixed (App. B.3's Bernoulli P_D)",
+    )
+    batch_size = args.num_envs * args.num_steps
+    require(
+        batch_size % args.num_minibatches == 0,
+        f"--num-envs x --num-steps ({batch_size}) must be divisible by --num-minibatches",
+    )
+    require(not args.capture_video, "--capture-video is not supported by plr_ppo.py (the vector adapters expose no frames)")
+
+
+def observation_and_action_sizes(args: Args) -> tuple[tuple[int, ...], int]:
+    """The env's observation shape and number of actions, without starting its envs (for the start-up checks)."""
+    if is_procgen(args.env_id):
+        # every Procgen game: 64x64 RGB frames, 15 actions
+        return (64, 64, 3), 15
+    from common.minigrid_env import make_minigrid_env
+
+    probe = make_minigrid_env(args.env_id, fully_observable=True)
+    sizes = (probe.observation_space.shape, int(probe.action_space.n))
+    probe.close()
+    return sizes
+
+
+def check_rollout_memory(args: Args) -> None:
+    """Refuse at start-up, with one `error:` line before the run folder, a rollout that does not fit in memory: the
+    `make_rollout` buffers for --num-envs x --num-steps (on a CUDA learner: in GPU memory), and in RAM the batch-sized
+    copies of the update (about 8 numbers per step for GAE and the scores, 3 logits-sized arrays for the policy-based
+    scores) and the float copy of one minibatch's observations."""
+    from common.processes import check_memory
+
+    obs_shape, num_actions = observation_and_action_sizes(args)
+    num_samples = args.num_envs * args.num_steps
+    one_step = make_rollout(1, 1, obs_shape, num_actions, device="meta")
+    buffer_bytes = [value.element_size() * value.numel() for value in vars(one_step).values() if torch.is_tensor(value)]
+    rollout_bytes = num_samples * sum(buffer_bytes)
+    host_bytes = num_samples * (one_step.levels.nbytes + 8 * 8 + 3 * 4 * num_actions)
+    host_bytes += num_samples // args.num_minibatches * int(np.prod(obs_shape)) * 5
+    device = select_device(args.cuda)
+    if device.type == "cuda":
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+        require(
+            rollout_bytes <= 0.9 * free_bytes,
+            f"the rollout needs {rollout_bytes / 2**30:.2f} GiB of GPU memory, more than 90% of the "
+            f"{free_bytes / 2**30:.1f} GiB free: lower --num-steps or --num-envs",
+        )
+    else:
+        host_bytes += rollout_bytes
+    check_memory(host_bytes, "--num-steps or --num-envs")
+
+
+def training_level_difficulties(args: Args) -> np.ndarray | None:
+    """Figure 4: a difficulty label per training level (MultiRoom: rooms, ObstructedMazeGamut: variant), None for other
+    envs and in unbounded mode. Builds each level (4,000 MultiRoom levels: seconds), so it checks for a stop at each."""
+    if not args.num_train_levels or not ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
+        return None
+    labels = []
+    for level in range(args.start_level, args.start_level + args.num_train_levels):
+        check_stop()
+        labels.append(level_difficulty(args.env_id, level))
+    return np.array(labels)
+
+
+def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None:
+    """Adam's settings from the flags. On --resume, `load_state_dict` restores the checkpoint's lr and eps with the
+    moments; --learning-rate and --adam-eps are applied flags (APPLIED_ON_RESUME), so this run's values go back in."""
+    for group in optimizer.param_groups:
+        group["lr"] = args.learning_rate
+        group["eps"] = args.adam_eps
 
 
 if __name__ == "__main__":
@@ -930,6 +1006,7 @@ if __name__ == "__main__":
     args = resolve_defaults(args)
     # every check before anything heavy starts and before RunLogger
     validate_args(args)
+    check_rollout_memory(args)
     batch_size = args.num_envs * args.num_steps
     minibatch_size = batch_size // args.num_minibatches
     start_step = ckpt["global_step"] if ckpt else 0
@@ -971,22 +1048,20 @@ if __name__ == "__main__":
     sampler = make_sampler(args, seed=args.seed)
     normalizer = ReturnNormalizer(args.num_envs, args.gamma) if args.norm_reward else None
     eval_rng = make_eval_rng(args)
-    # Figure 4: a difficulty label per training level (MultiRoom rooms, gamut variant)
-    difficulties = None
-    if args.num_train_levels and ("MultiRoom" in args.env_id or "ObstructedMazeGamut" in args.env_id):
-        train_levels = range(args.start_level, args.start_level + args.num_train_levels)
-        difficulties = np.array([level_difficulty(args.env_id, level) for level in train_levels])
 
     global_step = start_step
     update = ckpt["update"] if ckpt else 0
     if ckpt:
         load_state_dicts(ckpt, model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer)
+        set_optimizer_settings(optimizer, args)
         eval_rng.bit_generator.state = ckpt["eval_rng"]
         set_rng_state(ckpt["rng"])
         # env states are not saved: each env restarts its level from the first frame
         next_obs = envs.reset([int(level) for level in ckpt["env_levels"]])
-        # the saved partial scores S~ belong to frames that are lost: drop them
+        # the saved partial scores S~ and discounted returns so far belong to frames that are lost: drop them
         sampler.restart_episodes()
+        if normalizer is not None:
+            normalizer.restart_episodes()
         print(
             f"resumed {args.resume} at step {global_step:,} ({update:,} updates, {sampler.num_seen:,} levels seen); each "
             f"env restarts its level; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
@@ -1026,6 +1101,8 @@ if __name__ == "__main__":
     next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
     error = None
     try:
+        # Figure 4's difficulty labels (seconds of start-up: a stop signal ends it here)
+        difficulties = training_level_difficulties(args)
         while global_step < end_step:
             update_start = time.time()
             replays_before = sampler.num_replays

@@ -1,7 +1,8 @@
-"""Tests for plr_ppo.py: PLR's distributions and level sampler against slow textbook versions written from the paper's
-equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, a hand-computed PPO
-loss, the MiniGrid network against the authors' MinigridPolicy, per-domain defaults, replay-decision frequencies, level
-plumbing through the vector adapters, held-out evaluation, CLI errors and tiny end-to-end runs (subprocess)."""
+"""Tests for plr_ppo.py's pieces: PLR's distributions and level sampler against slow textbook versions written from
+the paper's equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, a
+hand-computed PPO loss, the return normaliser, the MiniGrid network against the authors' MinigridPolicy, per-domain
+defaults, replay-decision frequencies, level plumbing through the vector adapters, held-out evaluation levels, CLI
+errors and tiny end-to-end runs (subprocess). The training loop's contract: tests/test_plr_loop.py."""
 
 import json
 import math
@@ -748,13 +749,8 @@ def test_validate_args_one_line(flags, needle):
     assert msg.startswith("error: ") and needle in msg and "\n" not in msg
 
 
-def _run(tmp_path, *flags, timeout=120, block_procgen=False):
-    path = str(ROOT)
-    if block_procgen:  # a `procgen` that cannot be imported, found before the installed one
-        (tmp_path / "no_procgen").mkdir(exist_ok=True)
-        (tmp_path / "no_procgen" / "procgen.py").write_text("raise ImportError('procgen is blocked by the test')\n")
-        path = f"{tmp_path / 'no_procgen'}{os.pathsep}{path}"
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+def _run(tmp_path, *flags, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags],
         cwd=tmp_path,
@@ -770,6 +766,8 @@ def _runs(tmp_path):
 
 
 def test_smoke_procgen(tmp_path):
+    """A tiny Procgen run in a subprocess (--plr-commit update): it trains, scores levels, evaluates with Cobbe et al.'s
+    normalized return and writes its summary (MiniGrid runs: tests/test_plr_loop.py)."""
     out = _run(
         tmp_path,
         *(
@@ -784,41 +782,6 @@ def test_smoke_procgen(tmp_path):
     assert 1 <= summary["plr_num_seen_levels"] <= 5
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("plr/replay_entropy" in x for x in lines) and any("eval/final_generalization_gap" in x for x in lines)
-
-
-def test_smoke_minigrid_save_and_resume(tmp_path):
-    common = (
-        "--env-id MultiRoom-N4-Random --num-envs 4 --num-steps 32 --num-minibatches 2 --num-train-levels 20 "
-        "--eval-every 0 --final-eval-episodes 2 --num-eval-envs 2 --num-workers 1 --checkpoint-every 128"
-    ).split()
-    # 96 steps per env: > 80-step limit; MiniGrid runs need no procgen (imported only for Procgen games)
-    out = _run(tmp_path, *common, "--total-timesteps", "384", "--save-model", block_procgen=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run,) = _runs(tmp_path)
-    assert (run / "plr_ppo.model").exists()
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(k.startswith("plr/mass_rooms=") for x in lines for k in x)  # once levels are scored
-    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 384 and ckpt["sampler"]["num_samples"] >= 4
-    out2 = _run(
-        tmp_path, "--resume", str(run / "checkpoint.pt"), "--total-timesteps", "520", "--final-eval-episodes", "0"
-    )  # 520 is not a multiple of the batch (4 x 32): the run ends at 512 and says so
-    assert out2.returncode == 0, out2.stderr[-2000:]
-    assert "the run ends at step 512" in out2.stdout and "resumed " in out2.stdout and "runs to step 512" in out2.stdout
-    assert _runs(tmp_path) == [run]  # the same run folder
-    ckpt2 = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt2["global_step"] == 512 and ckpt2["update"] == ckpt["update"] + 1
-    assert ckpt2["sampler"]["num_samples"] >= ckpt["sampler"]["num_samples"]
-    np.testing.assert_array_equal(ckpt2["sampler"]["seeds"], ckpt["sampler"]["seeds"])
-    # --plr-commit episode: the resumed run restarts each env's level from its first frame, so the partial score S~ saved
-    # at step 384 must not be stitched onto it: after one 32-step rollout S~ spans at most those 32 steps, and all 32
-    # (on the checkpoint's level) where the episode did not end
-    saved_steps = ckpt["sampler"]["partial_steps"]
-    steps_after = ckpt2["sampler"]["partial_steps"]
-    unfinished = steps_after == 32
-    assert (steps_after <= 32).all(), steps_after
-    assert (unfinished & (saved_steps > 0)).any()  # the case that shows stitching: an episode saved mid-way, not ended
-    np.testing.assert_array_equal(ckpt2["sampler"]["partial_level"][unfinished], ckpt["env_levels"][unfinished])
 
 
 def test_return_normalizer_and_cobbe_normalization():
@@ -841,122 +804,3 @@ def test_return_normalizer_and_cobbe_normalization():
     assert procgen_normalized_return("jumper", "easy", 3.0) == pytest.approx(0.0)  # easy R_min is 3 (not 1)
     assert procgen_normalized_return("starpilot", "hard", 18.25) == pytest.approx(0.5)
     assert procgen_normalized_return("MultiRoom-N4-Random", "easy", 0.5) is None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Wiring: the scores the real training loop commits equal those of the episodes that actually finished
-# ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bootstrap", [True, False])
-def test_real_loop_commits_the_scores_of_finished_episodes(tmp_path, monkeypatch, bootstrap):
-    """Runs plr_ppo.py's __main__ in this process (runpy) on MultiRoom (80-step limit, random-ish policy: mostly
-    timeouts) with the optimizer frozen, records every transition the loop's env gives it, recomputes V with the
-    run's network, GAE per rollout (textbook_gae: termination 0, truncation V(final obs) or 0) and the episode means
-    of |A| stitched across rollouts (textbook_scores), and compares them with the sampler's committed scores."""
-    import runpy
-    import signal
-
-    from common.minigrid_env import MiniGridVecEnv
-
-    N = 4
-    T = 48
-    updates = 4
-    steps = []
-    last_obs = {}
-    orig_reset = MiniGridVecEnv.reset
-    orig_step = MiniGridVecEnv.step
-
-    def spy_reset(self, levels):
-        last_obs["obs"] = orig_reset(self, levels)
-        return last_obs["obs"]
-
-    def spy_step(self, actions, next_level=None):
-        out = orig_step(self, actions, next_level)
-        obs, reward, term, trunc, info = out
-        steps.append(
-            dict(
-                obs=last_obs["obs"].copy(),
-                reward=reward.copy(),
-                term=term.copy(),
-                trunc=trunc.copy(),
-                level=np.array(info["level_seed"]).copy(),
-                final_obs=np.array(info["final_obs"]).copy(),
-            )
-        )
-        last_obs["obs"] = obs
-        return out
-
-    monkeypatch.setattr(MiniGridVecEnv, "reset", spy_reset)
-    monkeypatch.setattr(MiniGridVecEnv, "step", spy_step)
-    monkeypatch.setattr(torch.optim.Adam, "step", lambda self, *a, **k: None)  # V stays the behaviour policy's V
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            SCRIPT,
-            "--env-id",
-            "MultiRoom-N4-Random",
-            "--num-envs",
-            str(N),
-            "--num-steps",
-            str(T),
-            "--num-minibatches",
-            "2",
-            "--total-timesteps",
-            str(N * T * updates),
-            "--no-norm-reward",
-            "--eval-every",
-            "0",
-            "--final-eval-episodes",
-            "0",
-            "--num-workers",
-            "1",
-            "--no-progress",
-            "--no-cuda",
-            "--bootstrap-truncation",
-            str(bootstrap),
-        ],
-    )
-    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    threads = torch.get_num_threads()
-    try:
-        g = runpy.run_path(SCRIPT, run_name="__main__")
-    finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        torch.set_num_threads(threads)
-    assert len(steps) == T * updates
-    agent = g["agent"]
-    sampler = g["sampler"]
-    args = g["args"]
-    assert args.bootstrap_truncation == bootstrap
-    # whole-batch advantage normalization (authors' code): the last update's batch is (A - mean A) / (std A + 1e-5)
-    last_advantages = g["advantages"].double().numpy().reshape(-1)
-    normalized = (last_advantages - last_advantages.mean()) / (last_advantages.std(ddof=1) + 1e-5)
-    np.testing.assert_allclose(g["b_adv"].double().numpy(), normalized, rtol=1e-4, atol=1e-5)
-
-    def V(obs):
-        with torch.no_grad():
-            return agent(torch.as_tensor(obs))[1].double().numpy()
-
-    rollouts = []
-    num_trunc = 0
-    for k in range(updates):
-        chunk = steps[k * T : (k + 1) * T]
-        values = np.stack([V(s["obs"]) for s in chunk])
-        next_value = V(steps[(k + 1) * T]["obs"]) if k + 1 < updates else V(last_obs["obs"])
-        reward = np.stack([s["reward"] for s in chunk]).astype(np.float64)
-        term = np.stack([s["term"] for s in chunk])
-        trunc = np.stack([s["trunc"] for s in chunk])
-        final_values = np.zeros((T, N))
-        for t, s in enumerate(chunk):
-            for i in np.flatnonzero(s["trunc"]):
-                final_values[t, i] = V(s["final_obs"][i : i + 1])[0] if bootstrap else 0.0
-        num_trunc += int(trunc.sum())
-        A, _ = textbook_gae(reward, values, next_value, term, trunc, final_values, args.gamma, args.gae_lambda)
-        rollouts.append((np.abs(A), term | trunc, np.stack([s["level"] for s in chunk])))
-    assert num_trunc >= N  # timeouts happened: they must close episodes
-    S, scored = textbook_scores(rollouts, args.num_train_levels)  # levels are seeds 0..3999 = sampler slots
-    assert scored.sum() >= N and not (sampler.partial_steps == 0).all()  # finished and unfinished episodes
-    np.testing.assert_array_equal(sampler.seen, scored)
-    np.testing.assert_allclose(sampler.scores[scored], S[scored], rtol=1e-4, atol=1e-6)

@@ -11,6 +11,7 @@ Usage (from the repo root):
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -58,16 +59,21 @@ def main():
         cells = []
         held_out = {}
         for k in sorted(pools):
-            it = iter(pools[k])
+            # envs that have played their share go on playing (uncounted): past the pool, its levels come round again
+            it = itertools.cycle(pools[k])
             obs = envs.reset([next(it) for _ in range(envs.num_envs)])
-            rets = []
-            while len(rets) < a.episodes:  # stochastic policy, every new episode on the next level of this difficulty
+            # as plr_ppo.evaluate: each env's first episodes, as many as its share, whatever their lengths
+            share = plr_ppo.episodes_per_env(a.episodes, envs.num_envs)
+            rets_per_env = [[] for _ in range(envs.num_envs)]
+            while any(len(rets_per_env[env]) < share[env] for env in range(envs.num_envs)):
+                # stochastic policy, every new episode on the next level of this difficulty
                 with torch.no_grad():
                     logits = agent(torch.as_tensor(obs))[0]
                 actions = torch.distributions.Categorical(logits=logits).sample().numpy()
                 obs, _, _, _, info = envs.step(actions, next_level=lambda i: next(it))
-                rets += [float(r) for r in info["episode_return"][info["_episode"]]]
-            rets = np.array(rets[: a.episodes])
+                for env in np.flatnonzero(info["_episode"]):
+                    rets_per_env[env].append(float(info["episode_return"][env]))
+            rets = np.array([ret for env in range(envs.num_envs) for ret in rets_per_env[env][: share[env]]])
             succ = (rets > 0).mean()
             se = np.sqrt(succ * (1 - succ) / len(rets))
             cells.append(f"{succ:.2f} ± {se:.2f} / {rets.mean():.2f}")
