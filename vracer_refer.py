@@ -151,6 +151,9 @@ FIXED_ON_RESUME = (
     "kl_direction",
     "per",
     "buffer_size",
+    # beta_0 and sigma_0 only act at the start: a resumed run continues with the checkpoint's beta and std parameter
+    "beta_init",
+    "init_std",
 )
 # flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
 APPLIED_ON_RESUME = (
@@ -163,12 +166,10 @@ APPLIED_ON_RESUME = (
     "C",
     "A",
     "D",
-    "beta_init",
     "beta_lr",
     "logrho_clip",
     "per_alpha",
     "per_beta0",
-    "init_std",
     "action_noise",
     "clip_actions",
     "stats_every",
@@ -447,6 +448,7 @@ class EpisodeReplay:
         "action": ("act", np.float32, 0),  # u_t, in the normalised action space
         "mu_mean": ("act", np.float32, 0),  # mu_t = N(mu_mean, mu_std^2), the policy that acted
         "mu_std": ("act", np.float32, 1),
+        "policy_version": (1, np.int64, 0),  # the version of the published weights mu_t came from
         "reward": (1, np.float64, 0),  # r_{t+1} as received
         "scaled_reward": (1, np.float64, 0),  # r_{t+1} / (sigma_r + eps) (App. B)
         "value": (1, np.float64, 0),  # the most recent V(s_t)
@@ -462,10 +464,10 @@ class EpisodeReplay:
         "boot_obs": ("obs", np.float32, 0),  # last steps: s_L
         "ranked": (1, bool, 0),  # PER: the step was stored at the last re-sort (it has a rank)
     }
-    # Derived fields, not saved: log_trace from rho; ranked at the next re-sort (a loaded memory starts unsorted).
-    NOT_SAVED = ("log_trace", "ranked")
+    # Derived fields, not saved: log_trace from rho.
+    NOT_SAVED = ("log_trace",)
     # The scalars of `state_dict`.
-    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity")
+    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity", "per_alpha")
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
         self.N = N
@@ -512,10 +514,21 @@ class EpisodeReplay:
         self.size -= length
 
     def add_episode(
-        self, obs, action, mu_mean, mu_std, reward, value, terminated: bool, final_value: float = 0.0, final_obs=None
+        self,
+        obs,
+        action,
+        mu_mean,
+        mu_std,
+        reward,
+        value,
+        terminated: bool,
+        final_value: float = 0.0,
+        final_obs=None,
+        policy_version=0,
     ) -> None:
         """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's.
-        final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination)."""
+        final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination); policy_version: the
+        version of the weights each step was acted with."""
         length = len(reward)
         if length == 0:
             return
@@ -537,6 +550,7 @@ class EpisodeReplay:
         self.action[steps] = action
         self.mu_mean[steps] = mu_mean
         self.mu_std[steps] = mu_std
+        self.policy_version[steps] = policy_version
         self.reward[steps] = reward
         self.scaled_reward[steps] = np.asarray(reward) / self.reward_scale
         self.value[steps] = value
@@ -762,12 +776,15 @@ class EpisodeReplay:
         return self.reward_scale
 
     def state_dict(self) -> dict:
+        """The stored steps, the scalars and the PER sort (the sampler continues between two re-sorts as it would)."""
         fields = {k: getattr(self, k)[: self.high_water].copy() for k in self.FIELDS if k not in self.NOT_SAVED}
         scalars = {k: getattr(self, k) for k in self.SCALARS}
-        return fields | scalars | {"episodes": list(self.episodes)}
+        per_order = None if self.per_order is None else self.per_order.copy()
+        return fields | scalars | {"episodes": list(self.episodes), "per_order": per_order}
 
     def load_state_dict(self, saved: dict) -> None:
-        if "capacity" not in saved:
+        expected = {*self.FIELDS.keys() - set(self.NOT_SAVED), *self.SCALARS, "episodes", "per_order"}
+        if not expected <= saved.keys():
             raise SystemExit("error: the checkpoint's replay memory has the field names of an older vracer_refer.py")
         if saved["N"] != self.N or saved["capacity"] != self.capacity:
             raise SystemExit(f"error: checkpoint replay has N={saved['N']}, this run N={self.N}")
@@ -777,6 +794,10 @@ class EpisodeReplay:
             setattr(self, k, saved[k])
         self.episodes = deque(tuple(e) for e in saved["episodes"])
         self._set_log_trace(np.arange(self.high_water))
+        self.per_order = saved["per_order"]
+        if self.per_order is not None:
+            self.per_rank_prob = np.arange(1, len(self.per_order) + 1, dtype=np.float64) ** -self.per_alpha
+        self.per_cdf = None
 
 
 # LEARNER STEP (App. C Alg. 3)
@@ -898,6 +919,7 @@ RING_FIELDS = {
     "action": ("act", torch.float64),  # u_t
     "mu_mean": ("act", torch.float64),  # mu_t = N(mu_mean, mu_std^2)
     "mu_std": ("act", torch.float64),
+    "policy_version": (1, torch.int64),  # the weights version mu_t came from
     "value": (1, torch.float64),  # V(s_t)
     "reward": (1, torch.float64),  # r_{t+1}
     "terminated": (1, torch.bool),
@@ -942,6 +964,15 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
         read=shared(num_actors, dtype=torch.int64),
         stop_event=stop_event,
     )
+
+
+def publish_weights(shared: SharedHandles, agent: Agent, obs_mean: torch.Tensor, obs_std: torch.Tensor) -> None:
+    """Hand the learner's weights and state statistics (Eqs. (14)-(15)) to the actors: copy them into shared memory,
+    then raise the version, which each actor checks before its next step."""
+    shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
+    shared.obs_mean.copy_(obs_mean.cpu())
+    shared.obs_std.copy_(obs_std.cpu())
+    shared.weights_version[0] += 1
 
 
 def numpy_params(agent: Agent, std_map: str, obs_mean: np.ndarray, obs_std: np.ndarray) -> dict:
@@ -1013,6 +1044,7 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
             "action": u,
             "mu_mean": mean,
             "mu_std": std,
+            "policy_version": version,
             "value": value,
             "reward": reward,
             "terminated": terminated,
@@ -1062,6 +1094,7 @@ def store_episodes(shared: SharedHandles, actor_id: int, partial: list, replay: 
             bool(episode["terminated"][-1]),
             final_value=float(episode["final_value"][-1]),
             final_obs=episode["final_obs"][-1],
+            policy_version=episode["policy_version"],
         )
         finished.append((float(episode["episode_return"][-1]), int(episode["episode_length"][-1])))
     if begin < len(positions):
@@ -1094,6 +1127,58 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
     return returns
 
 
+# RUN PLUMBING: what a checkpoint holds and what --resume puts back
+def checkpoint_contents(
+    args: Args, learner: Learner, state: dict, global_step: int, t0: int, started: bool, stats_ready: bool
+):
+    """The script's part of checkpoint.pt (`save_run_checkpoint` adds the flags, the step and the global RNGs): the
+    network, Adam, k and beta, the F clock t0, whether learning has started and the state statistics been computed,
+    the state statistics, the reward scale, the sampler's generator and, with --checkpoint-replay, the replay memory
+    (also before learning starts: a resumed run then keeps collecting into it)."""
+    replay = learner.replay if args.checkpoint_replay else None
+    return {
+        "state": dict(state),
+        "t0": t0,
+        "started": started,
+        "stats_ready": stats_ready,
+        "obs_mean": learner.obs_mean.cpu(),
+        "obs_std": learner.obs_std.cpu(),
+        "reward_scale": learner.replay.reward_scale,
+        "np_rng": learner.rng,
+        **state_dicts(model=learner.agent, optimizer=learner.optimizer, replay=replay),
+    }
+
+
+def steps_before_learning(ckpt: dict | None, args: Args) -> int:
+    """Env steps the run collects before its first gradient step: none when the checkpoint brings a memory that learning
+    has started on; else until the memory (the checkpoint's, or an empty one) holds N_start samples."""
+    if ckpt is None or ckpt["replay"] is None:
+        return args.learning_starts
+    if ckpt["started"]:
+        return 0
+    return max(0, args.learning_starts - ckpt["replay"]["size"])
+
+
+def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[int, int, bool, bool]:
+    """--resume: put the checkpoint's network, Adam state, k and beta, state statistics, reward scale, sampler generator,
+    global RNGs and (when saved) replay memory in place, with this run's flags in effect (Adam's eps and lr are flags
+    applied on resume; load_state_dict brought back the checkpoint's). Returns (global_step, t0, started, stats_ready);
+    without the memory, learning starts again once N_start samples are collected, with the frozen state statistics."""
+    replay = learner.replay if ckpt["replay"] is not None else None
+    load_state_dicts(ckpt, model=learner.agent, optimizer=learner.optimizer, replay=replay)
+    for group in learner.optimizer.param_groups:
+        group["eps"] = args.adam_eps
+        group["lr"] = annealed_lr(ckpt["state"]["k"], args.learning_rate, args.A)
+    learner.obs_mean.copy_(ckpt["obs_mean"])
+    learner.obs_std.copy_(ckpt["obs_std"])
+    learner.replay.reward_scale = ckpt["reward_scale"]
+    learner.rng.bit_generator.state = ckpt["np_rng"].bit_generator.state
+    set_rng_state(ckpt["rng"])
+    state.update(ckpt["state"])
+    started = ckpt["started"] and replay is not None
+    return ckpt["global_step"], ckpt["t0"], started, ckpt["stats_ready"]
+
+
 if __name__ == "__main__":
     # SIGINT (even when inherited as ignored) and SIGTERM stop every process and write summary.json
     stop_on_signals()
@@ -1102,14 +1187,14 @@ if __name__ == "__main__":
     # all checks come before anything heavy and before the run folder is made
     validate_args(args)
     steps_left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
-    # env steps before the first gradient step (none when the checkpoint brings its replay memory)
-    refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts
+    # env steps before the first gradient step (none when the checkpoint brings a memory learning has started on)
+    refill = steps_before_learning(ckpt, args)
     # a run, resumed or not, that would end before it learns
     if steps_left <= refill:
+        no_memory = "; the checkpoint has no replay memory" if ckpt and ckpt["replay"] is None else ""
         raise SystemExit(
             f"error: --total-timesteps {args.total_timesteps:,} leaves {steps_left:,} env steps, not more than the "
-            f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
-            f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})"
+            f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts{no_memory})"
         )
 
     # MEMORY: the replay's RAM, refused at start-up when it cannot fit
@@ -1134,24 +1219,24 @@ if __name__ == "__main__":
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     replay = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
-    # a fresh run's values, or the checkpoint's
-    rng = ckpt["np_rng"] if ckpt else np.random.default_rng(args.seed)
-    obs_mean = ckpt["obs_mean"].to(device) if ckpt else torch.zeros(obs_dim, device=device)
-    obs_std = ckpt["obs_std"].to(device) if ckpt else torch.ones(obs_dim, device=device)
-    state = ckpt["state"] if ckpt else {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
-    global_step = ckpt["global_step"] if ckpt else 0
+    # a fresh run's values; with --resume, the checkpoint's (restore_run)
+    rng = np.random.default_rng(args.seed)
+    obs_mean = torch.zeros(obs_dim, device=device)
+    obs_std = torch.ones(obs_dim, device=device)
+    state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
+    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
+    global_step = 0
     # the env step from which k keeps up with (t - t0)/F
-    t0 = ckpt["t0"] if ckpt else 0
+    t0 = 0
     # learning has started (the replay held N_start samples); the state statistics have been computed
-    started = bool(ckpt) and ckpt["replay"] is not None
-    stats_ready = ckpt["stats_ready"] if ckpt else False
-    # restore the rest, then one line; with the replay memory, learning continues at once
+    started = False
+    stats_ready = False
     if ckpt:
-        load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=replay if started else None)
-        replay.reward_scale = ckpt["reward_scale"]
-        set_rng_state(ckpt["rng"])
+        global_step, t0, started, stats_ready = restore_run(ckpt, args, learner, state)
         if started:
             replay_note = f"replay memory ({replay.size:,} samples)"
+        elif ckpt["replay"] is not None:
+            replay_note = f"replay memory ({replay.size:,} samples, learning in {refill:,}+ steps)"
         else:
             replay_note = f"no replay memory (refilled in {refill:,}+ steps)"
         print(
@@ -1160,22 +1245,25 @@ if __name__ == "__main__":
             f"{args.total_timesteps:,}",
             flush=True,
         )
-    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
 
     procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
     num_params = sum(p.numel() for p in agent.parameters())
     shared = make_shared_handles(args.num_actors, args.ring_size, obs_dim, act_dim, num_params, procs.stop_event)
+    # the versions of the published weights continue across a resume
+    shared.weights_version[0] = ckpt["weights_version"] if ckpt else 0
 
     def publish() -> None:
-        shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
-        shared.obs_mean.copy_(obs_mean.cpu())
-        shared.obs_std.copy_(obs_std.cpu())
-        shared.weights_version[0] += 1
+        publish_weights(shared, agent, obs_mean, obs_std)
 
     def allow_steps() -> None:
         """App. C Alg. 1: "while t < F k: advance the environment", with 32 steps of slack per actor."""
         limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
         shared.steps_allowed[0] = min(args.total_timesteps, limit) - base_step
+
+    def save_checkpoint_now() -> None:
+        contents = checkpoint_contents(args, learner, state, global_step, t0, started, stats_ready)
+        weights_version = int(shared.weights_version[0])
+        save_run_checkpoint(logger, "vracer_refer.py", args, global_step, weights_version=weights_version, **contents)
 
     # the actors count env steps from 0 in this process: steps_allowed is relative to this step
     base_step = global_step
@@ -1243,12 +1331,15 @@ if __name__ == "__main__":
                 if started:
                     means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
                     sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
+                    # publishes since the weights the newest stored step was acted with
+                    policy_lag = int(shared.weights_version[0]) - int(replay.policy_version[replay.head - 1])
                     logger.log(
                         global_step,
                         {
                             "charts/SPS": sps,
                             "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
                             "charts/grad_steps": k,
+                            "charts/policy_lag": policy_lag,
                             **means,
                             "refer/far_policy_frac": replay.far_fraction(),
                             "refer/beta": state["beta"],
@@ -1270,23 +1361,7 @@ if __name__ == "__main__":
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
-                save_run_checkpoint(
-                    logger,
-                    "vracer_refer.py",
-                    args,
-                    global_step,
-                    dims=(obs_dim, act_dim),
-                    state=dict(state),
-                    t0=t0,
-                    stats_ready=stats_ready,
-                    obs_mean=obs_mean.cpu(),
-                    obs_std=obs_std.cpu(),
-                    reward_scale=replay.reward_scale,
-                    np_rng=rng,
-                    **state_dicts(
-                        model=agent, optimizer=optimizer, replay=replay if args.checkpoint_replay and started else None
-                    ),
-                )
+                save_checkpoint_now()
                 last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
@@ -1300,6 +1375,12 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
+    # the run's last state, after a normal end (a resume continues from it)
+    if args.checkpoint_every and error is None:
+        try:
+            save_checkpoint_now()
+        except StopRun as e:
+            error = e
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     def final_eval() -> dict:
