@@ -9,7 +9,7 @@ N, B, F, C, A, D, beta, eta: the paper's hyperparameters (see Args).
 Paper parts (gymnasium MuJoCo tasks)
 - Network (Sec. 2, App. A) `Agent`: MLP 2 x 128 Softsign, V(s) and the Gaussian mean, a state-independent std.
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
-  `vtbc_targets`, stored as Q^ret, recomputed by `EpisodeReplay.recompute_qret` and refreshed by `refresh_delta`.
+  `EpisodeReplay.vtbc_at`, `qret_at`: the recursion over the stored V, rho, by blocks (`compose_maps`).
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
   lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
@@ -18,13 +18,14 @@ Paper parts (gymnasium MuJoCo tasks)
   into the replay; `learn` keeps F = t/k.
 
 Defaults: gamma 0.995, C 4, A 5e-7, D 0.1, N = N_start = 2**18, B 256, lr 1e-4, F 1, Sigma = 0.2 I, softplus std,
-D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent):
-beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0 0.5; no gradient clip or target net.
+D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent;
+cselab/smarties edaef91): beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0 0.5.
 
 Differences from the paper (long form: README.md, section vracer_refer.py)
-- The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
-- Prior steps are refreshed once per gradient step; Q^ret is recomputed at every reward-scale update (stored V keep
-  their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
+- The authors' code stores Q^ret_t and refreshes it for every prior step after each gradient step; here Q^ret_t is
+  computed when read from the stored V and rho by the same recursion (the same values, a cost flat in N); at a
+  reward-scale update the stored V keep their old scale until resampled; n_far is kept incrementally, recounted
+  every `stats_every`.
 - Eq. (13)'s t counts gradient steps; PER weights / batch max; PER re-sorts every `stats_every` steps, and steps stored
   since the last re-sort are drawn uniformly (probability 1/n each) until the next one.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
@@ -288,23 +289,11 @@ class Agent(nn.Module):
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def vtbc_targets(rewards, values, rhos, gamma: float, terminated: bool) -> np.ndarray:
-    """V^tbc_t for t = 0..L-1 of one episode, by the backward recursion of Eq. (8):
-
-        V^tbc_t = V(s_t) + c_t (r_{t+1} + gamma V^tbc_{t+1} - V(s_t)),   c_t = min(1, rho_t),
-        V^tbc_L = V(s_L) after a truncation, 0 after a termination.
-
-    rewards[t] = r_{t+1}; values[t] = V(s_t), values[L] = V(s_L) (read only when not `terminated`); rhos[t] = rho_t."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    values = np.asarray(values, dtype=np.float64)
-    traces = np.minimum(1.0, np.asarray(rhos, dtype=np.float64))
-    length = len(rewards)
-    vtbc = np.zeros(length)
-    next_vtbc = 0.0 if terminated else values[length]
-    for t in reversed(range(length)):
-        vtbc[t] = values[t] + traces[t] * (rewards[t] + gamma * next_vtbc - values[t])
-        next_vtbc = vtbc[t]
-    return vtbc
+def compose_maps(decay: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The maps x_i = offset_i + decay_i x_{i+1} of each row composed from its first column to its last:
+    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8))."""
+    product = np.cumprod(decay, axis=1)
+    return product[:, -1], offset[:, 0] + (product[:, :-1] * offset[:, 1:]).sum(1)
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
@@ -453,8 +442,8 @@ class EpisodeReplay:
         "scaled_reward": (1, np.float64, 0),  # r_{t+1} / (sigma_r + eps) (App. B)
         "value": (1, np.float64, 0),  # the most recent V(s_t)
         "rho": (1, np.float64, 1),  # the most recent rho_t
-        "log_trace": (1, np.float64, 0),  # log(gamma c_t), for `refresh_delta`
-        "qret": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
+        "trace_decay": (1, np.float64, 0),  # Eq. (8) as V^tbc_t = vtbc_offset_t + trace_decay_t V^tbc_{t+1}
+        "vtbc_offset": (1, np.float64, 0),
         "priority": (1, np.float64, 0),  # PER: |c_t (Q^ret_t - V(s_t))| at the step's last gradient step
         "episode_start": (1, np.int64, 0),  # slot of the episode's first step
         "episode_last": (1, np.int64, 0),  # slot of the episode's last step
@@ -464,20 +453,26 @@ class EpisodeReplay:
         "boot_obs": ("obs", np.float32, 0),  # last steps: s_L
         "ranked": (1, bool, 0),  # PER: the step was stored at the last re-sort (it has a rank)
     }
-    # Derived fields, not saved: log_trace from rho.
-    NOT_SAVED = ("log_trace",)
+    # Derived fields, not saved: each step's map of Eq. (8), from its r, V, rho and V(s_L).
+    NOT_SAVED = ("trace_decay", "vtbc_offset")
+    # Steps per block of `vtbc_at` (one block map composes the maps of BLOCK steps).
+    BLOCK = 32
     # The scalars of `state_dict`.
     SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity", "per_alpha")
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
         self.N = N
         self.gamma = gamma
-        self.capacity = N + 4 * max_episode_len
+        self.capacity = self.capacity_for(N, max_episode_len)
         widths = {"obs": obs_dim, "act": act_dim}
         for name, (width, dtype, value) in self.FIELDS.items():
             # s_t and u_t stay 2-D even with one action dimension (the actors hand over (L, act_dim) blocks)
             shape = (self.capacity, widths[width]) if width in widths else self.capacity
             setattr(self, name, np.full(shape, value, dtype))
+        # the composed maps of the steps of each block: V^tbc at its first step = offset + decay V^tbc after its last
+        self.block_decay = np.zeros(self.capacity // self.BLOCK)
+        self.block_offset = np.zeros(self.capacity // self.BLOCK)
+        self.max_episode_len = max_episode_len
         # (first slot, length) of each stored episode, oldest first
         self.episodes: deque = deque()
         self.size = 0
@@ -497,12 +492,18 @@ class EpisodeReplay:
         self.per_cdf = None
         self.per_unranked = None
 
-    @staticmethod
-    def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
-        """RAM of the arrays in FIELDS, computed before allocating them."""
+    @classmethod
+    def capacity_for(cls, N: int, max_episode_len: int) -> int:
+        """Slots: N plus 4 episodes of slack for the FIFO and the jump to slot 0, in whole blocks."""
+        return -(-(N + 4 * max_episode_len) // cls.BLOCK) * cls.BLOCK
+
+    @classmethod
+    def bytes_needed(cls, N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
+        """RAM of the arrays in FIELDS and of the block maps, computed before allocating them."""
         widths = {"obs": obs_dim, "act": act_dim}
-        bytes_per_slot = sum(widths.get(w, w) * np.dtype(t).itemsize for w, t, _ in EpisodeReplay.FIELDS.values())
-        return (N + 4 * max_episode_len) * bytes_per_slot
+        bytes_per_slot = sum(widths.get(w, w) * np.dtype(t).itemsize for w, t, _ in cls.FIELDS.values())
+        capacity = cls.capacity_for(N, max_episode_len)
+        return capacity * bytes_per_slot + 2 * 8 * (capacity // cls.BLOCK)
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
@@ -526,7 +527,7 @@ class EpisodeReplay:
         final_obs=None,
         policy_version=0,
     ) -> None:
-        """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's.
+        """Store one complete episode (App. C Alg. 2); its Q^ret are those of rho = 1 and the acting-time V's.
         final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination); policy_version: the
         version of the weights each step was acted with."""
         length = len(reward)
@@ -555,7 +556,6 @@ class EpisodeReplay:
         self.scaled_reward[steps] = np.asarray(reward) / self.reward_scale
         self.value[steps] = value
         self.rho[steps] = 1.0
-        self.log_trace[steps] = np.log(self.gamma)
         # counted as `_remove_oldest` uncounts them: rho = 1 is far when c_max <= 1 (--refer none --C 0)
         self.n_far += int(is_far_policy(self.rho[steps], self.cmax).sum())
         # PER: new samples get the maximal priority, and no rank until the next re-sort (a recycled slot does not
@@ -570,10 +570,7 @@ class EpisodeReplay:
         self.truncated_last[last] = not terminated
         if not terminated and final_obs is not None:
             self.boot_obs[last] = final_obs
-        values = np.append(np.asarray(value, np.float64), self.boot_value[last])
-        vtbc = vtbc_targets(self.scaled_reward[steps], values, np.ones(length), self.gamma, terminated)
-        # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
-        self.qret[steps] = self.scaled_reward[steps] + self.gamma * np.append(vtbc[1:], self.boot_value[last])
+        self._set_maps(np.arange(start, stop))
         self.episodes.append((start, length))
         self.size += length
         self.head = stop
@@ -636,12 +633,14 @@ class EpisodeReplay:
         weights = (n * prob) ** -beta_is  # (n P)^-beta
         return idx, weights / weights.max()
 
-    # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
+    # -- ReF-ER bookkeeping and the Retrace targets (App. C Alg. 3)
     def update_samples(
         self, idx: np.ndarray, rho: np.ndarray, value: np.ndarray, boot_idx=None, boot_value=None, priority=None
     ):
-        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8)).
-        boot_idx, boot_value: sampled last steps of truncated episodes and their V(s_L) from the current network."""
+        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8)):
+        `vtbc_at` reads Q^ret from the maps of the stored V and rho, which this updates for the sampled steps and their
+        blocks. boot_idx, boot_value: sampled last steps of truncated episodes and their V(s_L) from the current
+        network."""
         idx = np.asarray(idx)
         rho = np.asarray(rho, np.float64)
         value = np.asarray(value, np.float64)
@@ -653,101 +652,72 @@ class EpisodeReplay:
             value = value[keep]
             priority = None if priority is None else priority[keep]
         self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
-        # Eq. (7) with the stored V and rho
-        trace_old = np.minimum(1.0, self.rho[idx])
-        vtbc_old = (1.0 - trace_old) * self.value[idx] + trace_old * self.qret[idx]
         self.rho[idx] = rho
         self.value[idx] = value
-        self._set_log_trace(idx)
         if priority is not None:
             self.priority[idx] = priority
             self.max_priority = max(self.max_priority, float(priority.max()))
         if boot_idx is not None and len(boot_idx):
             self.boot_value[boot_idx] = boot_value
-            self.qret[boot_idx] = self.scaled_reward[boot_idx] + self.gamma * boot_value
-        self.refresh_delta(idx, vtbc_old)
+        # the sampled last steps of truncated episodes are among idx
+        self._set_maps(idx)
 
-    def _set_log_trace(self, idx) -> None:
-        # a cut trace (rho = 0) gives e^-690, i.e. 0 in every product that matters
-        self.log_trace[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
+    def _set_maps(self, slots: np.ndarray) -> None:
+        """Eq. (8) for these steps as maps, V^tbc_t = vtbc_offset_t + trace_decay_t V^tbc_{t+1}: with c_t = min(1, rho_t),
+        trace_decay_t = gamma c_t and vtbc_offset_t = (1 - c_t) V(s_t) + c_t r_{t+1}; an episode's last step ends the
+        recursion (trace_decay 0, vtbc_offset + c gamma V(s_L), V(s_L) = 0 after a termination). Then the maps of their
+        blocks."""
+        trace = np.minimum(1.0, self.rho[slots])
+        is_last = self.episode_last[slots] == slots
+        boot = np.where(is_last, self.gamma * self.boot_value[slots], 0.0)
+        self.trace_decay[slots] = np.where(is_last, 0.0, self.gamma * trace)
+        self.vtbc_offset[slots] = (1.0 - trace) * self.value[slots] + trace * (self.scaled_reward[slots] + boot)
+        blocks = np.unique(slots // self.BLOCK)
+        decay = self.trace_decay.reshape(-1, self.BLOCK)[blocks]
+        offset = self.vtbc_offset.reshape(-1, self.BLOCK)[blocks]
+        self.block_decay[blocks], self.block_offset[blocks] = compose_maps(decay, offset)
 
-    def recompute_qret(self, top: np.ndarray, start: np.ndarray) -> None:
-        """Eq. (8) as the backward recursion over time, in every episode from its step `top` down to its first step
-        `start` (all episodes at once, one pass per time step), from the stored V, rho and Q^ret_top:
+    def vtbc_at(self, slots: np.ndarray) -> np.ndarray:
+        """V^tbc_t of stored steps t from the stored r, V, rho and V(s_L), by the backward recursion of Eq. (8),
 
-            V^tbc_t = V(s_t) + c_t (Q^ret_t - V(s_t))   (Eq. (7)),   Q^ret_{t-1} = r_t + gamma V^tbc_t."""
-        t = np.asarray(top)
-        start = np.asarray(start)
-        while len(t):
-            # an episode's first step has no predecessor to update
-            has_prev = t > start
-            t = t[has_prev]
-            start = start[has_prev]
-            trace = np.minimum(1.0, self.rho[t])
-            vtbc = self.value[t] + trace * (self.qret[t] - self.value[t])
-            self.qret[t - 1] = self.scaled_reward[t - 1] + self.gamma * vtbc
-            t = t - 1
+            V^tbc_t = V(s_t) + c_t (r_{t+1} + gamma V^tbc_{t+1} - V(s_t)),   c_t = min(1, rho_t),
+            V^tbc_L = V(s_L) after a truncation, 0 after a termination,
 
-    def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
-        """Eq. (8) for every step before each sampled step of its episode (App. C Alg. 3), as a change of Q^ret.
+        evaluated by blocks: the maps of t's steps to the end of its block, then the block maps (`_set_maps`) up to the
+        block of the episode's last step, where the recursion ends. This is what refreshing Q^ret of every prior step
+        after each gradient step keeps stored (App. C Alg. 3; `recompute` in tests/benchmarks/bench_vracer_refer.py),
+        in about 1/40 of the learner step's time at N = 2**18 instead of ~1/4 (the benchmark's "forms")."""
+        slots = np.asarray(slots)
+        if not len(slots):
+            return np.zeros(0)
+        block = slots // self.BLOCK
+        # the steps of t's block from t on (identity maps before it)
+        decay = self.trace_decay.reshape(-1, self.BLOCK)[block]
+        offset = self.vtbc_offset.reshape(-1, self.BLOCK)[block]
+        before = np.arange(self.BLOCK) < (slots % self.BLOCK)[:, None]
+        decay[before] = 1.0
+        offset[before] = 0.0
+        first_decay, first_offset = compose_maps(decay, offset)
+        # the following blocks, up to the one of the episode's last step (identity maps after it)
+        blocks_after = self.episode_last[slots] // self.BLOCK - block
+        following = block[:, None] + 1 + np.arange(max(1, int(blocks_after.max())))
+        inside = following <= (block + blocks_after)[:, None]
+        following = np.where(inside, following, 0)
+        _, rest = compose_maps(
+            np.where(inside, self.block_decay[following], 1.0), np.where(inside, self.block_offset[following], 0.0)
+        )
+        return first_offset + first_decay * rest
 
-        The recursion this computes is `recompute_qret(latest sampled step of each episode, its first step)`; this form
-        is kept because it makes the learner step faster (tests/benchmarks/bench_vracer_refer.py, "refresh").
-        Eq. (8) is linear between two sampled steps: a change delta_u of V^tbc_u changes V^tbc_j (j < u, down to the
-        previous sample) by prod_{i=j}^{u-1} gamma c_i delta_u (one cumulative sum of log(gamma c) over the concatenated
-        prefixes; underflow to 0 is the right limit), and Q^ret_{j-1} by gamma times that. The deltas of one episode's
-        samples are chained top-down (a short loop over a sample's rank in its episode)."""
-        starts = self.episode_start[idx]
-        # by episode, latest sampled first
-        order = np.lexsort((-idx, starts))
-        sampled = idx[order]
-        sampled_starts = starts[order]
-        vtbc_old = vtbc_old[order]
-        n = len(sampled)
-        # the latest sample of each episode
-        is_latest = np.append(True, sampled_starts[1:] != sampled_starts[:-1])
-        latest_pos = np.flatnonzero(is_latest)
-        rank = np.arange(n) - np.repeat(latest_pos, np.diff(np.append(latest_pos, n)))
-        latest = sampled[is_latest]
-        first = sampled_starts[is_latest]
-        prefix_len = latest - first + 1
-        offsets = np.cumsum(prefix_len) - prefix_len
-        # the slots of all prefixes [first, latest], concatenated, and the positions of the samples in them
-        slots = np.repeat(first - offsets, prefix_len) + np.arange(int(prefix_len.sum()))
-        sample_pos = np.repeat(offsets - first, np.diff(np.append(latest_pos, n))) + sampled
-        # R_p = sum_{q >= p} log(gamma c_q): differences give products within an episode
-        log_tail = np.cumsum(self.log_trace[slots][::-1])[::-1]
-        trace = np.minimum(1.0, self.rho[sampled])
-        base = (1.0 - trace) * self.value[sampled]
-        delta = np.zeros(n)
-        # chain the samples of each episode from the latest one down
-        for this_rank in range(int(rank.max()) + 1):
-            sel = np.flatnonzero(rank == this_rank)
-            q = self.qret[sampled[sel]]
-            # Q^ret_t already moved by the change coming down from the sample above
-            if this_rank > 0:
-                above = sel - 1
-                q = q + self.gamma * np.exp(log_tail[sample_pos[sel] + 1] - log_tail[sample_pos[above]]) * delta[above]
-            # Eq. (7): new V^tbc_t - old V^tbc_t
-            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]
-        # the pieces (previous sample, this sample] tile the concatenation
-        by_pos = np.argsort(sample_pos)
-        piece = np.diff(np.append(-1, sample_pos[by_pos]))
-        # the change of V^tbc_j (Eq. (8), linear between samples) times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
-        dq = np.exp(log_tail - np.repeat(log_tail[sample_pos[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
-        # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
-        dq[offsets] = 0.0
-        self.qret[slots - 1] += dq
+    def qret_at(self, slots: np.ndarray) -> np.ndarray:
+        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step."""
+        slots = np.asarray(slots)
+        is_last = self.episode_last[slots] == slots
+        next_vtbc = np.where(is_last, self.boot_value[slots], self.vtbc_at(np.where(is_last, slots, slots + 1)))
+        return self.scaled_reward[slots] + self.gamma * next_vtbc
 
-    def recompute_all(self) -> None:
-        """Q^ret of every stored step from the stored V, rho and the current reward scale (Eq. (8) backwards)."""
-        if not self.episodes:
-            return
-        first = np.array([start for start, _ in self.episodes])
-        last = self.episode_last[first]
-        # Q^ret_{L-1} = r_L + gamma V(s_L) (V(s_L) = 0 after a termination)
-        self.qret[last] = self.scaled_reward[last] + self.gamma * self.boot_value[last]
-        self.recompute_qret(last, first)
+    def recompute(self) -> None:
+        """The maps of every stored step (after a reward-scale update or a load)."""
+        self._set_maps(np.flatnonzero(self.valid[: self.high_water]))
 
     def recount_far(self, cmax: float) -> None:
         """Exact n_far with the current c_max."""
@@ -772,7 +742,7 @@ class EpisodeReplay:
         r = self.reward[in_use][self.valid[in_use]]
         self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
         self.scaled_reward[in_use] = self.reward[in_use] / self.reward_scale
-        self.recompute_all()
+        self.recompute()
         return self.reward_scale
 
     def state_dict(self) -> dict:
@@ -793,7 +763,7 @@ class EpisodeReplay:
         for k in self.SCALARS:
             setattr(self, k, saved[k])
         self.episodes = deque(tuple(e) for e in saved["episodes"])
-        self._set_log_trace(np.arange(self.high_water))
+        self.recompute()
         self.per_order = saved["per_order"]
         if self.per_order is not None:
             self.per_rank_prob = np.arange(1, len(self.per_order) + 1, dtype=np.float64) ** -self.per_alpha
@@ -845,7 +815,7 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
         action=torch.as_tensor(replay.action[idx], device=device),
         mu_mean=torch.as_tensor(replay.mu_mean[idx], device=device),
         mu_std=torch.as_tensor(replay.mu_std[idx], device=device),
-        qret=torch.as_tensor(replay.qret[idx], dtype=torch.float32, device=device),
+        qret=torch.as_tensor(replay.qret_at(idx), dtype=torch.float32, device=device),
         weights=weights,
     )
     mean, std, value = learner.agent(obs)

@@ -419,7 +419,8 @@ def test_train_step_nan_guard():
         stats = step({"k": 1, "beta": 0.5}, refer)
         assert torch.isfinite(stats[:3]).all() and torch.isinf(stats[3]), refer
     rm.mu_std[rm.valid] = 1.0
-    rm.qret[rm.valid] = np.nan
+    rm.value[rm.valid] = np.nan  # V^tbc and Q^ret of every step become NaN
+    rm.recompute()
     rho_before = rm.rho.copy()
     weights_before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
     adam_before = [{name: v.clone() for name, v in s.items()} for s in opt.state.values()]
@@ -499,7 +500,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     act = torch.as_tensor(rm.action[idx])
     mu_mean = torch.as_tensor(rm.mu_mean[idx])
     mu_std = torch.as_tensor(rm.mu_std[idx])
-    qret = torch.as_tensor(rm.qret[idx], dtype=torch.float32)
+    qret = torch.as_tensor(rm.qret_at(idx), dtype=torch.float32)
     with torch.no_grad():
         mean, std, value = agent(torch.as_tensor(rm.obs[idx]))
     cmax = vr.refer_cmax(2, args.C, args.A)
@@ -671,7 +672,10 @@ def test_a_restored_learner_continues_exactly(per):
     for s, t in zip(resumed.optimizer.state.values(), uninterrupted.optimizer.state.values()):
         assert all(torch.equal(s[name], t[name]) for name in s)
     for name in vr.EpisodeReplay.FIELDS:
-        np.testing.assert_array_equal(getattr(resumed.replay, name), getattr(uninterrupted.replay, name), err_msg=name)
+        # the derived maps only where a step is stored
+        slots = resumed.replay.valid if name in vr.EpisodeReplay.NOT_SAVED else slice(None)
+        resumed_field = getattr(resumed.replay, name)[slots]
+        np.testing.assert_array_equal(resumed_field, getattr(uninterrupted.replay, name)[slots], err_msg=name)
     assert resumed.rng.bit_generator.state == uninterrupted.rng.bit_generator.state
     torch.testing.assert_close(resumed.obs_mean, uninterrupted.obs_mean, rtol=0, atol=0)
 

@@ -8,31 +8,89 @@ import copy
 import numpy as np
 import pytest
 import torch
-from vracer_helpers import check_qret_consistent, cpu_learner, fill
+from vracer_helpers import check_qret_consistent, cpu_learner, fill, random_episode, textbook_qret, textbook_vtbc
 
 import vracer_refer as vr
 
 
-def test_recompute_qret_runs_the_recursion_in_every_episode_at_once():
-    """`EpisodeReplay.recompute_qret(top, start)`: from Q^ret at each episode's step `top`, Q^ret_{t-1} = r_t + gamma V^tbc_t
-    with V^tbc_t = V_t + min(1, rho_t)(Q^ret_t - V_t), down to the episode's first step, as a loop over one episode does;
-    the steps after `top` stay as they were."""
+# ---------------------------------------------------------------- V^tbc and Q^ret (Eqs. (6)-(8)), read by blocks
+def one_episode_memory(rewards, values, rhos, gamma, terminated, offset=0):
+    """A memory holding one episode (after `offset` padding steps of another), with the given r, V, rho and V(s_L)."""
+    L = len(rewards)
+    rm = vr.EpisodeReplay(offset + L + 1, 2, 1, gamma, max_episode_len=max(L, offset, 1))
+    if offset:
+        rm.add_episode(
+            np.zeros((offset, 2)),
+            np.zeros((offset, 1)),
+            np.zeros((offset, 1)),
+            np.ones((offset, 1)),
+            np.ones(offset),
+            np.ones(offset),
+            True,
+        )
+    start = rm.head
+    rm.add_episode(
+        np.zeros((L, 2)),
+        np.zeros((L, 1)),
+        np.zeros((L, 1)),
+        np.ones((L, 1)),
+        rewards,
+        values[:L],
+        terminated,
+        final_value=float(values[L]),
+    )
+    rm.rho[start : start + L] = rhos
+    rm.recompute()
+    return rm, np.arange(start, start + L)
+
+
+@pytest.mark.parametrize("terminated", [True, False])
+def test_vtbc_read_by_blocks_matches_textbook(terminated):
+    """`EpisodeReplay.vtbc_at` / `qret_at`, Eq. (8) evaluated by blocks of BLOCK steps, equal the textbook backward loop
+    over one episode (tests/vracer_helpers.py) for episodes shorter than a block and spanning many, starting anywhere in
+    a block."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        L = int(rng.integers(1, 300))
+        offset = int(rng.integers(0, 70))
+        gamma = float(rng.uniform(0.5, 1.0))
+        r, v, rho = random_episode(rng, L, terminated)
+        rm, steps = one_episode_memory(r, v, rho, gamma, terminated, offset)
+        np.testing.assert_allclose(rm.vtbc_at(steps), textbook_vtbc(r, v, rho, gamma, terminated), rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(rm.qret_at(steps), textbook_qret(r, v, rho, gamma, terminated), rtol=1e-10, atol=1e-10)
+
+
+def test_vtbc_edge_cases():
+    """Length-1 episodes, a terminal tail slot that must be ignored, rho >= 1 (V^tbc is the bootstrapped discounted
+    return, independent of V) and cut traces (V^tbc = V)."""
+    rm, steps = one_episode_memory([2.0], np.array([0.5, 3.0]), [0.5], 0.9, True)
+    np.testing.assert_allclose(rm.vtbc_at(steps), [0.5 + 0.5 * (2.0 - 0.5)])
+    rm, steps = one_episode_memory([2.0], np.array([0.5, 3.0]), [4.0], 0.9, False)
+    np.testing.assert_allclose(rm.vtbc_at(steps), [2.0 + 0.9 * 3.0])
+    rm, steps = one_episode_memory([1.0, 1.0], np.array([0, 0, 100.0]), [1, 1], 0.5, True)
+    np.testing.assert_allclose(rm.vtbc_at(steps), [1.5, 1.0])
+    rng = np.random.default_rng(1)
+    r, v, _ = random_episode(rng, 70, False)
+    disc = sum(0.99**k * r[k] for k in range(70)) + 0.99**70 * v[70]
+    rm, steps = one_episode_memory(r, v, np.full(70, 2.0), 0.99, False, offset=5)
+    assert rm.vtbc_at(steps)[0] == pytest.approx(disc)
+    rm, steps = one_episode_memory(r, v, np.full(70, 1e-12), 0.99, False, offset=5)
+    np.testing.assert_allclose(rm.vtbc_at(steps), v[:70], atol=1e-9)
+
+
+def test_recompute_reads_the_recursion_of_the_stored_values_in_every_episode():
+    """After arbitrary stored rho (cut traces too), V and V(s_L), `recompute` (a reward-scale update, a load) gives
+    every stored step the Q^ret of the textbook loop over its episode."""
     rng = np.random.default_rng(2)
     for _ in range(10):
         rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
         fill(rm, rng, 30)
         rm.rho[:] = np.exp(rng.normal(size=rm.capacity))
         rm.rho[rng.uniform(size=rm.capacity) < 0.05] = 0.0
-        rm.qret[:] = rng.normal(size=rm.capacity)
-        start = np.array([s for s, _ in rm.episodes])
-        top = start + np.array([int(rng.integers(0, L)) for _, L in rm.episodes])
-        expected = rm.qret.copy()
-        for first, t_top in zip(start, top):
-            for t in range(t_top, first, -1):
-                vtbc = rm.value[t] + min(1.0, rm.rho[t]) * (expected[t] - rm.value[t])
-                expected[t - 1] = rm.scaled_reward[t - 1] + rm.gamma * vtbc
-        rm.recompute_qret(top, start)
-        np.testing.assert_allclose(rm.qret, expected, rtol=1e-12, atol=1e-12)
+        rm.value[:] = rng.normal(size=rm.capacity)
+        rm.boot_value[rm.truncated_last] = rng.normal(size=rm.truncated_last.sum())
+        rm.recompute()
+        check_qret_consistent(rm)
 
 
 def test_fifo_removal_keeps_at_least_N():
@@ -62,7 +120,7 @@ def test_empty_and_small_memory():
     with pytest.raises(ValueError):
         rm.sample(4, rng)
     assert rm.far_fraction() == 0.0
-    rm.recompute_all()  # no-op on an empty memory
+    rm.recompute()  # no-op on an empty memory
     fill(rm, rng, 1, lmin=5, lmax=5)
     assert sorted(rm.sample(5, rng)) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
@@ -108,31 +166,10 @@ def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
         rho[:3] = 0.0
         rm.update_samples(idx, rho, rng.normal(size=32))
         check_qret_consistent(rm)
-    before = rm.qret.copy()
-    rm.recompute_all()
-    np.testing.assert_allclose(rm.qret[rm.valid], before[rm.valid], rtol=1e-9, atol=1e-9)
-
-
-def test_refresh_delta_equals_the_recursion_from_the_latest_sampled_step():
-    """`refresh_delta`, the vectorised refresh of prior steps, gives the Q^ret of the recursion it stands for: Eq. (8)
-    run backwards (`recompute_qret`) from the latest sampled step of each sampled episode to the episode's first step."""
-
-    rng = np.random.default_rng(16)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
-    fill(rm, rng, 40)
-    recursion = copy.deepcopy(rm)
-    for _ in range(30):
-        idx = rm.sample(32, rng)
-        rho = np.exp(rng.normal(size=32))
-        rho[:2] = 0.0
-        value = rng.normal(size=32)
-        rm.update_samples(idx, rho, value)
-        recursion.rho[idx] = rho
-        recursion.value[idx] = value
-        descending = np.sort(idx)[::-1]
-        latest = descending[np.unique(recursion.episode_start[descending], return_index=True)[1]]
-        recursion.recompute_qret(latest, recursion.episode_start[latest])
-        np.testing.assert_allclose(rm.qret, recursion.qret, rtol=1e-9, atol=1e-9)
+    stored = np.flatnonzero(rm.valid)
+    before = rm.qret_at(stored)
+    rm.recompute()
+    np.testing.assert_allclose(rm.qret_at(stored), before, rtol=1e-9, atol=1e-9)
 
 
 def test_reward_scaling_is_rms_without_mean_shift():
@@ -266,7 +303,8 @@ def test_replay_and_train_step_with_one_action_dimension():
     restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
     restored.load_state_dict(rm.state_dict())
     np.testing.assert_array_equal(restored.action, rm.action)
-    np.testing.assert_array_equal(restored.qret, rm.qret)
+    stored = np.flatnonzero(rm.valid)
+    np.testing.assert_array_equal(restored.qret_at(stored), rm.qret_at(stored))
 
 
 def test_replay_memory_need_is_the_size_of_its_arrays():
@@ -316,7 +354,9 @@ def test_memory_state_dict_round_trip_continues_sampling_exactly(per):
     loaded = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
     loaded.load_state_dict(saved)
     for name in vr.EpisodeReplay.FIELDS:
-        np.testing.assert_array_equal(getattr(loaded, name), getattr(rm, name), err_msg=name)
+        # the derived maps only where a step is stored
+        slots = rm.valid if name in vr.EpisodeReplay.NOT_SAVED else slice(None)
+        np.testing.assert_array_equal(getattr(loaded, name)[slots], getattr(rm, name)[slots], err_msg=name)
     for name in vr.EpisodeReplay.SCALARS:
         assert getattr(loaded, name) == getattr(rm, name), name
     draws = {}

@@ -57,7 +57,7 @@ def textbook_memory_qret(rm):
 
 def stored_qret(rm, idx):
     """Q^ret_t of the stored steps `idx`, as the learner reads it."""
-    return rm.qret[np.asarray(idx)]
+    return rm.qret_at(np.asarray(idx))
 
 
 def check_qret_consistent(rm):
