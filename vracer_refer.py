@@ -293,7 +293,7 @@ def compose_maps(decay: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.
     """The maps x_i = offset_i + decay_i x_{i+1} of each row composed from its first column to its last:
     x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8))."""
     product = np.cumprod(decay, axis=1)
-    return product[:, -1], offset[:, 0] + (product[:, :-1] * offset[:, 1:]).sum(1)
+    return product[:, -1], offset[:, 0] + np.einsum("ij,ij->i", product[:, :-1], offset[:, 1:])
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
@@ -685,8 +685,8 @@ class EpisodeReplay:
 
         evaluated by blocks: the maps of t's steps to the end of its block, then the block maps (`_set_maps`) up to the
         block of the episode's last step, where the recursion ends. This is what refreshing Q^ret of every prior step
-        after each gradient step keeps stored (App. C Alg. 3; `recompute` in tests/benchmarks/bench_vracer_refer.py),
-        in about 1/40 of the learner step's time at N = 2**18 instead of ~1/4 (the benchmark's "forms")."""
+        after each gradient step keeps stored (App. C Alg. 3; `EagerReplay` in tests/benchmarks/bench_vracer_refer.py):
+        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark)."""
         slots = np.asarray(slots)
         if not len(slots):
             return np.zeros(0)
@@ -695,17 +695,19 @@ class EpisodeReplay:
         decay = self.trace_decay.reshape(-1, self.BLOCK)[block]
         offset = self.vtbc_offset.reshape(-1, self.BLOCK)[block]
         before = np.arange(self.BLOCK) < (slots % self.BLOCK)[:, None]
-        decay[before] = 1.0
-        offset[before] = 0.0
+        np.putmask(decay, before, 1.0)
+        np.putmask(offset, before, 0.0)
         first_decay, first_offset = compose_maps(decay, offset)
         # the following blocks, up to the one of the episode's last step (identity maps after it)
         blocks_after = self.episode_last[slots] // self.BLOCK - block
         following = block[:, None] + 1 + np.arange(max(1, int(blocks_after.max())))
-        inside = following <= (block + blocks_after)[:, None]
-        following = np.where(inside, following, 0)
-        _, rest = compose_maps(
-            np.where(inside, self.block_decay[following], 1.0), np.where(inside, self.block_offset[following], 0.0)
-        )
+        after_last = following > (block + blocks_after)[:, None]
+        np.putmask(following, after_last, 0)
+        decay = self.block_decay[following]
+        offset = self.block_offset[following]
+        np.putmask(decay, after_last, 1.0)
+        np.putmask(offset, after_last, 0.0)
+        _, rest = compose_maps(decay, offset)
         return first_offset + first_decay * rest
 
     def qret_at(self, slots: np.ndarray) -> np.ndarray:

@@ -369,3 +369,20 @@ def test_memory_state_dict_round_trip_continues_sampling_exactly(per):
     for (idx, weights), (idx_loaded, weights_loaded) in zip(draws[id(rm)], draws[id(loaded)]):
         np.testing.assert_array_equal(idx, idx_loaded)
         np.testing.assert_array_equal(weights, weights_loaded)
+
+
+def test_a_refreshed_V_of_the_final_state_moves_the_targets_of_its_episode():
+    """`update_samples` with the sampled last steps of truncated episodes: their V(s_L) is stored, and Q^ret of the
+    last step (r_L + gamma V(s_L)) and of every prior step of the episode follow it (Eq. (8) from the new bootstrap)."""
+    rng = np.random.default_rng(43)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    fill(rm, rng, 30)
+    last = np.flatnonzero(rm.truncated_last)[:5]
+    assert len(last) == 5
+    before = rm.qret_at(rm.episode_start[last])
+    new_boot = rm.boot_value[last] + 10.0
+    rm.update_samples(last, rm.rho[last], rm.value[last], last, new_boot)
+    np.testing.assert_array_equal(rm.boot_value[last], new_boot)
+    np.testing.assert_allclose(rm.qret_at(last), rm.scaled_reward[last] + rm.gamma * new_boot, rtol=1e-12)
+    assert np.all(rm.qret_at(rm.episode_start[last]) > before)
+    check_qret_consistent(rm)
