@@ -9,7 +9,7 @@ N, B, F, C, A, D, beta, eta: the paper's hyperparameters (see Args).
 Paper parts (gymnasium MuJoCo tasks)
 - Network (Sec. 2, App. A) `Agent`: MLP 2 x 128 Softsign, V(s) and the Gaussian mean, a state-independent std.
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
-  `vtbc_targets`, stored as Q^ret, recomputed by `EpisodeReplay.recompute_qret` and refreshed by `refresh_delta`.
+  `EpisodeReplay.vtbc_at`, `qret_at`: the recursion over the stored V, rho, by blocks (`compose_maps`).
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
   lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
@@ -18,13 +18,14 @@ Paper parts (gymnasium MuJoCo tasks)
   into the replay; `learn` keeps F = t/k.
 
 Defaults: gamma 0.995, C 4, A 5e-7, D 0.1, N = N_start = 2**18, B 256, lr 1e-4, F 1, Sigma = 0.2 I, softplus std,
-D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent):
-beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0 0.5; no gradient clip or target net.
+D_KL(mu || pi) (App. A, Sec. 3, Alg. 1); stats every 1000 steps, eps 1e-7 (App. B). Authors' code (paper silent;
+cselab/smarties edaef91): beta_0 0, beta rate 1e-4, log rho clip 7, Adam eps 1.19e-7; PER alpha 0.5, beta0 0.5.
 
 Differences from the paper (long form: README.md, section vracer_refer.py)
-- The replay stores Q^ret_t (as the authors' code); V^tbc_t is rebuilt from it with the fresh V and rho (Eq. (7)).
-- Prior steps are refreshed once per gradient step; Q^ret is recomputed at every reward-scale update (stored V keep
-  their old scale until resampled); n_far is kept incrementally, recounted every `stats_every`.
+- The authors' code stores Q^ret_t and refreshes it for every prior step after each gradient step; here Q^ret_t is
+  computed when read from the stored V and rho by the same recursion (the same values, a cost flat in N); at a
+  reward-scale update the stored V keep their old scale until resampled; n_far is kept incrementally, recounted
+  every `stats_every`.
 - Eq. (13)'s t counts gradient steps; PER weights / batch max; PER re-sorts every `stats_every` steps, and steps stored
   since the last re-sort are drawn uniformly (probability 1/n each) until the next one.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
@@ -151,6 +152,9 @@ FIXED_ON_RESUME = (
     "kl_direction",
     "per",
     "buffer_size",
+    # beta_0 and sigma_0 only act at the start: a resumed run continues with the checkpoint's beta and std parameter
+    "beta_init",
+    "init_std",
 )
 # flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
 APPLIED_ON_RESUME = (
@@ -163,12 +167,10 @@ APPLIED_ON_RESUME = (
     "C",
     "A",
     "D",
-    "beta_init",
     "beta_lr",
     "logrho_clip",
     "per_alpha",
     "per_beta0",
-    "init_std",
     "action_noise",
     "clip_actions",
     "stats_every",
@@ -287,23 +289,11 @@ class Agent(nn.Module):
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def vtbc_targets(rewards, values, rhos, gamma: float, terminated: bool) -> np.ndarray:
-    """V^tbc_t for t = 0..L-1 of one episode, by the backward recursion of Eq. (8):
-
-        V^tbc_t = V(s_t) + c_t (r_{t+1} + gamma V^tbc_{t+1} - V(s_t)),   c_t = min(1, rho_t),
-        V^tbc_L = V(s_L) after a truncation, 0 after a termination.
-
-    rewards[t] = r_{t+1}; values[t] = V(s_t), values[L] = V(s_L) (read only when not `terminated`); rhos[t] = rho_t."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    values = np.asarray(values, dtype=np.float64)
-    traces = np.minimum(1.0, np.asarray(rhos, dtype=np.float64))
-    length = len(rewards)
-    vtbc = np.zeros(length)
-    next_vtbc = 0.0 if terminated else values[length]
-    for t in reversed(range(length)):
-        vtbc[t] = values[t] + traces[t] * (rewards[t] + gamma * next_vtbc - values[t])
-        next_vtbc = vtbc[t]
-    return vtbc
+def compose_maps(decay: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The maps x_i = offset_i + decay_i x_{i+1} of each row composed from its first column to its last:
+    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8))."""
+    product = np.cumprod(decay, axis=1)
+    return product[:, -1], offset[:, 0] + np.einsum("ij,ij->i", product[:, :-1], offset[:, 1:])
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
@@ -447,12 +437,13 @@ class EpisodeReplay:
         "action": ("act", np.float32, 0),  # u_t, in the normalised action space
         "mu_mean": ("act", np.float32, 0),  # mu_t = N(mu_mean, mu_std^2), the policy that acted
         "mu_std": ("act", np.float32, 1),
+        "policy_version": (1, np.int64, 0),  # the version of the published weights mu_t came from
         "reward": (1, np.float64, 0),  # r_{t+1} as received
         "scaled_reward": (1, np.float64, 0),  # r_{t+1} / (sigma_r + eps) (App. B)
         "value": (1, np.float64, 0),  # the most recent V(s_t)
         "rho": (1, np.float64, 1),  # the most recent rho_t
-        "log_trace": (1, np.float64, 0),  # log(gamma c_t), for `refresh_delta`
-        "qret": (1, np.float64, 0),  # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
+        "trace_decay": (1, np.float64, 0),  # Eq. (8) as V^tbc_t = vtbc_offset_t + trace_decay_t V^tbc_{t+1}
+        "vtbc_offset": (1, np.float64, 0),
         "priority": (1, np.float64, 0),  # PER: |c_t (Q^ret_t - V(s_t))| at the step's last gradient step
         "episode_start": (1, np.int64, 0),  # slot of the episode's first step
         "episode_last": (1, np.int64, 0),  # slot of the episode's last step
@@ -462,20 +453,26 @@ class EpisodeReplay:
         "boot_obs": ("obs", np.float32, 0),  # last steps: s_L
         "ranked": (1, bool, 0),  # PER: the step was stored at the last re-sort (it has a rank)
     }
-    # Derived fields, not saved: log_trace from rho; ranked at the next re-sort (a loaded memory starts unsorted).
-    NOT_SAVED = ("log_trace", "ranked")
+    # Derived fields, not saved: each step's map of Eq. (8), from its r, V, rho and V(s_L).
+    NOT_SAVED = ("trace_decay", "vtbc_offset")
+    # Steps per block of `vtbc_at` (one block map composes the maps of BLOCK steps).
+    BLOCK = 32
     # The scalars of `state_dict`.
-    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity")
+    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity", "per_alpha")
 
     def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
         self.N = N
         self.gamma = gamma
-        self.capacity = N + 4 * max_episode_len
+        self.capacity = self.capacity_for(N, max_episode_len)
         widths = {"obs": obs_dim, "act": act_dim}
         for name, (width, dtype, value) in self.FIELDS.items():
             # s_t and u_t stay 2-D even with one action dimension (the actors hand over (L, act_dim) blocks)
             shape = (self.capacity, widths[width]) if width in widths else self.capacity
             setattr(self, name, np.full(shape, value, dtype))
+        # the composed maps of the steps of each block: V^tbc at its first step = offset + decay V^tbc after its last
+        self.block_decay = np.zeros(self.capacity // self.BLOCK)
+        self.block_offset = np.zeros(self.capacity // self.BLOCK)
+        self.max_episode_len = max_episode_len
         # (first slot, length) of each stored episode, oldest first
         self.episodes: deque = deque()
         self.size = 0
@@ -495,12 +492,18 @@ class EpisodeReplay:
         self.per_cdf = None
         self.per_unranked = None
 
-    @staticmethod
-    def bytes_needed(N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
-        """RAM of the arrays in FIELDS, computed before allocating them."""
+    @classmethod
+    def capacity_for(cls, N: int, max_episode_len: int) -> int:
+        """Slots: N plus 4 episodes of slack for the FIFO and the jump to slot 0, in whole blocks."""
+        return -(-(N + 4 * max_episode_len) // cls.BLOCK) * cls.BLOCK
+
+    @classmethod
+    def bytes_needed(cls, N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
+        """RAM of the arrays in FIELDS and of the block maps, computed before allocating them."""
         widths = {"obs": obs_dim, "act": act_dim}
-        bytes_per_slot = sum(widths.get(w, w) * np.dtype(t).itemsize for w, t, _ in EpisodeReplay.FIELDS.values())
-        return (N + 4 * max_episode_len) * bytes_per_slot
+        bytes_per_slot = sum(widths.get(w, w) * np.dtype(t).itemsize for w, t, _ in cls.FIELDS.values())
+        capacity = cls.capacity_for(N, max_episode_len)
+        return capacity * bytes_per_slot + 2 * 8 * (capacity // cls.BLOCK)
 
     # -- insertion and FIFO forgetting
     def _remove_oldest(self) -> None:
@@ -512,10 +515,21 @@ class EpisodeReplay:
         self.size -= length
 
     def add_episode(
-        self, obs, action, mu_mean, mu_std, reward, value, terminated: bool, final_value: float = 0.0, final_obs=None
+        self,
+        obs,
+        action,
+        mu_mean,
+        mu_std,
+        reward,
+        value,
+        terminated: bool,
+        final_value: float = 0.0,
+        final_obs=None,
+        policy_version=0,
     ) -> None:
-        """Store one complete episode (App. C Alg. 2) and compute its Q^ret with rho = 1 and acting-time V's.
-        final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination)."""
+        """Store one complete episode (App. C Alg. 2); its Q^ret are those of rho = 1 and the acting-time V's.
+        final_value, final_obs: V(s_L) and s_L after a truncation (not read after a termination); policy_version: the
+        version of the weights each step was acted with."""
         length = len(reward)
         if length == 0:
             return
@@ -537,11 +551,11 @@ class EpisodeReplay:
         self.action[steps] = action
         self.mu_mean[steps] = mu_mean
         self.mu_std[steps] = mu_std
+        self.policy_version[steps] = policy_version
         self.reward[steps] = reward
         self.scaled_reward[steps] = np.asarray(reward) / self.reward_scale
         self.value[steps] = value
         self.rho[steps] = 1.0
-        self.log_trace[steps] = np.log(self.gamma)
         # counted as `_remove_oldest` uncounts them: rho = 1 is far when c_max <= 1 (--refer none --C 0)
         self.n_far += int(is_far_policy(self.rho[steps], self.cmax).sum())
         # PER: new samples get the maximal priority, and no rank until the next re-sort (a recycled slot does not
@@ -556,10 +570,7 @@ class EpisodeReplay:
         self.truncated_last[last] = not terminated
         if not terminated and final_obs is not None:
             self.boot_obs[last] = final_obs
-        values = np.append(np.asarray(value, np.float64), self.boot_value[last])
-        vtbc = vtbc_targets(self.scaled_reward[steps], values, np.ones(length), self.gamma, terminated)
-        # Q^ret_t = r_{t+1} + gamma V^tbc_{t+1}
-        self.qret[steps] = self.scaled_reward[steps] + self.gamma * np.append(vtbc[1:], self.boot_value[last])
+        self._set_maps(np.arange(start, stop))
         self.episodes.append((start, length))
         self.size += length
         self.head = stop
@@ -622,12 +633,14 @@ class EpisodeReplay:
         weights = (n * prob) ** -beta_is  # (n P)^-beta
         return idx, weights / weights.max()
 
-    # -- ReF-ER bookkeeping and Retrace refresh (App. C Alg. 3)
+    # -- ReF-ER bookkeeping and the Retrace targets (App. C Alg. 3)
     def update_samples(
         self, idx: np.ndarray, rho: np.ndarray, value: np.ndarray, boot_idx=None, boot_value=None, priority=None
     ):
-        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8)).
-        boot_idx, boot_value: sampled last steps of truncated episodes and their V(s_L) from the current network."""
+        """Store the new rho, V(s) of the sampled steps, keep n_far, and refresh Q^ret of all prior steps (Eq. (8)):
+        `vtbc_at` reads Q^ret from the maps of the stored V and rho, which this updates for the sampled steps and their
+        blocks. boot_idx, boot_value: sampled last steps of truncated episodes and their V(s_L) from the current
+        network."""
         idx = np.asarray(idx)
         rho = np.asarray(rho, np.float64)
         value = np.asarray(value, np.float64)
@@ -639,101 +652,74 @@ class EpisodeReplay:
             value = value[keep]
             priority = None if priority is None else priority[keep]
         self.n_far += int(is_far_policy(rho, self.cmax).sum()) - int(is_far_policy(self.rho[idx], self.cmax).sum())
-        # Eq. (7) with the stored V and rho
-        trace_old = np.minimum(1.0, self.rho[idx])
-        vtbc_old = (1.0 - trace_old) * self.value[idx] + trace_old * self.qret[idx]
         self.rho[idx] = rho
         self.value[idx] = value
-        self._set_log_trace(idx)
         if priority is not None:
             self.priority[idx] = priority
             self.max_priority = max(self.max_priority, float(priority.max()))
         if boot_idx is not None and len(boot_idx):
             self.boot_value[boot_idx] = boot_value
-            self.qret[boot_idx] = self.scaled_reward[boot_idx] + self.gamma * boot_value
-        self.refresh_delta(idx, vtbc_old)
+        # the sampled last steps of truncated episodes are among idx
+        self._set_maps(idx)
 
-    def _set_log_trace(self, idx) -> None:
-        # a cut trace (rho = 0) gives e^-690, i.e. 0 in every product that matters
-        self.log_trace[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
+    def _set_maps(self, slots: np.ndarray) -> None:
+        """Eq. (8) for these steps as maps, V^tbc_t = vtbc_offset_t + trace_decay_t V^tbc_{t+1}: with c_t = min(1, rho_t),
+        trace_decay_t = gamma c_t and vtbc_offset_t = (1 - c_t) V(s_t) + c_t r_{t+1}; an episode's last step ends the
+        recursion (trace_decay 0, vtbc_offset + c gamma V(s_L), V(s_L) = 0 after a termination). Then the maps of their
+        blocks."""
+        trace = np.minimum(1.0, self.rho[slots])
+        is_last = self.episode_last[slots] == slots
+        boot = np.where(is_last, self.gamma * self.boot_value[slots], 0.0)
+        self.trace_decay[slots] = np.where(is_last, 0.0, self.gamma * trace)
+        self.vtbc_offset[slots] = (1.0 - trace) * self.value[slots] + trace * (self.scaled_reward[slots] + boot)
+        blocks = np.unique(slots // self.BLOCK)
+        decay = self.trace_decay.reshape(-1, self.BLOCK)[blocks]
+        offset = self.vtbc_offset.reshape(-1, self.BLOCK)[blocks]
+        self.block_decay[blocks], self.block_offset[blocks] = compose_maps(decay, offset)
 
-    def recompute_qret(self, top: np.ndarray, start: np.ndarray) -> None:
-        """Eq. (8) as the backward recursion over time, in every episode from its step `top` down to its first step
-        `start` (all episodes at once, one pass per time step), from the stored V, rho and Q^ret_top:
+    def vtbc_at(self, slots: np.ndarray) -> np.ndarray:
+        """V^tbc_t of stored steps t from the stored r, V, rho and V(s_L), by the backward recursion of Eq. (8),
 
-            V^tbc_t = V(s_t) + c_t (Q^ret_t - V(s_t))   (Eq. (7)),   Q^ret_{t-1} = r_t + gamma V^tbc_t."""
-        t = np.asarray(top)
-        start = np.asarray(start)
-        while len(t):
-            # an episode's first step has no predecessor to update
-            has_prev = t > start
-            t = t[has_prev]
-            start = start[has_prev]
-            trace = np.minimum(1.0, self.rho[t])
-            vtbc = self.value[t] + trace * (self.qret[t] - self.value[t])
-            self.qret[t - 1] = self.scaled_reward[t - 1] + self.gamma * vtbc
-            t = t - 1
+            V^tbc_t = V(s_t) + c_t (r_{t+1} + gamma V^tbc_{t+1} - V(s_t)),   c_t = min(1, rho_t),
+            V^tbc_L = V(s_L) after a truncation, 0 after a termination,
 
-    def refresh_delta(self, idx: np.ndarray, vtbc_old: np.ndarray) -> None:
-        """Eq. (8) for every step before each sampled step of its episode (App. C Alg. 3), as a change of Q^ret.
+        evaluated by blocks: the maps of t's steps to the end of its block, then the block maps (`_set_maps`) up to the
+        block of the episode's last step, where the recursion ends. This is what refreshing Q^ret of every prior step
+        after each gradient step keeps stored (App. C Alg. 3; `EagerReplay` in tests/benchmarks/bench_vracer_refer.py):
+        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark)."""
+        slots = np.asarray(slots)
+        if not len(slots):
+            return np.zeros(0)
+        block = slots // self.BLOCK
+        # the steps of t's block from t on (identity maps before it)
+        decay = self.trace_decay.reshape(-1, self.BLOCK)[block]
+        offset = self.vtbc_offset.reshape(-1, self.BLOCK)[block]
+        before = np.arange(self.BLOCK) < (slots % self.BLOCK)[:, None]
+        np.putmask(decay, before, 1.0)
+        np.putmask(offset, before, 0.0)
+        first_decay, first_offset = compose_maps(decay, offset)
+        # the following blocks, up to the one of the episode's last step (identity maps after it)
+        blocks_after = self.episode_last[slots] // self.BLOCK - block
+        following = block[:, None] + 1 + np.arange(max(1, int(blocks_after.max())))
+        after_last = following > (block + blocks_after)[:, None]
+        np.putmask(following, after_last, 0)
+        decay = self.block_decay[following]
+        offset = self.block_offset[following]
+        np.putmask(decay, after_last, 1.0)
+        np.putmask(offset, after_last, 0.0)
+        _, rest = compose_maps(decay, offset)
+        return first_offset + first_decay * rest
 
-        The recursion this computes is `recompute_qret(latest sampled step of each episode, its first step)`; this form
-        is kept because it makes the learner step faster (tests/benchmarks/bench_vracer_refer.py, "refresh").
-        Eq. (8) is linear between two sampled steps: a change delta_u of V^tbc_u changes V^tbc_j (j < u, down to the
-        previous sample) by prod_{i=j}^{u-1} gamma c_i delta_u (one cumulative sum of log(gamma c) over the concatenated
-        prefixes; underflow to 0 is the right limit), and Q^ret_{j-1} by gamma times that. The deltas of one episode's
-        samples are chained top-down (a short loop over a sample's rank in its episode)."""
-        starts = self.episode_start[idx]
-        # by episode, latest sampled first
-        order = np.lexsort((-idx, starts))
-        sampled = idx[order]
-        sampled_starts = starts[order]
-        vtbc_old = vtbc_old[order]
-        n = len(sampled)
-        # the latest sample of each episode
-        is_latest = np.append(True, sampled_starts[1:] != sampled_starts[:-1])
-        latest_pos = np.flatnonzero(is_latest)
-        rank = np.arange(n) - np.repeat(latest_pos, np.diff(np.append(latest_pos, n)))
-        latest = sampled[is_latest]
-        first = sampled_starts[is_latest]
-        prefix_len = latest - first + 1
-        offsets = np.cumsum(prefix_len) - prefix_len
-        # the slots of all prefixes [first, latest], concatenated, and the positions of the samples in them
-        slots = np.repeat(first - offsets, prefix_len) + np.arange(int(prefix_len.sum()))
-        sample_pos = np.repeat(offsets - first, np.diff(np.append(latest_pos, n))) + sampled
-        # R_p = sum_{q >= p} log(gamma c_q): differences give products within an episode
-        log_tail = np.cumsum(self.log_trace[slots][::-1])[::-1]
-        trace = np.minimum(1.0, self.rho[sampled])
-        base = (1.0 - trace) * self.value[sampled]
-        delta = np.zeros(n)
-        # chain the samples of each episode from the latest one down
-        for this_rank in range(int(rank.max()) + 1):
-            sel = np.flatnonzero(rank == this_rank)
-            q = self.qret[sampled[sel]]
-            # Q^ret_t already moved by the change coming down from the sample above
-            if this_rank > 0:
-                above = sel - 1
-                q = q + self.gamma * np.exp(log_tail[sample_pos[sel] + 1] - log_tail[sample_pos[above]]) * delta[above]
-            # Eq. (7): new V^tbc_t - old V^tbc_t
-            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]
-        # the pieces (previous sample, this sample] tile the concatenation
-        by_pos = np.argsort(sample_pos)
-        piece = np.diff(np.append(-1, sample_pos[by_pos]))
-        # the change of V^tbc_j (Eq. (8), linear between samples) times gamma: the change of Q^ret_{j-1} = r_j + gamma V^tbc_j
-        dq = np.exp(log_tail - np.repeat(log_tail[sample_pos[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
-        # the first step of an episode has no predecessor (slot j - 1 is another episode's: += 0)
-        dq[offsets] = 0.0
-        self.qret[slots - 1] += dq
+    def qret_at(self, slots: np.ndarray) -> np.ndarray:
+        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step."""
+        slots = np.asarray(slots)
+        is_last = self.episode_last[slots] == slots
+        next_vtbc = np.where(is_last, self.boot_value[slots], self.vtbc_at(np.where(is_last, slots, slots + 1)))
+        return self.scaled_reward[slots] + self.gamma * next_vtbc
 
-    def recompute_all(self) -> None:
-        """Q^ret of every stored step from the stored V, rho and the current reward scale (Eq. (8) backwards)."""
-        if not self.episodes:
-            return
-        first = np.array([start for start, _ in self.episodes])
-        last = self.episode_last[first]
-        # Q^ret_{L-1} = r_L + gamma V(s_L) (V(s_L) = 0 after a termination)
-        self.qret[last] = self.scaled_reward[last] + self.gamma * self.boot_value[last]
-        self.recompute_qret(last, first)
+    def recompute(self) -> None:
+        """The maps of every stored step (after a reward-scale update or a load)."""
+        self._set_maps(np.flatnonzero(self.valid[: self.high_water]))
 
     def recount_far(self, cmax: float) -> None:
         """Exact n_far with the current c_max."""
@@ -758,16 +744,19 @@ class EpisodeReplay:
         r = self.reward[in_use][self.valid[in_use]]
         self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
         self.scaled_reward[in_use] = self.reward[in_use] / self.reward_scale
-        self.recompute_all()
+        self.recompute()
         return self.reward_scale
 
     def state_dict(self) -> dict:
+        """The stored steps, the scalars and the PER sort (the sampler continues between two re-sorts as it would)."""
         fields = {k: getattr(self, k)[: self.high_water].copy() for k in self.FIELDS if k not in self.NOT_SAVED}
         scalars = {k: getattr(self, k) for k in self.SCALARS}
-        return fields | scalars | {"episodes": list(self.episodes)}
+        per_order = None if self.per_order is None else self.per_order.copy()
+        return fields | scalars | {"episodes": list(self.episodes), "per_order": per_order}
 
     def load_state_dict(self, saved: dict) -> None:
-        if "capacity" not in saved:
+        expected = {*self.FIELDS.keys() - set(self.NOT_SAVED), *self.SCALARS, "episodes", "per_order"}
+        if not expected <= saved.keys():
             raise SystemExit("error: the checkpoint's replay memory has the field names of an older vracer_refer.py")
         if saved["N"] != self.N or saved["capacity"] != self.capacity:
             raise SystemExit(f"error: checkpoint replay has N={saved['N']}, this run N={self.N}")
@@ -776,7 +765,11 @@ class EpisodeReplay:
         for k in self.SCALARS:
             setattr(self, k, saved[k])
         self.episodes = deque(tuple(e) for e in saved["episodes"])
-        self._set_log_trace(np.arange(self.high_water))
+        self.recompute()
+        self.per_order = saved["per_order"]
+        if self.per_order is not None:
+            self.per_rank_prob = np.arange(1, len(self.per_order) + 1, dtype=np.float64) ** -self.per_alpha
+        self.per_cdf = None
 
 
 # LEARNER STEP (App. C Alg. 3)
@@ -824,7 +817,7 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
         action=torch.as_tensor(replay.action[idx], device=device),
         mu_mean=torch.as_tensor(replay.mu_mean[idx], device=device),
         mu_std=torch.as_tensor(replay.mu_std[idx], device=device),
-        qret=torch.as_tensor(replay.qret[idx], dtype=torch.float32, device=device),
+        qret=torch.as_tensor(replay.qret_at(idx), dtype=torch.float32, device=device),
         weights=weights,
     )
     mean, std, value = learner.agent(obs)
@@ -898,6 +891,7 @@ RING_FIELDS = {
     "action": ("act", torch.float64),  # u_t
     "mu_mean": ("act", torch.float64),  # mu_t = N(mu_mean, mu_std^2)
     "mu_std": ("act", torch.float64),
+    "policy_version": (1, torch.int64),  # the weights version mu_t came from
     "value": (1, torch.float64),  # V(s_t)
     "reward": (1, torch.float64),  # r_{t+1}
     "terminated": (1, torch.bool),
@@ -942,6 +936,15 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
         read=shared(num_actors, dtype=torch.int64),
         stop_event=stop_event,
     )
+
+
+def publish_weights(shared: SharedHandles, agent: Agent, obs_mean: torch.Tensor, obs_std: torch.Tensor) -> None:
+    """Hand the learner's weights and state statistics (Eqs. (14)-(15)) to the actors: copy them into shared memory,
+    then raise the version, which each actor checks before its next step."""
+    shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
+    shared.obs_mean.copy_(obs_mean.cpu())
+    shared.obs_std.copy_(obs_std.cpu())
+    shared.weights_version[0] += 1
 
 
 def numpy_params(agent: Agent, std_map: str, obs_mean: np.ndarray, obs_std: np.ndarray) -> dict:
@@ -1013,6 +1016,7 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
             "action": u,
             "mu_mean": mean,
             "mu_std": std,
+            "policy_version": version,
             "value": value,
             "reward": reward,
             "terminated": terminated,
@@ -1062,6 +1066,7 @@ def store_episodes(shared: SharedHandles, actor_id: int, partial: list, replay: 
             bool(episode["terminated"][-1]),
             final_value=float(episode["final_value"][-1]),
             final_obs=episode["final_obs"][-1],
+            policy_version=episode["policy_version"],
         )
         finished.append((float(episode["episode_return"][-1]), int(episode["episode_length"][-1])))
     if begin < len(positions):
@@ -1094,6 +1099,58 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
     return returns
 
 
+# RUN PLUMBING: what a checkpoint holds and what --resume puts back
+def checkpoint_contents(
+    args: Args, learner: Learner, state: dict, global_step: int, t0: int, started: bool, stats_ready: bool
+):
+    """The script's part of checkpoint.pt (`save_run_checkpoint` adds the flags, the step and the global RNGs): the
+    network, Adam, k and beta, the F clock t0, whether learning has started and the state statistics been computed,
+    the state statistics, the reward scale, the sampler's generator and, with --checkpoint-replay, the replay memory
+    (also before learning starts: a resumed run then keeps collecting into it)."""
+    replay = learner.replay if args.checkpoint_replay else None
+    return {
+        "state": dict(state),
+        "t0": t0,
+        "started": started,
+        "stats_ready": stats_ready,
+        "obs_mean": learner.obs_mean.cpu(),
+        "obs_std": learner.obs_std.cpu(),
+        "reward_scale": learner.replay.reward_scale,
+        "np_rng": learner.rng,
+        **state_dicts(model=learner.agent, optimizer=learner.optimizer, replay=replay),
+    }
+
+
+def steps_before_learning(ckpt: dict | None, args: Args) -> int:
+    """Env steps the run collects before its first gradient step: none when the checkpoint brings a memory that learning
+    has started on; else until the memory (the checkpoint's, or an empty one) holds N_start samples."""
+    if ckpt is None or ckpt["replay"] is None:
+        return args.learning_starts
+    if ckpt["started"]:
+        return 0
+    return max(0, args.learning_starts - ckpt["replay"]["size"])
+
+
+def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[int, int, bool, bool]:
+    """--resume: put the checkpoint's network, Adam state, k and beta, state statistics, reward scale, sampler generator,
+    global RNGs and (when saved) replay memory in place, with this run's flags in effect (Adam's eps and lr are flags
+    applied on resume; load_state_dict brought back the checkpoint's). Returns (global_step, t0, started, stats_ready);
+    without the memory, learning starts again once N_start samples are collected, with the frozen state statistics."""
+    replay = learner.replay if ckpt["replay"] is not None else None
+    load_state_dicts(ckpt, model=learner.agent, optimizer=learner.optimizer, replay=replay)
+    for group in learner.optimizer.param_groups:
+        group["eps"] = args.adam_eps
+        group["lr"] = annealed_lr(ckpt["state"]["k"], args.learning_rate, args.A)
+    learner.obs_mean.copy_(ckpt["obs_mean"])
+    learner.obs_std.copy_(ckpt["obs_std"])
+    learner.replay.reward_scale = ckpt["reward_scale"]
+    learner.rng.bit_generator.state = ckpt["np_rng"].bit_generator.state
+    set_rng_state(ckpt["rng"])
+    state.update(ckpt["state"])
+    started = ckpt["started"] and replay is not None
+    return ckpt["global_step"], ckpt["t0"], started, ckpt["stats_ready"]
+
+
 if __name__ == "__main__":
     # SIGINT (even when inherited as ignored) and SIGTERM stop every process and write summary.json
     stop_on_signals()
@@ -1102,14 +1159,14 @@ if __name__ == "__main__":
     # all checks come before anything heavy and before the run folder is made
     validate_args(args)
     steps_left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
-    # env steps before the first gradient step (none when the checkpoint brings its replay memory)
-    refill = 0 if ckpt and ckpt["replay"] is not None else args.learning_starts
+    # env steps before the first gradient step (none when the checkpoint brings a memory learning has started on)
+    refill = steps_before_learning(ckpt, args)
     # a run, resumed or not, that would end before it learns
     if steps_left <= refill:
+        no_memory = "; the checkpoint has no replay memory" if ckpt and ckpt["replay"] is None else ""
         raise SystemExit(
             f"error: --total-timesteps {args.total_timesteps:,} leaves {steps_left:,} env steps, not more than the "
-            f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts"
-            f"{'; the checkpoint has no replay memory' if ckpt and refill else ''})"
+            f"{refill:,} the replay memory must hold before the first gradient step (--learning-starts{no_memory})"
         )
 
     # MEMORY: the replay's RAM, refused at start-up when it cannot fit
@@ -1134,24 +1191,24 @@ if __name__ == "__main__":
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     replay = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
-    # a fresh run's values, or the checkpoint's
-    rng = ckpt["np_rng"] if ckpt else np.random.default_rng(args.seed)
-    obs_mean = ckpt["obs_mean"].to(device) if ckpt else torch.zeros(obs_dim, device=device)
-    obs_std = ckpt["obs_std"].to(device) if ckpt else torch.ones(obs_dim, device=device)
-    state = ckpt["state"] if ckpt else {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
-    global_step = ckpt["global_step"] if ckpt else 0
+    # a fresh run's values; with --resume, the checkpoint's (restore_run)
+    rng = np.random.default_rng(args.seed)
+    obs_mean = torch.zeros(obs_dim, device=device)
+    obs_std = torch.ones(obs_dim, device=device)
+    state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
+    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
+    global_step = 0
     # the env step from which k keeps up with (t - t0)/F
-    t0 = ckpt["t0"] if ckpt else 0
+    t0 = 0
     # learning has started (the replay held N_start samples); the state statistics have been computed
-    started = bool(ckpt) and ckpt["replay"] is not None
-    stats_ready = ckpt["stats_ready"] if ckpt else False
-    # restore the rest, then one line; with the replay memory, learning continues at once
+    started = False
+    stats_ready = False
     if ckpt:
-        load_state_dicts(ckpt, model=agent, optimizer=optimizer, replay=replay if started else None)
-        replay.reward_scale = ckpt["reward_scale"]
-        set_rng_state(ckpt["rng"])
+        global_step, t0, started, stats_ready = restore_run(ckpt, args, learner, state)
         if started:
             replay_note = f"replay memory ({replay.size:,} samples)"
+        elif ckpt["replay"] is not None:
+            replay_note = f"replay memory ({replay.size:,} samples, learning in {refill:,}+ steps)"
         else:
             replay_note = f"no replay memory (refilled in {refill:,}+ steps)"
         print(
@@ -1160,22 +1217,25 @@ if __name__ == "__main__":
             f"{args.total_timesteps:,}",
             flush=True,
         )
-    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
 
     procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
     num_params = sum(p.numel() for p in agent.parameters())
     shared = make_shared_handles(args.num_actors, args.ring_size, obs_dim, act_dim, num_params, procs.stop_event)
+    # the versions of the published weights continue across a resume
+    shared.weights_version[0] = ckpt["weights_version"] if ckpt else 0
 
     def publish() -> None:
-        shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
-        shared.obs_mean.copy_(obs_mean.cpu())
-        shared.obs_std.copy_(obs_std.cpu())
-        shared.weights_version[0] += 1
+        publish_weights(shared, agent, obs_mean, obs_std)
 
     def allow_steps() -> None:
         """App. C Alg. 1: "while t < F k: advance the environment", with 32 steps of slack per actor."""
         limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
         shared.steps_allowed[0] = min(args.total_timesteps, limit) - base_step
+
+    def save_checkpoint_now() -> None:
+        contents = checkpoint_contents(args, learner, state, global_step, t0, started, stats_ready)
+        weights_version = int(shared.weights_version[0])
+        save_run_checkpoint(logger, "vracer_refer.py", args, global_step, weights_version=weights_version, **contents)
 
     # the actors count env steps from 0 in this process: steps_allowed is relative to this step
     base_step = global_step
@@ -1243,12 +1303,15 @@ if __name__ == "__main__":
                 if started:
                     means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
                     sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
+                    # publishes since the weights the newest stored step was acted with
+                    policy_lag = int(shared.weights_version[0]) - int(replay.policy_version[replay.head - 1])
                     logger.log(
                         global_step,
                         {
                             "charts/SPS": sps,
                             "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
                             "charts/grad_steps": k,
+                            "charts/policy_lag": policy_lag,
                             **means,
                             "refer/far_policy_frac": replay.far_fraction(),
                             "refer/beta": state["beta"],
@@ -1270,23 +1333,7 @@ if __name__ == "__main__":
 
             # CHECKPOINT
             if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
-                save_run_checkpoint(
-                    logger,
-                    "vracer_refer.py",
-                    args,
-                    global_step,
-                    dims=(obs_dim, act_dim),
-                    state=dict(state),
-                    t0=t0,
-                    stats_ready=stats_ready,
-                    obs_mean=obs_mean.cpu(),
-                    obs_std=obs_std.cpu(),
-                    reward_scale=replay.reward_scale,
-                    np_rng=rng,
-                    **state_dicts(
-                        model=agent, optimizer=optimizer, replay=replay if args.checkpoint_replay and started else None
-                    ),
-                )
+                save_checkpoint_now()
                 last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
@@ -1300,6 +1347,12 @@ if __name__ == "__main__":
         error = e
     finally:
         procs.stop()
+    # the run's last state, after a normal end (a resume continues from it)
+    if args.checkpoint_every and error is None:
+        try:
+            save_checkpoint_now()
+        except StopRun as e:
+            error = e
 
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     def final_eval() -> dict:

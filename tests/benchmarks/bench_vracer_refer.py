@@ -1,23 +1,23 @@
 """Benchmark for vracer_refer.py (not collected by pytest).
 
-1. Learner: gradient steps/s at B=256 on a full replay memory (N = 2**18 by default, Hopper-sized synthetic episodes)
-   with the full ReF-ER bookkeeping (rho/V write-back, n_far, Q^ret refresh of prior steps, beta) against the same
-   learner with `--refer none` (V-RACER with conventional ER, which still refreshes its Retrace targets) and against a
-   bare learner with no write-back/refresh at all, interleaved in one process; plus a breakdown of the time.
-2. Forms (`--skip-forms` to leave out): the recursion over time against the vectorised form, interleaved in one
-   process on the same memory, for the three places the script computes Eq. (8):
-   - the refresh of prior steps after each gradient step: `refresh_delta` (vectorised, kept) against
-     `recompute_qret` run from the latest sampled step of each episode (the recursion), as learner steps/s;
-   - `recompute_all` at every reward-scale update (every `stats_every` steps): the recursion (the script's form)
-     against the doubling scan the script used before, per call and per gradient step;
-   - `vtbc_targets` at each episode's insertion: the loop (the script's form) against the doubling scan.
-   With `--sac`: SB3's SAC (the CleanRL/Zoo baseline: 2 x 256 ReLU actor and twin critics, B = 256, one
-   gradient step per env step) in the same interleaved loop, on a replay of random Hopper-v5 transitions; installs
-   stable-baselines3==2.9.2 into this environment when it is missing (benchmark only, not in requirements.txt).
-3. Actors: env steps/s with `--num-actors` actor processes (policy forward + shared-memory ring) against env-only
-   stepping of the same task in this process.
+1. Learner (`--skip-learner` to leave out): gradient steps/s at B = 256 on full replay memories of N = 2**14, 2**16
+   and 2**18 (`--sizes`; Hopper-sized synthetic episodes of 250-1000 steps) with the full ReF-ER step (rho/V
+   write-back, n_far, the Eq. (8) targets of the sampled steps, beta, and every `stats_every` steps the reward scale,
+   the n_far recount and the maps' recomputation), interleaved in one process with SB3's SAC (`--sac`: the
+   CleanRL/Zoo baseline, 2 x 256 ReLU actor and twin critics, B = 256, on random Hopper-v5 transitions; installs
+   stable-baselines3==2.9.2 into this environment when it is missing, benchmark only, not in requirements.txt) and
+   with a bare learner (no write-back, targets refresh or n_far: not a correct V-RACER) at the largest N. Then the
+   split of one step per N, timed inside real steps: sampling, the Eq. (8) targets (reading Q^ret of the batch and
+   updating the maps of the written-back steps), network (forward, loss, backward, Adam), bookkeeping (the rest of the
+   step: batch assembly, the host copy, write-back, n_far, beta), and the periodic work amortised over stats_every.
+2. Forms (`--skip-forms` to leave out): the learner step with the script's Q^ret (read by blocks) against the
+   readable form of App. C Alg. 3, a stored Q^ret refreshed after each step for every prior step of each sampled
+   episode by the recursion (`EagerReplay`), and against the vectorised form of that refresh the script used before
+   (`EagerVectorisedReplay`), interleaved in one process on the same memory, at the largest N.
+3. Actors (`--skip-actors` to leave out): env steps/s with `--num-actors` actor processes (policy forward + shared-memory
+   ring) against env-only stepping of the same task in this process.
 
-Usage: python tests/benchmarks/bench_vracer_refer.py [--steps 300] [--buffer-size 262144] [--env-id Hopper-v5]
+Usage: python tests/benchmarks/bench_vracer_refer.py [--sac] [--sizes 16384 65536 262144] [--steps 25] [--reps 12]
 """
 
 import argparse
@@ -31,25 +31,188 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import vracer_refer as vr  # noqa: E402
 
+OBS_DIM = 11
+ACT_DIM = 3
 
-def filled_replay(N, obs_dim, act_dim, ep_len, rng):
-    rm = vr.EpisodeReplay(N, obs_dim, act_dim, 0.995, ep_len)
+
+def filled_replay(N, rng, replay_class=vr.EpisodeReplay, ep_len=1000):
+    """A full memory of Hopper-sized episodes (250-1000 steps, the shorter ones terminated), with the spread of rho
+    and V of a memory in training."""
+    rm = replay_class(N, OBS_DIM, ACT_DIM, 0.995, ep_len)
     while rm.size < N:
         L = int(rng.integers(ep_len // 4, ep_len + 1))
         term = L < ep_len
         rm.add_episode(
-            rng.normal(size=(L, obs_dim)),
-            np.clip(rng.normal(size=(L, act_dim)) * 0.45, -1.3, 1.3),
-            np.zeros((L, act_dim)),
-            np.full((L, act_dim), 0.2**0.5),
+            rng.normal(size=(L, OBS_DIM)),
+            np.clip(rng.normal(size=(L, ACT_DIM)) * 0.45, -1.3, 1.3),
+            np.zeros((L, ACT_DIM)),
+            np.full((L, ACT_DIM), 0.2**0.5),
             rng.normal(size=L),
             np.zeros(L),
             term,
             final_value=0.0,
-            final_obs=np.zeros(obs_dim),
+            final_obs=np.zeros(OBS_DIM),
         )
+    stored = rm.valid[: rm.high_water]
+    rm.rho[: rm.high_water][stored] = np.exp(0.3 * rng.normal(size=stored.sum()))
+    rm.value[: rm.high_water][stored] = rng.normal(size=stored.sum())
     rm.update_reward_scale()
+    rm.recount_far(vr.refer_cmax(0, 4.0, 5e-7))
     return rm
+
+
+# ---------------------------------------------------------------- the stored-Q^ret forms of App. C Alg. 3
+class EagerReplay(vr.EpisodeReplay):
+    """The readable form: Q^ret stored per step; after each gradient step, the recursion of Eq. (8) from the latest
+    sampled step of each sampled episode down to its first step (App. C Alg. 3),
+
+        V^tbc_t = V(s_t) + c_t (Q^ret_t - V(s_t))   (Eq. (7)),   Q^ret_{t-1} = r_t + gamma V^tbc_t,
+
+    all episodes at once, one numpy pass per time step; the whole memory at each recomputation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.qret = np.zeros(self.capacity)
+
+    def qret_at(self, slots):
+        return self.qret[np.asarray(slots)]
+
+    def _set_maps(self, slots):
+        """(The blocks' maps are the script's form: not kept here.)"""
+
+    def add_episode(self, *args, **kwargs):
+        super().add_episode(*args, **kwargs)
+        start, length = self.episodes[-1]
+        last = start + length - 1
+        self.qret[last] = self.scaled_reward[last] + self.gamma * self.boot_value[last]
+        self.recompute_qret(np.array([last]), np.array([start]))
+
+    def update_samples(self, idx, rho, value, boot_idx=None, boot_value=None, priority=None):
+        super().update_samples(idx, rho, value, boot_idx, boot_value, priority)
+        if boot_idx is not None and len(boot_idx):
+            self.qret[boot_idx] = self.scaled_reward[boot_idx] + self.gamma * self.boot_value[boot_idx]
+        self.refresh(np.asarray(idx))
+
+    def refresh(self, idx):
+        descending = np.sort(idx)[::-1]
+        latest = descending[np.unique(self.episode_start[descending], return_index=True)[1]]
+        self.recompute_qret(latest, self.episode_start[latest])
+
+    def recompute_qret(self, top, start):
+        t = np.asarray(top)
+        start = np.asarray(start)
+        while len(t):
+            has_prev = t > start
+            t = t[has_prev]
+            start = start[has_prev]
+            trace = np.minimum(1.0, self.rho[t])
+            vtbc = self.value[t] + trace * (self.qret[t] - self.value[t])
+            self.qret[t - 1] = self.scaled_reward[t - 1] + self.gamma * vtbc
+            t = t - 1
+
+    def recompute(self):
+        super().recompute()
+        if not hasattr(self, "qret") or not self.episodes:
+            return
+        first = np.array([start for start, _ in self.episodes])
+        last = self.episode_last[first]
+        self.qret[last] = self.scaled_reward[last] + self.gamma * self.boot_value[last]
+        self.recompute_qret(last, first)
+
+
+class EagerVectorisedReplay(EagerReplay):
+    """The vectorised form of `EagerReplay.refresh` the script used before (its `refresh_delta`): Eq. (8) is linear
+    between two sampled steps, so a change delta_u of V^tbc_u changes V^tbc_j (j < u, down to the previous sample) by
+    prod_{i=j}^{u-1} gamma c_i delta_u: one cumulative sum of log(gamma c) over the concatenated prefixes, the samples
+    of one episode chained top-down."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # log(gamma c_t), kept as rho is written
+        self.log_trace = np.zeros(self.capacity)
+
+    def add_episode(self, *args, **kwargs):
+        super().add_episode(*args, **kwargs)
+        start, length = self.episodes[-1]
+        self.log_trace[start : start + length] = np.log(self.gamma)
+
+    def update_samples(self, idx, rho, value, boot_idx=None, boot_value=None, priority=None):
+        idx = np.asarray(idx)
+        unique = np.unique(idx)
+        trace_old = np.minimum(1.0, self.rho[unique])
+        self.vtbc_old = (1.0 - trace_old) * self.value[unique] + trace_old * self.qret[unique]
+        super().update_samples(idx, rho, value, boot_idx, boot_value, priority)
+
+    def recompute(self):
+        if hasattr(self, "log_trace"):
+            in_use = slice(0, self.high_water)
+            self.log_trace[in_use] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[in_use]), 1e-300))
+        super().recompute()
+
+    def refresh(self, idx):
+        idx = np.unique(idx)
+        self.log_trace[idx] = np.log(np.maximum(self.gamma * np.minimum(1.0, self.rho[idx]), 1e-300))
+        vtbc_old = self.vtbc_old
+        log_trace = self.log_trace
+        starts = self.episode_start[idx]
+        order = np.lexsort((-idx, starts))
+        sampled = idx[order]
+        sampled_starts = starts[order]
+        vtbc_old = vtbc_old[order]
+        n = len(sampled)
+        is_latest = np.append(True, sampled_starts[1:] != sampled_starts[:-1])
+        latest_pos = np.flatnonzero(is_latest)
+        rank = np.arange(n) - np.repeat(latest_pos, np.diff(np.append(latest_pos, n)))
+        latest = sampled[is_latest]
+        first = sampled_starts[is_latest]
+        prefix_len = latest - first + 1
+        offsets = np.cumsum(prefix_len) - prefix_len
+        slots = np.repeat(first - offsets, prefix_len) + np.arange(int(prefix_len.sum()))
+        sample_pos = np.repeat(offsets - first, np.diff(np.append(latest_pos, n))) + sampled
+        log_tail = np.cumsum(log_trace[slots][::-1])[::-1]
+        trace = np.minimum(1.0, self.rho[sampled])
+        base = (1.0 - trace) * self.value[sampled]
+        delta = np.zeros(n)
+        for this_rank in range(int(rank.max()) + 1):
+            sel = np.flatnonzero(rank == this_rank)
+            q = self.qret[sampled[sel]]
+            if this_rank > 0:
+                above = sel - 1
+                q = q + self.gamma * np.exp(log_tail[sample_pos[sel] + 1] - log_tail[sample_pos[above]]) * delta[above]
+            delta[sel] = base[sel] + trace[sel] * q - vtbc_old[sel]
+        by_pos = np.argsort(sample_pos)
+        piece = np.diff(np.append(-1, sample_pos[by_pos]))
+        dq = np.exp(log_tail - np.repeat(log_tail[sample_pos[by_pos]], piece)) * np.repeat(self.gamma * delta[by_pos], piece)
+        dq[offsets] = 0.0
+        self.qret[slots - 1] += dq
+
+
+# ---------------------------------------------------------------- learners
+def make_learner(rm, rng, refer="full", device=torch.device("cpu")):
+    args = vr.Args(refer=refer, batch_size=256, buffer_size=rm.N)
+    agent = vr.Agent(OBS_DIM, ACT_DIM).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
+    obs_mean = torch.zeros(OBS_DIM, device=device)
+    obs_std = torch.ones(OBS_DIM, device=device)
+    learner = vr.Learner(agent, optimizer, rm, obs_mean, obs_std, rng, device)
+    state = {"k": 0, "beta": 0.5 if refer != "none" else 1.0}
+    return learner, state, args
+
+
+def learner_run(learner, state, args, bookkeeping=True):
+    """n gradient steps as the script's `learn` does them (the stats_every updates included), or bare steps."""
+    stats_sum = torch.zeros(len(vr.STEP_STATS), dtype=torch.float64)
+
+    def run(n):
+        if bookkeeping:
+            done = 0
+            while done < n:
+                done += vr.learn(learner, state, args, state["k"] + n - done, stats_sum, lambda: None)
+        else:
+            for _ in range(n):
+                vr.train_step(learner, state, args, bookkeeping=False)
+
+    return run
 
 
 def make_sac(env_id, device, transitions=10_000):
@@ -78,241 +241,172 @@ def make_sac(env_id, device, transitions=10_000):
     return model
 
 
-def train_steps(learner, state, args, bookkeeping: bool):
-    """A function running n V-RACER gradient steps (bookkeeping=False: no write-back, refresh or n_far)."""
+def interleaved(setups: dict, steps: int, reps: int, device) -> dict:
+    """Gradient steps/s (wall) of each setup, run in short alternating chunks so machine load hits all alike."""
+    for run in setups.values():
+        run(20)  # warm-up
+    wall = {name: 0.0 for name in setups}
+    for _ in range(reps):
+        for name, run in setups.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run(steps)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall[name] += time.perf_counter() - start
+    return {name: reps * steps / seconds for name, seconds in wall.items()}
 
-    def run(n):
-        for _ in range(n):
-            vr.train_step(learner, state, args, bookkeeping=bookkeeping)
 
-    return run
+class Split:
+    """ms per gradient step of each part of `train_step`, timed inside real steps (module docstring): wrappers around
+    the sampler, the Q^ret read and the maps' update, the network's forward, loss, backward and Adam step; the rest of
+    the step is bookkeeping."""
+
+    def __init__(self, learner, state, args):
+        self.learner = learner
+        self.state = state
+        self.args = args
+        self.spent = {}
+        self.steps = 0
+        self.total = 0.0
+
+    def timed(self, owner, name, part):
+        real = getattr(owner, name)
+        spent = self.spent
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            out = real(*a, **k)
+            spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+            return out
+
+        setattr(owner, name, wrapper)
+        return real
+
+    def run(self, steps: int) -> None:
+        learner = self.learner
+        replay = learner.replay
+        real_loss = self.timed(vr, "refer_loss", "network")
+        real_backward = self.timed(torch.Tensor, "backward", "network")
+        self.timed(replay, "sample", "sampling")
+        self.timed(replay, "qret_at", "Eq. (8) targets")
+        self.timed(replay, "_set_maps", "maps")
+        self.timed(replay, "update_samples", "write-back")
+        self.timed(learner.agent, "forward", "network")
+        self.timed(learner.optimizer, "step", "network")
+        start = time.perf_counter()
+        for _ in range(steps):
+            vr.train_step(learner, self.state, self.args)
+        self.total += time.perf_counter() - start
+        self.steps += steps
+        vr.refer_loss = real_loss
+        torch.Tensor.backward = real_backward
+        for name in ("sample", "qret_at", "_set_maps", "update_samples"):
+            vars(replay).pop(name)
+        vars(learner.agent).pop("forward")
+        vars(learner.optimizer).pop("step")
+
+    def periodic(self, calls: int = 2) -> None:
+        """Every stats_every steps (`learn`): the reward scale with the maps of every step, the n_far recount."""
+        replay = self.learner.replay
+        start = time.perf_counter()
+        for _ in range(calls):
+            replay.update_reward_scale()
+            replay.recount_far(vr.refer_cmax(self.state["k"], self.args.C, self.args.A))
+        self.spent["periodic, amortised"] = (time.perf_counter() - start) / calls * self.steps / self.args.stats_every
+
+    def ms(self) -> dict:
+        ms = {part: 1e3 * seconds / self.steps for part, seconds in self.spent.items()}
+        # the maps' update is inside the write-back call; it belongs to the targets
+        ms["write-back"] -= ms["maps"]
+        ms["Eq. (8) targets"] += ms.pop("maps")
+        step_ms = 1e3 * self.total / self.steps
+        measured = ("sampling", "Eq. (8) targets", "network")
+        ms["bookkeeping"] = step_ms - sum(ms[part] for part in measured)
+        ms.pop("write-back")
+        ms["step"] = step_ms + ms["periodic, amortised"]
+        return {part: ms[part] for part in (*measured, "bookkeeping", "periodic, amortised", "step")}
+
+
+def episodes_hit(rm, rng, draws=50):
+    """Mean distinct episodes per batch and the prior steps of them an eager refresh rewrites."""
+    hit = []
+    for _ in range(draws):
+        idx = rm.sample(256, rng)
+        starts = rm.episode_start[idx]
+        latest = np.array([idx[starts == s].max() for s in np.unique(starts)])
+        hit.append((len(latest), int((latest - np.unique(starts) + 1).sum())))
+    return np.mean(hit, axis=0)
 
 
 def bench_learner(a):
     torch.set_num_threads(a.threads)
-    rng = np.random.default_rng(0)
-    obs_dim = 11
-    act_dim = 3
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
-    rm = filled_replay(a.buffer_size, obs_dim, act_dim, 1000, rng)
+    rng = np.random.default_rng(0)
+    learners = {}
     setups = {}
-    for refer in ("full", "none", "bare"):
-        args = vr.Args(refer="none" if refer == "bare" else refer, batch_size=a.batch_size, buffer_size=a.buffer_size)
-        agent = vr.Agent(obs_dim, act_dim).to(device)
-        opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-        state = {"k": 0, "beta": 0.5 if refer == "full" else 1.0}
-        learner = vr.Learner(
-            agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device
-        )
-        setups[refer] = train_steps(learner, state, args, bookkeeping=refer != "bare")
+    for N in a.sizes:
+        learner, state, args = make_learner(filled_replay(N, rng), rng, device=device)
+        learners[N] = (learner, state, args)
+        setups[f"ReF-ER N={N}"] = learner_run(learner, state, args)
+    N_max = max(a.sizes)
+    bare, bare_state, bare_args = make_learner(learners[N_max][0].replay, rng, refer="none", device=device)
+    setups[f"bare N={N_max}"] = learner_run(bare, bare_state, bare_args, bookkeeping=False)
     if a.sac:
         sac = make_sac(a.env_id, device)
-        setups["sac"] = lambda n: sac.train(gradient_steps=n, batch_size=a.batch_size)
-    wall = {k: 0.0 for k in setups}
-    cpu = {k: 0.0 for k in setups}
-    for run in setups.values():
-        # warm-up
-        run(20)
-    for rep in range(a.reps):  # interleave short chunks of the two learners so machine load hits both alike
-        for refer, run in setups.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            c = time.process_time()
-            run(a.steps)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            wall[refer] += time.perf_counter() - t
-            cpu[refer] += time.process_time() - c
-    n = a.reps * a.steps
-    sps = {k: n / wall[k] for k in setups}
-    cps = {k: n / cpu[k] for k in setups}
-    print(
-        f"learner ({device}, B={a.batch_size}, N={a.buffer_size}, {a.threads} thread(s), {n} steps each), "
-        f"grad steps/s wall (CPU time):"
-    )
-    for k, name in (
-        ("full", "full ReF-ER (rule 1+2, beta, n_far, rho/V write-back, Q^ret refresh)"),
-        ("none", "--refer none (V-RACER + ER: same write-back and Q^ret refresh)"),
-        ("bare", "bare learner (--refer none, no write-back, no refresh, no n_far)"),
-    ):
-        print(f"  {name}: {sps[k]:.0f} ({cps[k]:.0f})")
-    if a.sac:
-        ratio = sps["full"] / sps["sac"]
-        print(f"  SB3 SAC (B={a.batch_size}): {sps['sac']:.0f} ({cps['sac']:.0f}); full ReF-ER / SAC: {ratio:.2f}x")
-    print(
-        f"  full vs --refer none: {100 * (sps['none'] / sps['full'] - 1):.1f}% wall, "
-        f"{100 * (cps['none'] / cps['full'] - 1):.1f}% CPU; full vs bare: "
-        f"{100 * (sps['bare'] / sps['full'] - 1):.1f}% wall, {100 * (cps['bare'] / cps['full'] - 1):.1f}% CPU"
-    )
-    full_c = cps["full"]
-    # breakdown of the replay-side work common to both (V-RACER's Q^ret refresh) and ReF-ER's own
-    idx = [rm.sample(a.batch_size, rng) for _ in range(200)]
-    rhos = [np.exp(0.3 * rng.normal(size=a.batch_size)) for _ in idx]
-    rm.cmax = 5.0
-    t = time.process_time()
-    for i, r in zip(idx, rhos):
-        rm.update_samples(i, r, np.zeros(len(i)))  # write-back + n_far + Q^ret refresh (the path train_step uses)
-    t_refresh = (time.process_time() - t) / 200
-    t = time.perf_counter()
-    for i in idx:
-        vr.is_far_policy(rm.rho[i], 2.0).sum()
-    t_far = (time.perf_counter() - t) / 200
-    t = time.process_time()
-    for _ in range(5):
-        rm.recompute_all()
-    t_all = (time.process_time() - t) / 5
-    t = time.perf_counter()
-    for _ in range(200):
-        rm.sample(a.batch_size, rng)
-    t_sample = (time.perf_counter() - t) / 200
-    print(
-        f"  CPU time per step: sample {1e3 * t_sample:.2f} ms, "
-        f"write-back + Q^ret refresh of prior steps {1e3 * t_refresh:.2f} ms "
-        f"n_far update {1e3 * t_far:.3f} ms; full Q^ret recomputation over the RM (every 1000 steps) "
-        f"{1e3 * t_all:.1f} ms; learner total {1e3 / full_c:.2f} ms"
-    )
-
-
-def latest_sampled(rm, idx):
-    """The latest sampled step of each sampled episode (episodes are contiguous: the largest slot)."""
-    descending = np.sort(idx)[::-1]
-    return descending[np.unique(rm.episode_start[descending], return_index=True)[1]]
-
-
-def refresh_by_recursion(rm, idx, vtbc_old):
-    """What `refresh_delta` computes, as the recursion: Eq. (8) backwards from the latest sampled step of each episode
-    down to its first step (`vtbc_old`, the vectorised form's input, is not needed)."""
-    latest = latest_sampled(rm, idx)
-    rm.recompute_qret(latest, rm.episode_start[latest])
-
-
-def doubling_scan(a, b, max_len=None):
-    """x_t = b_t + a_t x_{t+1} backwards over a flat array (x beyond the end = 0; segments end with a_t = 0) by
-    Hillis-Steele doubling, ceil(log2(max_len)) numpy passes: the vectorised form the script used before for
-    `vtbc_targets` and `recompute_all`."""
-    x = np.array(b, dtype=np.float64)
-    a = np.array(a, dtype=np.float64)
-    stop = len(x) if max_len is None else min(len(x), max_len)
-    shift = 1
-    while shift < stop:
-        # numpy resolves the overlap as if from the old values
-        x[:-shift] += a[:-shift] * x[shift:]
-        a[:-shift] *= a[shift:]
-        shift *= 2
-    return x
-
-
-def vtbc_by_scan(rewards, values, rhos, gamma, terminated):
-    """`vtbc_targets` by the doubling scan: x_t = b_t + a_t x_{t+1}, a_t = gamma c_t, b_t = (1 - c_t) V_t + c_t r_{t+1}."""
-    length = len(rewards)
-    c = np.minimum(1.0, rhos)
-    a = gamma * c
-    b = (1.0 - c) * values[:length] + c * rewards
-    b[-1] += a[-1] * (0.0 if terminated else values[length])
-    a[-1] = 0.0
-    return doubling_scan(a, b)
-
-
-def recompute_all_by_scan(rm):
-    """`recompute_all` by one doubling scan over the whole memory (the empty slots have a = b = 0)."""
-    n = rm.high_water
-    valid = rm.valid[:n]
-    c = np.where(valid, np.minimum(1.0, rm.rho[:n]), 0.0)
-    last = valid & (np.arange(n) == rm.episode_last[:n])
-    a = np.where(last, 0.0, rm.gamma * c)
-    b = np.where(valid, (1.0 - c) * rm.value[:n] + c * rm.scaled_reward[:n], 0.0)
-    b[last] += rm.gamma * c[last] * rm.boot_value[:n][last]
-    x = doubling_scan(a, b, max(length for _, length in rm.episodes))
-    next_vtbc = np.append(x[1:], 0.0)
-    next_vtbc[last] = rm.boot_value[:n][last]
-    rm.qret[:n] = np.where(valid, rm.scaled_reward[:n] + rm.gamma * next_vtbc, 0.0)
+        setups["SAC"] = lambda n: sac.train(gradient_steps=n, batch_size=256)
+    sps = interleaved(setups, a.steps, a.reps, device)
+    print(f"learner ({device}, B=256, {a.threads} thread(s), {a.reps} x {a.steps} steps each, interleaved), grad steps/s:")
+    for name, value in sps.items():
+        ratio = f"  ({value / sps['SAC']:.2f}x SAC)" if "SAC" in sps and name != "SAC" else ""
+        print(f"  {name}: {value:.0f}{ratio}")
+    print(f"split of one step, ms (timed inside real steps, {a.reps} interleaved chunks of {a.steps} steps per N):")
+    splits = {N: Split(*learners[N]) for N in a.sizes}
+    for _ in range(a.reps):
+        for part in splits.values():
+            part.run(a.steps)
+    print("  | N | episodes hit / their prior steps | sampling | Eq. (8) targets | network | bookkeeping | periodic | step |")
+    print("  |---|---|---|---|---|---|---|---|")
+    for N, part in splits.items():
+        part.periodic()
+        hit, prior = episodes_hit(part.learner.replay, rng)
+        print(f"  | {N:,} | {hit:.0f} / {prior:,.0f} | " + " | ".join(f"{value:.3f}" for value in part.ms().values()) + " |")
 
 
 def bench_forms(a):
-    """The recursion over time against the vectorised form, interleaved in one process on the same memory."""
+    """The script's block form against the stored-Q^ret forms, interleaved in one process, at the largest N."""
     torch.set_num_threads(a.threads)
-    rng = np.random.default_rng(1)
-    obs_dim = 11
-    act_dim = 3
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
-    rm = filled_replay(a.buffer_size, obs_dim, act_dim, 1000, rng)
-    args = vr.Args(batch_size=a.batch_size, buffer_size=a.buffer_size)
-    agent = vr.Agent(obs_dim, act_dim).to(device)
-    opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    learner = vr.Learner(agent, opt, rm, torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device), rng, device)
-    state = {"k": 0, "beta": 0.5}
-
-    def use(form):
-        if form == "recursion":
-            rm.refresh_delta = lambda idx, vtbc_old: refresh_by_recursion(rm, idx, vtbc_old)
-        else:
-            vars(rm).pop("refresh_delta", None)
-
-    wall = {"vectorised": 0.0, "recursion": 0.0}
-    cpu = {"vectorised": 0.0, "recursion": 0.0}
-    for form in wall:  # warm-up
-        use(form)
-        for _ in range(3):
-            vr.train_step(learner, state, args)
-    for _ in range(a.form_reps):
-        for form in wall:
-            use(form)
-            t = time.perf_counter()
-            c = time.process_time()
-            for _ in range(a.form_steps):
-                vr.train_step(learner, state, args)
-            wall[form] += time.perf_counter() - t
-            cpu[form] += time.process_time() - c
-    use("vectorised")
-    n = a.form_reps * a.form_steps
-    step_ms = {form: 1e3 * seconds / n for form, seconds in wall.items()}
-    cpu_ms = {form: 1e3 * seconds / n for form, seconds in cpu.items()}
-    print(f"forms ({device}, B={a.batch_size}, N={a.buffer_size}, {n} learner steps each, interleaved):")
-    print(
-        f"  refresh of prior steps: learner step {step_ms['vectorised']:.2f} ms wall ({cpu_ms['vectorised']:.2f} ms CPU) "
-        f"with refresh_delta (vectorised) vs {step_ms['recursion']:.2f} ms ({cpu_ms['recursion']:.2f} ms) with the "
-        f"recursion: vectorised {step_ms['recursion'] / step_ms['vectorised']:.2f}x wall "
-        f"({cpu_ms['recursion'] / cpu_ms['vectorised']:.2f}x CPU)"
-    )
-    per_call = {"recursion": 0.0, "doubling scan": 0.0}
-    for _ in range(a.form_reps):
-        t = time.perf_counter()
-        rm.recompute_all()
-        per_call["recursion"] += time.perf_counter() - t
-        t = time.perf_counter()
-        recompute_all_by_scan(rm)
-        per_call["doubling scan"] += time.perf_counter() - t
-    call_ms = {form: 1e3 * seconds / a.form_reps for form, seconds in per_call.items()}
-    step = step_ms["vectorised"]
-    per_step = {form: ms / args.stats_every for form, ms in call_ms.items()}
-    print(
-        f"  recompute_all (every {args.stats_every} steps): {call_ms['recursion']:.1f} ms by the recursion vs "
-        f"{call_ms['doubling scan']:.1f} ms by the doubling scan; learner step with it amortised: "
-        f"{step + per_step['recursion']:.3f} vs {step + per_step['doubling scan']:.3f} ms: doubling scan "
-        f"{(step + per_step['recursion']) / (step + per_step['doubling scan']):.3f}x"
-    )
-    episodes = [
-        (rng.normal(size=1000), rng.normal(size=1001), np.exp(0.3 * rng.normal(size=1000)), bool(i % 2)) for i in range(20)
-    ]
-    per_episode = {"loop": 0.0, "doubling scan": 0.0}
-    for _ in range(a.form_reps):
-        t = time.perf_counter()
-        for episode in episodes:
-            vr.vtbc_targets(*episode[:3], 0.995, episode[3])
-        per_episode["loop"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for episode in episodes:
-            vtbc_by_scan(*episode[:3], 0.995, episode[3])
-        per_episode["doubling scan"] += time.perf_counter() - t
-    # one insertion per 1000-step episode, one env step per gradient step (F = 1)
-    episode_ms = {form: 1e3 * seconds / (a.form_reps * len(episodes)) for form, seconds in per_episode.items()}
-    print(
-        f"  vtbc_targets at insertion (1000-step episode): {episode_ms['loop']:.2f} ms by the loop vs "
-        f"{episode_ms['doubling scan']:.2f} ms by the doubling scan; learner step with it amortised (F = 1): "
-        f"{step + episode_ms['loop'] / 1000:.3f} vs {step + episode_ms['doubling scan'] / 1000:.3f} ms: doubling scan "
-        f"{(step + episode_ms['loop'] / 1000) / (step + episode_ms['doubling scan'] / 1000):.3f}x"
-    )
+    N = max(a.sizes)
+    setups = {}
+    learners = {}
+    for name, replay_class in (
+        ("blocks (the script)", vr.EpisodeReplay),
+        ("eager, vectorised (before)", EagerVectorisedReplay),
+        ("eager recursion (readable)", EagerReplay),
+    ):
+        rng = np.random.default_rng(1)
+        learner, state, args = make_learner(filled_replay(N, rng, replay_class), rng, device=device)
+        learners[name] = learner
+        setups[name] = learner_run(learner, state, args)
+    sps = interleaved(setups, a.form_steps, a.form_reps, device)
+    reference = sps["blocks (the script)"]
+    print(f"forms of Eq. (8) ({device}, B=256, N={N}, {a.form_reps} x {a.form_steps} steps each, interleaved):")
+    for name, value in sps.items():
+        print(f"  {name}: {1e3 / value:.2f} ms per learner step ({reference / value:.2f}x the blocks' time)")
+    # the same memory, the same write-backs: the forms' Q^ret agree
+    memories = [filled_replay(min(a.sizes), np.random.default_rng(2), form) for form in (vr.EpisodeReplay, EagerReplay)]
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        idx = memories[0].sample(256, rng)
+        rho = np.exp(0.3 * rng.normal(size=256))
+        value = rng.normal(size=256)
+        for memory in memories:
+            memory.update_samples(idx, rho, value)
+    stored = np.flatnonzero(memories[0].valid)
+    gap = np.abs(memories[0].qret_at(stored) - memories[1].qret_at(stored)).max()
+    print(f"  after 50 write-backs, max |Q^ret by blocks - Q^ret by the recursion| over the memory: {gap:.1e}")
 
 
 def bench_actors(a):
@@ -367,10 +461,9 @@ def bench_actors(a):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--reps", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--buffer-size", type=int, default=2**18)
+    p.add_argument("--sizes", type=int, nargs="+", default=[2**14, 2**16, 2**18], help="replay sizes N")
+    p.add_argument("--steps", type=int, default=25, help="gradient steps per interleaved chunk")
+    p.add_argument("--reps", type=int, default=12, help="interleaved chunks per setup")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--env-id", default="Hopper-v5")

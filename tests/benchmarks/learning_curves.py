@@ -20,6 +20,8 @@ Usage:
       [--hline 0.49 random]                                 (with --plot: a dashed reference line, e.g. a random policy)
       [--point 20000000 0.45 "PLR, published (approx.)"]    (with --plot, repeatable: a labelled marker, e.g. a
                                                               published figure read off a paper's plot)
+      [--legend-below] [--open-points]                      (with --plot: the legend under the axes, for long labels;
+                                                              hollow markers in colours of their own)
       [--max-step 1000000]                                  (tables and plots leave out records past this step)
       [--eval-reactor 100]                                  (reactor.py runs with --save-model: greedy games)
       [--export tests/benchmarks/results/<experiment>]       (keep each run's returns and --with metrics as
@@ -101,16 +103,19 @@ def plot_groups(
     hline: list | None = None,
     ylim: list | None = None,
     points: list | None = None,
+    legend_below: bool = False,
+    open_points: bool = False,
 ) -> None:
     """Mean over the runs of each group of their bin means (line), lowest to highest run (band), vs environment steps;
     `ylim` cuts the y axis (a curve that leaves it is drawn up to where it does); `points`: (step, value, label)
-    markers, one legend entry per label."""
+    markers, one legend entry per label; `legend_below`: the legend under the axes (long labels); `open_points`: the
+    markers hollow and in colours of their own (nearby values stay legible)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(6, 5.2) if legend_below else (6, 3.6))
     for group in dict.fromkeys(groups):  # first-seen order
         members = [t for t, g in zip(tables, groups) if g == group]
         ends = sorted(set.intersection(*(set(t) for t in members)))  # bins every seed reached
@@ -120,17 +125,26 @@ def plot_groups(
         ax.fill_between(ends, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
     if hline:
         ax.axhline(float(hline[0]), color="gray", linestyle="--", linewidth=1, label=" ".join(hline[1:]) or None)
-    markers = iter("oD^sv")
+    markers = iter("oD^sv<>p")
+    point_colours = iter(["tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "black"])
     for point_label in dict.fromkeys(text for _, _, text in points or []):
         steps = [float(step) for step, _, text in points if text == point_label]
         values = [float(value) for _, value, text in points if text == point_label]
-        ax.scatter(steps, values, marker=next(markers), color="black", s=25, zorder=3, label=point_label)
+        if open_points:
+            colour = next(point_colours)
+            style = {"facecolors": "none", "edgecolors": colour, "linewidths": 1.3, "s": 36}
+        else:
+            style = {"color": "black", "s": 25}
+        ax.scatter(steps, values, marker=next(markers), zorder=3, label=point_label, **style)
     if ylim:
         ax.set_ylim(*ylim)
     ax.set_xlabel("environment steps")
     ax.set_ylabel(f"{metric}\n(mean per {bin_size:,} steps)", fontsize=8)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if legend_below:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
+    else:
+        ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -233,6 +247,8 @@ def main():
         metavar=("STEP", "VALUE", "LABEL"),
         help="with --plot (repeatable): a labelled marker, e.g. a published figure",
     )
+    p.add_argument("--legend-below", action="store_true", help="with --plot: the legend under the axes (long labels)")
+    p.add_argument("--open-points", action="store_true", help="with --point: hollow markers, a colour each (nearby values)")
     p.add_argument("--export", default=None, help="keep each run's returns under this folder (see the usage)")
     p.add_argument(
         "--max-step",
@@ -322,6 +338,8 @@ def main():
             a.hline,
             a.ylim,
             a.point,
+            a.legend_below,
+            a.open_points,
         )
     print(json.dumps({"runs": names, "last_mean": lasts}))
 
