@@ -61,10 +61,10 @@ RESUME_TO = {
     "clear_impala.py": ["--num-cycles", "3"],
     "reactor.py": ["--total-timesteps", "400"],
     "plr_ppo.py": ["--total-timesteps", "384"],
-    "vracer_refer.py": ["--total-timesteps", "1800"],
+    "vracer_refer.py": ["--total-timesteps", "2000"],
 }
 # the step each resumed run reaches (CLEAR: 3 cycles of 2 tasks x 240 steps)
-RESUMED_END = {"clear_impala.py": 1440, "reactor.py": 400, "plr_ppo.py": 384, "vracer_refer.py": 1800}
+RESUMED_END = {"clear_impala.py": 1440, "reactor.py": 400, "plr_ppo.py": 384, "vracer_refer.py": 2000}
 CHANGES_EXPERIMENT = {
     "clear_impala.py": ["--env-ids", "MiniGrid-Empty-5x5-v0", "MiniGrid-Empty-6x6-v0"],
     "reactor.py": ["--env-id", "ALE/Breakout-v5"],
