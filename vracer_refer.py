@@ -910,7 +910,8 @@ class SharedHandles(NamedTuple):
     obs_mean: torch.Tensor  # (obs_dim,): the state mean (Eq. (14))
     obs_std: torch.Tensor  # (obs_dim,): the state std (Eq. (15))
     steps_allowed: torch.Tensor  # (1,): env steps the actors may have taken in all (the F gate)
-    weights_version: torch.Tensor  # (1,): raised by each publish of `weights`, obs_mean and obs_std
+    # (1,): the seqlock of `weights`, obs_mean and obs_std: odd while a publish copies them, even after; version = seq / 2
+    weights_seq: torch.Tensor
     rings: dict  # RING_FIELDS name -> (num_actors, ring_size, width)
     written: torch.Tensor  # (num_actors,): rows each actor has written
     read: torch.Tensor  # (num_actors,): rows of each actor the learner has read
@@ -930,7 +931,7 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
         obs_mean=shared(obs_dim),
         obs_std=shared(obs_dim),
         steps_allowed=shared(1, dtype=torch.int64),
-        weights_version=shared(1, dtype=torch.int64),
+        weights_seq=shared(1, dtype=torch.int64),
         rings=rings,
         written=shared(num_actors, dtype=torch.int64),
         read=shared(num_actors, dtype=torch.int64),
@@ -939,12 +940,38 @@ def make_shared_handles(num_actors: int, ring_size: int, obs_dim: int, act_dim: 
 
 
 def publish_weights(shared: SharedHandles, agent: Agent, obs_mean: torch.Tensor, obs_std: torch.Tensor) -> None:
-    """Hand the learner's weights and state statistics (Eqs. (14)-(15)) to the actors: copy them into shared memory,
-    then raise the version, which each actor checks before its next step."""
-    shared.weights.copy_(torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu())
-    shared.obs_mean.copy_(obs_mean.cpu())
-    shared.obs_std.copy_(obs_std.cpu())
-    shared.weights_version[0] += 1
+    """Hand the learner's weights and state statistics (Eqs. (14)-(15)) to the actors as the next version, under a
+    seqlock: the sequence number is odd while they are copied into shared memory and even after (version = seq / 2).
+    The learner never waits; an actor keeps only a copy the sequence number was even and unchanged across
+    (`read_published`). This relies on each process's stores becoming visible in program order (x86)."""
+    weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().cpu()
+    obs_mean = obs_mean.cpu()
+    obs_std = obs_std.cpu()
+    shared.weights_seq[0] += 1
+    shared.weights.copy_(weights)
+    shared.obs_mean.copy_(obs_mean)
+    shared.obs_std.copy_(obs_std)
+    shared.weights_seq[0] += 1
+
+
+def published_version(shared: SharedHandles) -> int:
+    """The version of the last complete publish (the learner's view: it is the only writer)."""
+    return int(shared.weights_seq[0]) // 2
+
+
+def read_published(shared: SharedHandles, version: int):
+    """The actor's side of the seqlock of `publish_weights`: (version, weights, obs_mean, obs_std), copies, of the
+    newest complete publish; None when that is `version` already, or when a publish was under way or began during the
+    copy (the actor then acts once more with the version it holds, and reads again before its next step)."""
+    seq = int(shared.weights_seq.numpy()[0])
+    if seq % 2 == 1 or seq // 2 == version:
+        return None
+    weights = shared.weights.clone()
+    obs_mean = shared.obs_mean.clone()
+    obs_std = shared.obs_std.clone()
+    if int(shared.weights_seq.numpy()[0]) != seq:
+        return None
+    return seq // 2, weights, obs_mean, obs_std
 
 
 def numpy_params(agent: Agent, std_map: str, obs_mean: np.ndarray, obs_std: np.ndarray) -> dict:
@@ -983,8 +1010,8 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
     written = shared.written.numpy()
     read = shared.read.numpy()
     steps_allowed = shared.steps_allowed.numpy()
-    weights_version = shared.weights_version.numpy()
-    version = -1
+    # version 0: nothing published yet
+    version = 0
     net = {}
     episode_return = 0.0
     episode_length = 0
@@ -996,11 +1023,16 @@ def actor_loop(actor_id: int, args: Args, obs_dim: int, act_dim: int, shared: Sh
         if n - int(read[actor_id]) >= ring_size or int(written.sum()) >= int(steps_allowed[0]):
             time.sleep(0.002)
             continue
-        # the latest weights and state statistics
-        if int(weights_version[0]) != version:
-            version = int(weights_version[0])
-            torch.nn.utils.vector_to_parameters(shared.weights.clone(), agent.parameters())
-            net = numpy_params(agent, args.std_map, shared.obs_mean.numpy(), shared.obs_std.numpy())
+        # the latest weights and state statistics, each step labelled with the version they are (`read_published`)
+        published = read_published(shared, version)
+        if published is not None:
+            version, weights, obs_mean, obs_std = published
+            torch.nn.utils.vector_to_parameters(weights, agent.parameters())
+            net = numpy_params(agent, args.std_map, obs_mean.numpy(), obs_std.numpy())
+        if not net:
+            # no complete publish read yet (one was under way)
+            time.sleep(0.001)
+            continue
         mean, std, value = numpy_forward(net, obs, args.residual)
         u = mean + std * sample_noise(rng, act_dim, args.action_noise)  # u ~ mu_t (App. C Alg. 2)
         next_obs, reward, terminated, time_limit, _ = env.step(to_env_action(u, low, high, args.clip_actions))
@@ -1221,8 +1253,8 @@ if __name__ == "__main__":
     procs = ProcessGroup(torch.multiprocessing.get_context(args.start_method))
     num_params = sum(p.numel() for p in agent.parameters())
     shared = make_shared_handles(args.num_actors, args.ring_size, obs_dim, act_dim, num_params, procs.stop_event)
-    # the versions of the published weights continue across a resume
-    shared.weights_version[0] = ckpt["weights_version"] if ckpt else 0
+    # the versions of the published weights continue across a resume (the seqlock's number is twice the version)
+    shared.weights_seq[0] = 2 * ckpt["weights_version"] if ckpt else 0
 
     def publish() -> None:
         publish_weights(shared, agent, obs_mean, obs_std)
@@ -1234,7 +1266,7 @@ if __name__ == "__main__":
 
     def save_checkpoint_now() -> None:
         contents = checkpoint_contents(args, learner, state, global_step, t0, started, stats_ready)
-        weights_version = int(shared.weights_version[0])
+        weights_version = published_version(shared)
         save_run_checkpoint(logger, "vracer_refer.py", args, global_step, weights_version=weights_version, **contents)
 
     # the actors count env steps from 0 in this process: steps_allowed is relative to this step
@@ -1304,7 +1336,7 @@ if __name__ == "__main__":
                     means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
                     sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
                     # publishes since the weights the newest stored step was acted with
-                    policy_lag = int(shared.weights_version[0]) - int(replay.policy_version[replay.head - 1])
+                    policy_lag = published_version(shared) - int(replay.policy_version[replay.head - 1])
                     logger.log(
                         global_step,
                         {

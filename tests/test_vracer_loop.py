@@ -2,9 +2,10 @@
 tests/test_vracer_runs.py on a real run (the probe records what the real loop hands them):
 
 1. Actors act with the latest published weights and state statistics: `publish_weights` copies the learner's
-   parameters, obs_mean and obs_std into shared memory and raises the version; an actor re-reads them before its next
-   step, so each transition's mu_t is the network of the version it records, on the state standardised with that
-   publish's statistics (Eqs. (14)-(15)); versions rise with the learner's publishes.
+   parameters, obs_mean and obs_std into shared memory as the next version; an actor copies them before its next
+   step and keeps only a copy no publish overlapped (a seqlock), so each transition's mu_t is exactly the network of
+   the version it records, on the state standardised with that publish's statistics (Eqs. (14)-(15)), even while
+   the learner publishes; versions rise with the learner's publishes.
 2. Noise: u_t = m(s_t) + sigma z, z from --action-noise (normal truncated at +-3, App. A), sigma the network's
    state-independent std (sqrt(0.2) until the first update); the env gets u_t rescaled to the bounds (clipped only
    with --clip-actions); what the actors write equals a direct rollout.
@@ -113,6 +114,117 @@ def test_actors_act_with_the_latest_published_weights_and_statistics(monkeypatch
     assert np.abs(rows["mu_mean"][40:] - stale.numpy()).max() > 0.05
 
 
+class PublishedStates:
+    """What a learner stand-in publishes as version v: weights w_0 + cos(v) d and statistics that move with v too (each
+    version differs from the next in every parameter, so a copy torn between two publishes matches neither)."""
+
+    def __init__(self, agent, obs_dim, rng):
+        self.weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().double()
+        self.weights_step = torch.as_tensor(0.05 * rng.normal(size=len(self.weights)))
+        self.obs_mean = torch.as_tensor(rng.normal(size=obs_dim))
+        self.obs_std = torch.as_tensor(rng.uniform(0.5, 2.0, obs_dim))
+
+    def __call__(self, version: int):
+        """(weights, obs_mean, obs_std) of `version`, float32 as the shared memory holds them."""
+        move = float(np.cos(version))
+        weights = (self.weights + move * self.weights_step).float()
+        obs_mean = (self.obs_mean + 0.5 * move).float()
+        obs_std = (self.obs_std * (1.0 + 0.3 * float(np.sin(version)))).float()
+        return weights, obs_mean, obs_std
+
+
+def publish_in_a_tight_loop(shared, agent, published, stop):
+    """The learner stand-in: the real `publish_weights` of version 1, 2, ... with no pause between two publishes."""
+    version = 0
+    while not stop.is_set():
+        version += 1
+        weights, obs_mean, obs_std = published(version)
+        torch.nn.utils.vector_to_parameters(weights, agent.parameters())
+        vr.publish_weights(shared, agent, obs_mean, obs_std)
+
+
+def test_every_copy_an_actor_keeps_is_one_complete_publish():
+    """Clause 1, the seqlock itself: while a learner stand-in publishes in a tight loop, an actor stand-in copies with
+    `read_published` as fast as it can; every copy it keeps (not None) is the weights and statistics published as the
+    version it returns, exactly, and the versions it keeps rise."""
+    obs_dim = 11
+    torch.manual_seed(11)
+    agent = vr.Agent(obs_dim, 3)
+    published = PublishedStates(agent, obs_dim, np.random.default_rng(12))
+    num_params = sum(p.numel() for p in agent.parameters())
+    shared = vr.make_shared_handles(1, 8, obs_dim, 3, num_params, threading.Event())
+    stop_publishing = threading.Event()
+    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, agent, published, stop_publishing))
+    learner.start()
+    kept = []
+    # version 0: nothing published yet
+    version = 0
+    try:
+        while len(kept) < 200:
+            copy_kept = vr.read_published(shared, version)
+            if copy_kept is not None:
+                version = copy_kept[0]
+                kept.append(copy_kept)
+    finally:
+        stop_publishing.set()
+        learner.join()
+    versions = [version for version, _, _, _ in kept]
+    assert all(a < b for a, b in zip(versions, versions[1:]))
+    for version, weights, obs_mean, obs_std in kept:
+        expected_weights, expected_mean, expected_std = published(version)
+        assert torch.equal(weights, expected_weights), version
+        assert torch.equal(obs_mean, expected_mean) and torch.equal(obs_std, expected_std), version
+
+
+def test_actors_act_with_exactly_the_version_they_record_while_the_learner_publishes(monkeypatch):
+    """Clause 1 under a race: a learner stand-in publishes with the real `publish_weights` in a tight loop while the
+    real actor steps; every ring row's mu = (mean, std) and V are those of the network and statistics published as the
+    version the row records, exactly (an actor that reads the version and then copies weights that a publish in
+    between has changed, or half changed, acts with another version than it records), and the actor takes up new
+    versions as it goes."""
+    from common.mujoco_env import make_mujoco_env
+
+    monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=30))
+    obs_dim = 11
+    act_dim = 3
+    args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=4096)
+    torch.manual_seed(8)
+    agent = vr.Agent(obs_dim, act_dim)
+    published = PublishedStates(agent, obs_dim, np.random.default_rng(9))
+    num_params = sum(p.numel() for p in agent.parameters())
+    shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, num_params, threading.Event())
+    stop_publishing = threading.Event()
+    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, agent, published, stop_publishing))
+    learner.start()
+    actor = start_actor(args, shared, obs_dim, act_dim, seed=10)
+    versions_seen = 0
+    rows = 0
+    try:
+        # steps until the rows hold 40 different versions (the F gate opens 200 steps at a time)
+        while versions_seen < 40 and rows < args.ring_size - 200:
+            rows += 200
+            shared.steps_allowed[0] = rows
+            wait_for_rows(shared, rows)
+            versions_seen = len(np.unique(shared.rings["policy_version"][0, :rows].numpy()))
+    finally:
+        stop_publishing.set()
+        shared.stop_event.set()
+        learner.join()
+        actor.join()
+    assert versions_seen >= 40
+    ring = {name: field[0, :rows].numpy() for name, field in shared.rings.items()}
+    network = vr.Agent(obs_dim, act_dim)
+    for version in np.unique(ring["policy_version"]):
+        weights, obs_mean, obs_std = published(int(version))
+        torch.nn.utils.vector_to_parameters(weights, network.parameters())
+        net = vr.numpy_params(network, args.std_map, obs_mean.numpy(), obs_std.numpy())
+        for row in np.flatnonzero(ring["policy_version"] == version):
+            mean, std, value = vr.numpy_forward(net, ring["obs"][row])
+            np.testing.assert_array_equal(ring["mu_mean"][row], mean, err_msg=f"row {row}, version {version}")
+            np.testing.assert_array_equal(ring["mu_std"][row], std, err_msg=f"row {row}, version {version}")
+            assert ring["value"][row] == value, f"row {row}, version {version}"
+
+
 def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     """Clause 2: what the real `actor_loop` writes into its ring and `store_episodes` (the learner's reader, draining the
     ring while it wraps, episodes spanning several reads) puts into the replay (s_t, u_t, mu_t, r_{t+1}, V(s_t),
@@ -143,7 +255,7 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     shared.obs_mean.copy_(torch.tensor(obs_mean, dtype=torch.float32))
     shared.obs_std.copy_(torch.tensor(obs_std, dtype=torch.float32))
     shared.steps_allowed[0] = steps  # the F gate lets the actor run `steps` env steps
-    shared.weights_version[0] = 1
+    shared.weights_seq[0] = 2  # version 1 (the seqlock of publish_weights counts twice per publish)
     actor = start_actor(args, shared, obs_dim, act_dim, seed)
     rm = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit)
     partial = []

@@ -217,7 +217,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             "obs_std": learner.obs_std.clone(),
             "reward_scale": replay.reward_scale,
             "replay_size": replay.size,
-            "weights_version": int(vr.shared.weights_version[0]),
+            "weights_version": vr.published_version(vr.shared),
         }
         stats = real["train_step"](learner, state, args, bookkeeping)
         group = learner.optimizer.param_groups[0]
@@ -234,7 +234,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
 
     def publish_weights(shared, agent, obs_mean, obs_std):
         real["publish_weights"](shared, agent, obs_mean, obs_std)
-        version = int(shared.weights_version[0])
+        version = vr.published_version(shared)
         weights = shared.weights.clone()
         records["publishes"][version] = (weights, shared.obs_mean.clone(), shared.obs_std.clone(), vr.state["k"])
         published.append(version)

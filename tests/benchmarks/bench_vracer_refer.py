@@ -435,7 +435,7 @@ def bench_actors(a):
     shared.weights.copy_(weights)
     shared.obs_std[:] = 1.0
     shared.steps_allowed[0] = 10**12
-    shared.weights_version[0] = 1
+    shared.weights_seq[0] = 2  # version 1 (the seqlock of publish_weights counts twice per publish)
     written = shared.written
     for i in range(a.num_actors):
         procs.start(vr.actor_loop, (i, args, obs_dim, act_dim, shared, i, "bench"), name=f"actor-{i}")
@@ -447,7 +447,7 @@ def bench_actors(a):
         t = time.perf_counter()
         while time.perf_counter() - t < a.seconds:
             shared.read.copy_(written)  # a learner that consumes everything at once
-            shared.weights_version[0] += 1  # new weights every 10 ms, as a learner at ~100 steps/s publishing every step
+            shared.weights_seq[0] += 2  # a new version every 10 ms, as a learner at ~100 steps/s publishing every step
             time.sleep(0.01)
             procs.check()
         actors = (int(written.sum()) - n0) / (time.perf_counter() - t)
