@@ -754,9 +754,13 @@ class EpisodeReplay:
         per_order = None if self.per_order is None else self.per_order.copy()
         return fields | scalars | {"episodes": list(self.episodes), "per_order": per_order}
 
+    @classmethod
+    def saved_keys(cls) -> list[str]:
+        """The keys of `state_dict`."""
+        return [*(k for k in cls.FIELDS if k not in cls.NOT_SAVED), *cls.SCALARS, "episodes", "per_order"]
+
     def load_state_dict(self, saved: dict) -> None:
-        expected = {*self.FIELDS.keys() - set(self.NOT_SAVED), *self.SCALARS, "episodes", "per_order"}
-        if not expected <= saved.keys():
+        if not set(self.saved_keys()) <= saved.keys():
             raise SystemExit("error: the checkpoint's replay memory has the field names of an older vracer_refer.py")
         if saved["N"] != self.N or saved["capacity"] != self.capacity:
             raise SystemExit(f"error: checkpoint replay has N={saved['N']}, this run N={self.N}")
@@ -1153,6 +1157,39 @@ def checkpoint_contents(
     }
 
 
+# What `__main__` and `restore_run` read from a checkpoint (`save_run_checkpoint` writes the first two).
+CHECKPOINT_KEYS = (
+    "global_step",
+    "rng",
+    "state",
+    "t0",
+    "started",
+    "stats_ready",
+    "obs_mean",
+    "obs_std",
+    "reward_scale",
+    "np_rng",
+    "model",
+    "optimizer",
+    "replay",
+    "weights_version",
+)
+
+
+def check_checkpoint(ckpt: dict | None, path: str) -> None:
+    """--resume: stop at start-up with one line `error: --resume: ...` when the checkpoint lacks a key this script
+    reads, or its replay memory a field (a checkpoint of an older vracer_refer.py)."""
+    if ckpt is None:
+        return
+    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
+    if ckpt.get("replay") is not None:
+        missing += [f"replay {key}" for key in EpisodeReplay.saved_keys() if key not in ckpt["replay"]]
+    require(
+        not missing,
+        f"--resume: {path} lacks {', '.join(missing)}: it was written by an older vracer_refer.py (start a new run)",
+    )
+
+
 def steps_before_learning(ckpt: dict | None, args: Args) -> int:
     """Env steps the run collects before its first gradient step: none when the checkpoint brings a memory that learning
     has started on; else until the memory (the checkpoint's, or an empty one) holds N_start samples."""
@@ -1190,6 +1227,7 @@ if __name__ == "__main__":
     args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks come before anything heavy and before the run folder is made
     validate_args(args)
+    check_checkpoint(ckpt, args.resume)
     steps_left = args.total_timesteps - (ckpt["global_step"] if ckpt else 0)
     # env steps before the first gradient step (none when the checkpoint brings a memory learning has started on)
     refill = steps_before_learning(ckpt, args)

@@ -422,6 +422,24 @@ def test_a_resume_without_memory_that_cannot_learn_is_refused(chain, tmp_path):
     assert p.stderr.strip().splitlines()[-1].endswith("(--learning-starts; the checkpoint has no replay memory)")
 
 
+def test_a_checkpoint_of_an_older_script_is_refused_before_the_run_folder(chain, tmp_path):
+    """--resume from a checkpoint written before its keys `started` and `weights_version` and its memory's PER sort
+    existed stops at start-up with one `error: --resume:` line naming what it lacks, before anything is written to the
+    run's folder (it was a KeyError traceback)."""
+    old = dict(chain.fresh.checkpoints[-1])
+    del old["started"]
+    del old["weights_version"]
+    old["replay"] = {name: value for name, value in old["replay"].items() if name != "per_order"}
+    old_run = tmp_path / "runs" / old["run_name"]
+    old_run.mkdir(parents=True)
+    torch.save(old, old_run / "checkpoint.pt")
+    p = run_script(tmp_path, "--resume", str(old_run / "checkpoint.pt"), timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    [line] = p.stderr.strip().splitlines()
+    assert line.startswith("error: --resume: ") and all(key in line for key in ("started", "weights_version", "per_order"))
+    assert [f.name for f in old_run.iterdir()] == ["checkpoint.pt"]
+
+
 # ---------------------------------------------------------------- other tasks, bad input
 def test_one_action_dimension_task_runs(tmp_path):
     """InvertedPendulum-v5 has one action dimension: collection, storage, learning and the evaluation of the saved
