@@ -458,11 +458,13 @@ class EpisodeReplay:
     # Steps per block of `vtbc_at` (one block map composes the maps of BLOCK steps).
     BLOCK = 32
     # The scalars of `state_dict`.
-    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity", "per_alpha")
+    SCALARS = ("size", "head", "high_water", "reward_scale", "n_far", "cmax", "max_priority", "N", "capacity")
 
-    def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int = 1000):
+    def __init__(self, N: int, obs_dim: int, act_dim: int, gamma: float, max_episode_len: int, per_alpha: float):
+        """per_alpha: the rank-based PER exponent (--per-alpha; not saved: a resumed run samples with its own)."""
         self.N = N
         self.gamma = gamma
+        self.per_alpha = per_alpha
         self.capacity = self.capacity_for(N, max_episode_len)
         widths = {"obs": obs_dim, "act": act_dim}
         for name, (width, dtype, value) in self.FIELDS.items():
@@ -472,7 +474,6 @@ class EpisodeReplay:
         # the composed maps of the steps of each block: V^tbc at its first step = offset + decay V^tbc after its last
         self.block_decay = np.zeros(self.capacity // self.BLOCK)
         self.block_offset = np.zeros(self.capacity // self.BLOCK)
-        self.max_episode_len = max_episode_len
         # (first slot, length) of each stored episode, oldest first
         self.episodes: deque = deque()
         self.size = 0
@@ -487,7 +488,6 @@ class EpisodeReplay:
         self.cmax = np.inf
         # rank-based PER: slots by decreasing priority, P(rank k) ~ k^-alpha, its cumulative sum, the unranked slots
         self.per_order = None
-        self.per_alpha = 0.5
         self.per_rank_prob = None
         self.per_cdf = None
         self.per_unranked = None
@@ -604,13 +604,12 @@ class EpisodeReplay:
         self.ranked[stored] = True
         self.per_cdf = None
 
-    def sample_per(self, B: int, rng: np.random.Generator, alpha: float, beta_is: float):
+    def sample_per(self, B: int, rng: np.random.Generator, beta_is: float):
         """Rank-based PER (Schaul et al. 2015) between two re-sorts: a step stored since the last re-sort has no rank and
         is drawn with probability 1/n (n stored steps), as in uniform sampling; the others by rank, P(rank k) ~ k^-alpha,
         scaled to the remaining probability (ranks whose step has been removed since are skipped).
         Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement."""
-        if self.per_order is None or alpha != self.per_alpha:
-            self.per_alpha = alpha
+        if self.per_order is None:
             self.per_rebuild()
         # the memory changed since the last draw: find the ranks still stored and the new steps
         if self.per_cdf is None:
@@ -809,7 +808,7 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     weights = None
     if args.per == "rank":
         beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
-        idx, per_weights = replay.sample_per(args.batch_size, learner.rng, args.per_alpha, beta_is)
+        idx, per_weights = replay.sample_per(args.batch_size, learner.rng, beta_is)
         weights = torch.as_tensor(per_weights, dtype=torch.float32, device=device)
     else:
         idx = replay.sample(args.batch_size, learner.rng)
@@ -1260,7 +1259,7 @@ if __name__ == "__main__":
     # SETUP: network, optimizer, replay, shared memory for the actors
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
-    replay = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len)
+    replay = EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_ep_len, args.per_alpha)
     # a fresh run's values; with --resume, the checkpoint's (restore_run)
     rng = np.random.default_rng(args.seed)
     obs_mean = torch.zeros(obs_dim, device=device)

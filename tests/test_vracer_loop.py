@@ -257,7 +257,7 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
     shared.steps_allowed[0] = steps  # the F gate lets the actor run `steps` env steps
     shared.weights_seq[0] = 2  # version 1 (the seqlock of publish_weights counts twice per publish)
     actor = start_actor(args, shared, obs_dim, act_dim, seed)
-    rm = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit)
+    rm = vr.EpisodeReplay(10_000, obs_dim, act_dim, args.gamma, max_episode_len=limit, per_alpha=0.5)
     partial = []
     n_read = 0
     n_finished = 0
@@ -365,7 +365,7 @@ def textbook_loss(net, obs, act, mu_mean, mu_std, qret, weights, beta, cmax, arg
 
 def random_behaviour_memory(rng, N=400, obs_dim=3, act_dim=2):
     """A memory of random episodes acted by random Gaussian behaviour policies (rho spreads around 1)."""
-    rm = vr.EpisodeReplay(N, obs_dim, act_dim, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(N, obs_dim, act_dim, 0.99, max_episode_len=40, per_alpha=0.5)
     while rm.size < N:
         L = int(rng.integers(3, 16))
         mu_mean = 0.3 * rng.normal(size=(L, act_dim))
@@ -447,7 +447,7 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction)
         # the batch train_step will draw: the same generator state
         if per == "rank":
             beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
-            idx, weights = rm.sample_per(args.batch_size, copy.deepcopy(rng), args.per_alpha, beta_is)
+            idx, weights = rm.sample_per(args.batch_size, copy.deepcopy(rng), beta_is)
             assert weights.min() < 0.9
         else:
             idx = rm.sample(args.batch_size, copy.deepcopy(rng))
@@ -516,7 +516,7 @@ def test_train_step_nan_guard():
     then stops with the reason); an overflowing D_KL(mu || pi) that is masked (rule 1) or of weight 0 (--refer none)
     does not stop the run."""
     rng = np.random.default_rng(14)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
@@ -553,7 +553,7 @@ def test_train_step_nan_guard():
 )
 def test_train_step_all_variants(refer, per):
     rng = np.random.default_rng(15)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
     rm.update_reward_scale()
     args = vr.Args(batch_size=32, buffer_size=400, refer=refer, per=per, C=0.5)
@@ -573,7 +573,7 @@ def test_train_step_anneals_learning_rate_and_cmax():
     """Eq. (13) in train_step: gradient step k uses eta/(1 + A k) (a first Adam step moves each weight by about the
     learning rate) and c_max = 1 + C/(1 + A k) (the replay's far-policy count uses it)."""
     rng = np.random.default_rng(25)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     args = vr.Args(batch_size=16, buffer_size=300, learning_rate=1e-3, A=0.1, C=2.0)
     agent = vr.Agent(3, 2)
@@ -596,7 +596,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     import copy
 
     rng = np.random.default_rng(26)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
     rm.update_reward_scale()
     rm.priority[rm.valid] = rng.uniform(0.1, 2.0, rm.valid.sum())
@@ -608,7 +608,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     state = {"k": 2, "beta": 0.5}
     # the batch train_step will draw (the same generator state) and the loss it should minimise
     beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * 2)
-    idx, w = rm.sample_per(args.batch_size, copy.deepcopy(rng), args.per_alpha, beta_is)
+    idx, w = rm.sample_per(args.batch_size, copy.deepcopy(rng), beta_is)
     assert w.min() < 0.9  # weights that matter
     act = torch.as_tensor(rm.action[idx])
     mu_mean = torch.as_tensor(rm.mu_mean[idx])
@@ -632,7 +632,7 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     k = stats_every, first the reward scale (Eq. (16)), the PER re-sort and the state statistics (--state-stats-rate);
     after the steps the new weights are published to the actors."""
     rng = np.random.default_rng(27)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
     scale_before = rm.update_reward_scale()
     rm.reward[rm.valid] *= 10.0  # the next reward-scale update must see this
@@ -676,7 +676,7 @@ def test_state_statistics_stay_frozen_with_rate_zero():
     """Clause 5, the default --state-stats-rate 0: the stats_every updates rescale the rewards but leave the state
     mean and std the learner standardises with (and publishes) exactly as they were (App. B: frozen)."""
     rng = np.random.default_rng(32)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
     rm.update_reward_scale()
     args = vr.Args(batch_size=16, buffer_size=400, stats_every=3)
@@ -739,7 +739,7 @@ def learner_for_resume(seed, args, obs_dim=3, act_dim=2):
     torch.manual_seed(seed)
     agent = vr.Agent(obs_dim, act_dim)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
-    replay = vr.EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_episode_len=40)
+    replay = vr.EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_episode_len=40, per_alpha=args.per_alpha)
     rng = np.random.default_rng(seed)
     learner = vr.Learner(agent, optimizer, replay, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"))
     return learner, {"k": 0, "beta": args.beta_init}
@@ -793,23 +793,28 @@ def test_a_restored_learner_continues_exactly(per):
     torch.testing.assert_close(resumed.obs_mean, uninterrupted.obs_mean, rtol=0, atol=0)
 
 
-def test_resume_applies_adam_eps_and_the_learning_rate_of_its_command_line():
+def test_resume_applies_adam_eps_the_learning_rate_and_the_per_exponent_of_its_command_line():
     """Clause 7 with applied flags: `restore_run` keeps the checkpoint's Adam moments but sets this run's --adam-eps
-    (load_state_dict brings back the checkpoint's) and the learning rate of this run's schedule at k."""
-    args = vr.Args(batch_size=16, buffer_size=300, checkpoint_replay=True)
+    (load_state_dict brings back the checkpoint's) and the learning rate of this run's schedule at k; the restored
+    memory keeps its PER sort and draws by this run's --per-alpha: P(rank 2) / P(rank 1) = 2^-alpha."""
+    args = vr.Args(batch_size=16, buffer_size=300, checkpoint_replay=True, per="rank")
     rng = np.random.default_rng(34)
     learner, state = learner_for_resume(1, args)
     fill(learner.replay, rng, 30)
     vr.learn(learner, state, args, 5, torch.zeros(len(vr.STEP_STATS), dtype=torch.float64), lambda: None)
     ckpt = vr.checkpoint_contents(args, learner, state, global_step=500, t0=0, started=True, stats_ready=True)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 500, **ckpt})
-    changed = vr.Args(batch_size=16, buffer_size=300, adam_eps=1e-3, learning_rate=3e-4, A=0.01)
+    changed = vr.Args(batch_size=16, buffer_size=300, adam_eps=1e-3, learning_rate=3e-4, A=0.01, per="rank", per_alpha=0.9)
     resumed, resumed_state = learner_for_resume(2, changed)
     vr.restore_run(ckpt, changed, resumed, resumed_state)
     group = resumed.optimizer.param_groups[0]
     assert group["eps"] == 1e-3 and group["lr"] == pytest.approx(3e-4 / (1.0 + 0.01 * 5))
     for s, t in zip(resumed.optimizer.state.values(), learner.optimizer.state.values()):
         assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(s["step"], t["step"])
+    np.testing.assert_array_equal(resumed.replay.per_order, learner.replay.per_order)
+    vr.train_step(resumed, resumed_state, changed)
+    rank_prob = resumed.replay.per_rank_prob
+    assert rank_prob[1] / rank_prob[0] == pytest.approx(2.0**-0.9, rel=1e-12)
 
 
 def test_a_checkpoint_from_before_learning_keeps_its_memory_and_waits_for_N_start():

@@ -17,7 +17,7 @@ import vracer_refer as vr
 def one_episode_memory(rewards, values, rhos, gamma, terminated, offset=0):
     """A memory holding one episode (after `offset` padding steps of another), with the given r, V, rho and V(s_L)."""
     L = len(rewards)
-    rm = vr.EpisodeReplay(offset + L + 1, 2, 1, gamma, max_episode_len=max(L, offset, 1))
+    rm = vr.EpisodeReplay(offset + L + 1, 2, 1, gamma, max_episode_len=max(L, offset, 1), per_alpha=0.5)
     if offset:
         rm.add_episode(
             np.zeros((offset, 2)),
@@ -83,7 +83,7 @@ def test_recompute_reads_the_recursion_of_the_stored_values_in_every_episode():
     every stored step the Q^ret of the textbook loop over its episode."""
     rng = np.random.default_rng(2)
     for _ in range(10):
-        rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
+        rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40, per_alpha=0.5)
         fill(rm, rng, 30)
         rm.rho[:] = np.exp(rng.normal(size=rm.capacity))
         rm.rho[rng.uniform(size=rm.capacity) < 0.05] = 0.0
@@ -96,7 +96,7 @@ def test_recompute_reads_the_recursion_of_the_stored_values_in_every_episode():
 def test_fifo_removal_keeps_at_least_N():
     rng = np.random.default_rng(6)
     N = 300
-    rm = vr.EpisodeReplay(N, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(N, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     inserted = 0
     order = []
     for _ in range(400):
@@ -115,7 +115,7 @@ def test_fifo_removal_keeps_at_least_N():
 
 
 def test_empty_and_small_memory():
-    rm = vr.EpisodeReplay(100, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(100, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     rng = np.random.default_rng(7)
     with pytest.raises(ValueError):
         rm.sample(4, rng)
@@ -131,7 +131,7 @@ def test_empty_and_small_memory():
 
 def test_sampling_is_distinct_valid_and_roughly_uniform():
     rng = np.random.default_rng(8)
-    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 200)
     counts = np.zeros(rm.capacity)
     for _ in range(400):
@@ -145,7 +145,7 @@ def test_sampling_is_distinct_valid_and_roughly_uniform():
 
 def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
     rng = np.random.default_rng(9)
-    rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40)
+    rm = vr.EpisodeReplay(400, 3, 2, 0.97, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
     check_qret_consistent(rm)  # insertion: rho = 1 and acting-time V
     rm.cmax = 2.0
@@ -174,7 +174,7 @@ def test_insertion_targets_and_incremental_refresh_equal_full_recomputation():
 
 def test_reward_scaling_is_rms_without_mean_shift():
     rng = np.random.default_rng(10)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     for i in range(len(rm.reward)):
         rm.reward[i] += 5.0 * rm.valid[i]
@@ -191,11 +191,11 @@ def test_reward_scaling_is_rms_without_mean_shift():
 
 def test_rank_per_prefers_high_priorities():
     rng = np.random.default_rng(11)
-    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=40, per_alpha=0.7)
     fill(rm, rng, 100)
     rm.priority[rm.valid] = rng.uniform(size=rm.valid.sum())
     rm.per_rebuild()
-    idx, w = rm.sample_per(2000, rng, 0.7, 0.5)
+    idx, w = rm.sample_per(2000, rng, 0.5)
     assert rm.valid[idx].all() and w.max() == pytest.approx(1.0) and np.all(w > 0)
     assert rm.priority[idx].mean() > rm.priority[rm.valid].mean() + 0.1
     assert np.all(np.diff(w[np.argsort(rm.priority[idx])]) <= 1e-12)  # higher priority -> smaller IS weight
@@ -204,14 +204,15 @@ def test_rank_per_prefers_high_priorities():
 def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
     """Between two re-sorts, the steps stored since the last one have no rank, also those written into the slots of
     removed steps: each is drawn with probability 1/n (n stored steps) as under uniform sampling; the ranked steps
-    still stored share the rest by rank, P ~ rank^-alpha; IS weights (n P)^-beta over the batch maximum."""
+    still stored share the rest by rank, P ~ rank^-alpha with the memory's alpha (--per-alpha; 0.7 here, not the
+    default); IS weights (n P)^-beta over the batch maximum."""
     rng = np.random.default_rng(21)
-    alpha = 0.5
+    alpha = 0.7
     beta = 0.6
-    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=10)
+    rm = vr.EpisodeReplay(500, 3, 2, 0.99, max_episode_len=10, per_alpha=alpha)
     fill(rm, rng, 200, lmax=10)
     rm.priority[rm.valid] = rng.uniform(size=rm.valid.sum())
-    rm.sample_per(1, rng, alpha, beta)  # sorts
+    rm.sample_per(1, rng, beta)  # sorts
     rank_of = {int(slot): r for r, slot in enumerate(rm.per_order, start=1)}
     valid_at_sort = rm.valid.copy()
     fill(rm, rng, 20, lmax=10)
@@ -230,7 +231,7 @@ def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
         P[slot] = (1.0 - n_new / n) * rank_of[slot] ** -alpha / total
     assert P.sum() == pytest.approx(1.0)
     draws = 400_000
-    idx, w = rm.sample_per(draws, rng, alpha, beta)
+    idx, w = rm.sample_per(draws, rng, beta)
     assert rm.valid[idx].all()
     share_new = new[idx].mean()
     assert abs(share_new - n_new / n) < 4 * np.sqrt(n_new / n / draws)  # binomial: 4 standard deviations
@@ -245,7 +246,7 @@ def test_rank_per_draws_steps_stored_since_the_last_sort_uniformly():
 def test_episode_stored_after_a_reward_scale_update_is_scaled():
     """Eq. (16): an episode stored after `update_reward_scale` holds r / scale, and its Q^ret is in that scale."""
     rng = np.random.default_rng(22)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 20)
     rm.reward[rm.valid] *= 5.0
     scale = rm.update_reward_scale()
@@ -261,7 +262,7 @@ def test_far_count_stays_exact_when_cmax_is_one():
     """--refer none --C 0 gives c_max = 1: even the rho = 1 of a new step is far. Insertion counts it as removal
     uncounts it, so n_far stays the exact count through insertions, FIFO removals and gradient steps (was negative)."""
     rng = np.random.default_rng(23)
-    rm = vr.EpisodeReplay(200, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(200, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     rm.recount_far(vr.refer_cmax(0, 0.0, 5e-7))
     assert rm.cmax == 1.0
     for _ in range(40):
@@ -282,7 +283,7 @@ def test_replay_and_train_step_with_one_action_dimension():
     """1-D action tasks (InvertedPendulum): the actors hand over (L, 1) action blocks; the memory keeps them 2-D, and
     sampling (uniform and rank PER), the loss, the write-back and a checkpoint round trip work as with several."""
     rng = np.random.default_rng(24)
-    rm = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40, per_alpha=0.5)
     act = rng.normal(size=(7, 1))
     rm.add_episode(
         rng.normal(size=(7, 3)), act, np.zeros((7, 1)), np.ones((7, 1)), rng.normal(size=7), rng.normal(size=7), True
@@ -300,7 +301,7 @@ def test_replay_and_train_step_with_one_action_dimension():
             stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
             assert torch.isfinite(stats).all()
     check_qret_consistent(rm)
-    restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40)
+    restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40, per_alpha=0.5)
     restored.load_state_dict(rm.state_dict())
     np.testing.assert_array_equal(restored.action, rm.action)
     stored = np.flatnonzero(rm.valid)
@@ -309,7 +310,7 @@ def test_replay_and_train_step_with_one_action_dimension():
 
 def test_replay_memory_need_is_the_size_of_its_arrays():
     """The start-up refusal of a replay that cannot fit (`--buffer-size`) uses this count before allocating."""
-    rm = vr.EpisodeReplay(3000, 11, 3, 0.99, max_episode_len=1000)
+    rm = vr.EpisodeReplay(3000, 11, 3, 0.99, max_episode_len=1000, per_alpha=0.5)
     arrays = sum(v.nbytes for v in vars(rm).values() if isinstance(v, np.ndarray))
     assert vr.EpisodeReplay.bytes_needed(3000, 11, 3, 1000) == arrays
 
@@ -319,7 +320,7 @@ def test_new_steps_get_the_largest_priority_written_so_far():
     step has had so far, so that it is drawn soon; priorities written by gradient steps raise that maximum (here far
     above 1: large rewards), and it stays when the step that had it is overwritten."""
     rng = np.random.default_rng(40)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     rm.reward[rm.valid] *= 50.0
     args = vr.Args(batch_size=32, buffer_size=300, per="rank", learning_rate=1e-3)
@@ -344,14 +345,14 @@ def test_memory_state_dict_round_trip_continues_sampling_exactly(per):
     of the last re-sort, unranked steps stored since) come back, so a loaded memory draws the same batches with the
     same weights as the original from the same generator state, and the next gradient steps write the same values."""
     rng = np.random.default_rng(41)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     rm.update_reward_scale()
     rm.priority[rm.valid] = rng.uniform(0.1, 2.0, rm.valid.sum())
     rm.per_rebuild()
     fill(rm, rng, 3)
     saved = copy.deepcopy(rm.state_dict())
-    loaded = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    loaded = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     loaded.load_state_dict(saved)
     for name in vr.EpisodeReplay.FIELDS:
         # the derived maps only where a step is stored
@@ -363,7 +364,7 @@ def test_memory_state_dict_round_trip_continues_sampling_exactly(per):
     for memory in (rm, loaded):
         generator = np.random.default_rng(42)
         if per == "rank":
-            draws[id(memory)] = [memory.sample_per(64, generator, 0.5, 0.6) for _ in range(3)]
+            draws[id(memory)] = [memory.sample_per(64, generator, 0.6) for _ in range(3)]
         else:
             draws[id(memory)] = [(memory.sample(64, generator), None) for _ in range(3)]
     for (idx, weights), (idx_loaded, weights_loaded) in zip(draws[id(rm)], draws[id(loaded)]):
@@ -375,7 +376,7 @@ def test_a_refreshed_V_of_the_final_state_moves_the_targets_of_its_episode():
     """`update_samples` with the sampled last steps of truncated episodes: their V(s_L) is stored, and Q^ret of the
     last step (r_L + gamma V(s_L)) and of every prior step of the episode follow it (Eq. (8) from the new bootstrap)."""
     rng = np.random.default_rng(43)
-    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40)
+    rm = vr.EpisodeReplay(300, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 30)
     last = np.flatnonzero(rm.truncated_last)[:5]
     assert len(last) == 5

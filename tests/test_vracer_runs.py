@@ -351,7 +351,9 @@ def test_every_applied_flag_takes_effect_on_resume(chain):
         assert np.isclose(log_rho, changes["logrho_clip"], rtol=1e-4).any()
 
     def probe_per_alpha():
-        assert {alpha for _, alpha, _ in samples} == {changes["per_alpha"]}
+        # the probabilities each draw used: P(rank 2) / P(rank 1) = 2^-alpha
+        for _, rank_ratio, _ in samples:
+            assert rank_ratio == pytest.approx(2.0 ** -changes["per_alpha"], rel=1e-12)
 
     def probe_per_beta0():
         for step, (_, _, beta_is) in zip(steps, samples):

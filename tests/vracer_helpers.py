@@ -159,10 +159,10 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
       set when it returns (lr, eps, c_max, beta, far fraction, the written-back rho of its batch);
     - first_step: at the first gradient step of this process, before it, every piece of the learner's state;
     - publishes: {version: (weights, obs_mean, obs_std, k)} of the last 400 publishes;
-    - samples: (batch size, PER alpha, PER beta) of each draw; actors: (name, seed, args) of each started process;
-      evaluations: (episodes, clip, obs_mean, obs_std) of each evaluation; stats: the memory's state statistics at
-      each k = stats_every multiple; state_stats_calls: each call of the loop's `state_stats` (k, the stored states
-      and rewards, its result)."""
+    - samples: (batch size, PER's P(rank 2) / P(rank 1) in effect = 2^-alpha, PER's beta) of each draw;
+    - actors: (name, seed, args) of each started process; evaluations: (episodes, clip, obs_mean, obs_std) of each
+      evaluation; stats: the memory's state statistics at each k = stats_every multiple; state_stats_calls: each call
+      of the loop's `state_stats` (k, the stored states and rewards, its result)."""
     probe_dir = Path(probe_dir)
     probe_dir.mkdir(parents=True, exist_ok=True)
     sys.argv = [SCRIPT, *flags]
@@ -255,9 +255,9 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
         drawn["idx"] = idx
         return idx
 
-    def sample_per(self, B, rng, alpha, beta_is):
-        idx, weights = real["sample_per"](self, B, rng, alpha, beta_is)
-        records["samples"].append((len(idx), alpha, beta_is))
+    def sample_per(self, B, rng, beta_is):
+        idx, weights = real["sample_per"](self, B, rng, beta_is)
+        records["samples"].append((len(idx), self.per_rank_prob[1] / self.per_rank_prob[0], beta_is))
         drawn["idx"] = idx
         return idx, weights
 

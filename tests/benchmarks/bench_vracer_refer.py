@@ -38,7 +38,7 @@ ACT_DIM = 3
 def filled_replay(N, rng, replay_class=vr.EpisodeReplay, ep_len=1000):
     """A full memory of Hopper-sized episodes (250-1000 steps, the shorter ones terminated), with the spread of rho
     and V of a memory in training."""
-    rm = replay_class(N, OBS_DIM, ACT_DIM, 0.995, ep_len)
+    rm = replay_class(N, OBS_DIM, ACT_DIM, 0.995, ep_len, vr.Args.per_alpha)
     while rm.size < N:
         L = int(rng.integers(ep_len // 4, ep_len + 1))
         term = L < ep_len
