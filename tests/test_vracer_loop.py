@@ -115,32 +115,50 @@ def test_actors_act_with_the_latest_published_weights_and_statistics(monkeypatch
 
 
 class PublishedStates:
-    """What a learner stand-in publishes as version v: weights w_0 + cos(v) d and statistics that move with v too (each
-    version differs from the next in every parameter, so a copy torn between two publishes matches neither)."""
+    """What a learner stand-in publishes as version v: the weights w_0 + cos(phi_v) d and statistics that move with
+    phi_v too, phi_v = 2 pi (v mod 16) / 16 + 0.5 (each version differs from the next in every number, so a copy torn
+    between two publishes, or labelled with the next version, matches no version; precomputed, so that publishing is
+    mostly copying)."""
+
+    CYCLE = 16
 
     def __init__(self, agent, obs_dim, rng):
-        self.weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().double()
-        self.weights_step = torch.as_tensor(0.05 * rng.normal(size=len(self.weights)))
-        self.obs_mean = torch.as_tensor(rng.normal(size=obs_dim))
-        self.obs_std = torch.as_tensor(rng.uniform(0.5, 2.0, obs_dim))
+        weights = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().double()
+        weights_step = torch.as_tensor(0.05 * rng.normal(size=len(weights)))
+        obs_mean = torch.as_tensor(rng.normal(size=obs_dim))
+        obs_std = torch.as_tensor(rng.uniform(0.5, 2.0, obs_dim))
+        self.states = []
+        for phase in 2 * np.pi * np.arange(self.CYCLE) / self.CYCLE + 0.5:
+            state = (
+                (weights + np.cos(phase) * weights_step).float(),
+                (obs_mean + 0.5 * np.cos(phase)).float(),
+                (obs_std * (1.0 + 0.3 * np.sin(phase))).float(),
+            )
+            self.states.append(state)
 
     def __call__(self, version: int):
         """(weights, obs_mean, obs_std) of `version`, float32 as the shared memory holds them."""
-        move = float(np.cos(version))
-        weights = (self.weights + move * self.weights_step).float()
-        obs_mean = (self.obs_mean + 0.5 * move).float()
-        obs_std = (self.obs_std * (1.0 + 0.3 * float(np.sin(version)))).float()
-        return weights, obs_mean, obs_std
+        return self.states[version % self.CYCLE]
 
 
-def publish_in_a_tight_loop(shared, agent, published, stop):
+class NetworkStandIn:
+    """What `publish_weights` reads of the learner's network: its parameters, here one vector."""
+
+    def __init__(self):
+        self.vector = None
+
+    def parameters(self):
+        return [self.vector]
+
+
+def publish_in_a_tight_loop(shared, published, stop):
     """The learner stand-in: the real `publish_weights` of version 1, 2, ... with no pause between two publishes."""
+    network = NetworkStandIn()
     version = 0
     while not stop.is_set():
         version += 1
-        weights, obs_mean, obs_std = published(version)
-        torch.nn.utils.vector_to_parameters(weights, agent.parameters())
-        vr.publish_weights(shared, agent, obs_mean, obs_std)
+        network.vector, obs_mean, obs_std = published(version)
+        vr.publish_weights(shared, network, obs_mean, obs_std)
 
 
 def test_every_copy_an_actor_keeps_is_one_complete_publish():
@@ -154,7 +172,7 @@ def test_every_copy_an_actor_keeps_is_one_complete_publish():
     num_params = sum(p.numel() for p in agent.parameters())
     shared = vr.make_shared_handles(1, 8, obs_dim, 3, num_params, threading.Event())
     stop_publishing = threading.Event()
-    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, agent, published, stop_publishing))
+    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, published, stop_publishing))
     learner.start()
     kept = []
     # version 0: nothing published yet
@@ -194,7 +212,7 @@ def test_actors_act_with_exactly_the_version_they_record_while_the_learner_publi
     num_params = sum(p.numel() for p in agent.parameters())
     shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, num_params, threading.Event())
     stop_publishing = threading.Event()
-    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, agent, published, stop_publishing))
+    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, published, stop_publishing))
     learner.start()
     actor = start_actor(args, shared, obs_dim, act_dim, seed=10)
     versions_seen = 0
