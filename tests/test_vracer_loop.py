@@ -31,6 +31,7 @@ tests/test_vracer_runs.py on a real run (the probe records what the real loop ha
 
 import copy
 import io
+import multiprocessing
 import threading
 
 import numpy as np
@@ -153,12 +154,23 @@ class NetworkStandIn:
 
 def publish_in_a_tight_loop(shared, published, stop):
     """The learner stand-in: the real `publish_weights` of version 1, 2, ... with no pause between two publishes."""
+    torch.set_num_threads(1)
     network = NetworkStandIn()
     version = 0
     while not stop.is_set():
         version += 1
         network.vector, obs_mean, obs_std = published(version)
         vr.publish_weights(shared, network, obs_mean, obs_std)
+
+
+def start_publishing(shared, published):
+    """The learner stand-in in a process of its own, as the learner is (forked: the shared memory and the precomputed
+    versions come along). Returns the process and the event that stops it."""
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    learner = context.Process(target=publish_in_a_tight_loop, args=(shared, published, stop), daemon=True)
+    learner.start()
+    return learner, stop
 
 
 def test_every_copy_an_actor_keeps_is_one_complete_publish():
@@ -171,9 +183,7 @@ def test_every_copy_an_actor_keeps_is_one_complete_publish():
     published = PublishedStates(agent, obs_dim, np.random.default_rng(12))
     num_params = sum(p.numel() for p in agent.parameters())
     shared = vr.make_shared_handles(1, 8, obs_dim, 3, num_params, threading.Event())
-    stop_publishing = threading.Event()
-    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, published, stop_publishing))
-    learner.start()
+    learner, stop_publishing = start_publishing(shared, published)
     kept = []
     # version 0: nothing published yet
     version = 0
@@ -211,15 +221,13 @@ def test_actors_act_with_exactly_the_version_they_record_while_the_learner_publi
     published = PublishedStates(agent, obs_dim, np.random.default_rng(9))
     num_params = sum(p.numel() for p in agent.parameters())
     shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, num_params, threading.Event())
-    stop_publishing = threading.Event()
-    learner = threading.Thread(target=publish_in_a_tight_loop, args=(shared, published, stop_publishing))
-    learner.start()
+    learner, stop_publishing = start_publishing(shared, published)
     actor = start_actor(args, shared, obs_dim, act_dim, seed=10)
     versions_seen = 0
     rows = 0
     try:
-        # steps until the rows hold 40 different versions (the F gate opens 200 steps at a time)
-        while versions_seen < 40 and rows < args.ring_size - 200:
+        # steps until the rows hold 400 different versions (the F gate opens 200 steps at a time)
+        while versions_seen < 400 and rows < args.ring_size - 200:
             rows += 200
             shared.steps_allowed[0] = rows
             wait_for_rows(shared, rows)
