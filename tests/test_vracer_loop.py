@@ -173,16 +173,130 @@ def start_publishing(shared, published):
     return learner, stop
 
 
-def test_every_copy_an_actor_keeps_is_one_complete_publish():
-    """Clause 1, the seqlock itself: while a learner stand-in publishes in a tight loop, an actor stand-in copies with
-    `read_published` as fast as it can; every copy it keeps (not None) is the weights and statistics published as the
-    version it returns, exactly, and the versions it keeps rise."""
+class CopiedWith:
+    """A shared tensor whose copies (`clone`, `copy_`) first run `during`: what another process does meanwhile."""
+
+    def __init__(self, tensor, during):
+        self.tensor = tensor
+        self.during = during
+
+    def clone(self):
+        self.during()
+        return self.tensor.clone()
+
+    def copy_(self, source):
+        self.during()
+        return self.tensor.copy_(source)
+
+
+def seqlock_setup(seed, ring_size=8):
+    """Shared memory for one actor, the versions a learner stand-in publishes and the stand-in's network."""
     obs_dim = 11
-    torch.manual_seed(11)
+    torch.manual_seed(seed)
     agent = vr.Agent(obs_dim, 3)
-    published = PublishedStates(agent, obs_dim, np.random.default_rng(12))
+    published = PublishedStates(agent, obs_dim, np.random.default_rng(seed))
     num_params = sum(p.numel() for p in agent.parameters())
-    shared = vr.make_shared_handles(1, 8, obs_dim, 3, num_params, threading.Event())
+    shared = vr.make_shared_handles(1, ring_size, obs_dim, 3, num_params, threading.Event())
+    return shared, published, NetworkStandIn()
+
+
+def publish(shared, network, published, version):
+    """The learner stand-in's publish of `version` (the real `publish_weights`)."""
+    network.vector, obs_mean, obs_std = published(version)
+    vr.publish_weights(shared, network, obs_mean, obs_std)
+
+
+def assert_copy_of(copy_kept, published, version):
+    assert copy_kept is not None and copy_kept[0] == version
+    for kept, expected in zip(copy_kept[1:], published(version)):
+        assert torch.equal(kept, expected)
+
+
+def test_the_seqlock_keeps_only_a_copy_that_no_publish_overlapped():
+    """Clause 1, the seqlock's rules one by one: `publish_weights` makes the sequence number odd for the copies of the
+    weights and both statistics and even after them (+2 per publish, version = seq / 2); `read_published` returns the
+    newest version's weights and statistics, and None (the actor keeps acting with its version) when that version
+    is the one it holds, while a publish is under way, and when a publish begins or completes during any of its
+    three copies."""
+    shared, published, network = seqlock_setup(13)
+    numbers_seen = []
+    watched = {
+        name: CopiedWith(getattr(shared, name), lambda: numbers_seen.append(int(shared.weights_seq[0])))
+        for name in ("weights", "obs_mean", "obs_std")
+    }
+    network.vector, obs_mean, obs_std = published(1)
+    vr.publish_weights(shared._replace(**watched), network, obs_mean, obs_std)
+    assert numbers_seen == [1, 1, 1] and int(shared.weights_seq[0]) == 2 and vr.published_version(shared) == 1
+    assert_copy_of(vr.read_published(shared, 0), published, 1)
+    assert vr.read_published(shared, 1) is None
+    # under way
+    shared.weights_seq[0] += 1
+    assert vr.read_published(shared, 0) is None
+    shared.weights_seq[0] -= 1
+    for name in ("weights", "obs_mean", "obs_std"):
+        version = vr.published_version(shared)
+        begins = shared._replace(**{name: CopiedWith(getattr(shared, name), lambda: shared.weights_seq.add_(1))})
+        assert vr.read_published(begins, version - 1) is None, name
+        # the publish that began ends
+        shared.weights_seq.add_(1)
+        completes = shared._replace(
+            **{name: CopiedWith(getattr(shared, name), lambda: publish(shared, network, published, version + 2))}
+        )
+        assert vr.read_published(completes, version) is None, name
+        assert_copy_of(vr.read_published(shared, version), published, version + 2)
+
+
+def assert_rows_acted_with(ring, rows, published, std_map):
+    """Every ring row's mu = (mean, std) and V are those of the version it records, exactly."""
+    policy_version = ring["policy_version"][0, :rows].numpy()
+    network = vr.Agent(11, 3)
+    for version in np.unique(policy_version):
+        weights, obs_mean, obs_std = published(int(version))
+        torch.nn.utils.vector_to_parameters(weights, network.parameters())
+        net = vr.numpy_params(network, std_map, obs_mean.numpy(), obs_std.numpy())
+        for row in np.flatnonzero(policy_version == version):
+            mean, std, value = vr.numpy_forward(net, ring["obs"][0, row].numpy())
+            message = f"row {row}, version {version}"
+            np.testing.assert_array_equal(ring["mu_mean"][0, row].numpy(), mean, err_msg=message)
+            np.testing.assert_array_equal(ring["mu_std"][0, row].numpy(), std, err_msg=message)
+            assert float(ring["value"][0, row]) == value, message
+
+
+def test_an_actor_acts_with_the_copy_it_kept_when_a_publish_follows_at_once(monkeypatch):
+    """Clause 1: the actor acts with the weights and statistics of the copy `read_published` handed it, not with what
+    the shared memory holds by the time it acts: here a new version is published right after every copy the actor
+    keeps, and every ring row's mu and V are still those of the version it records (one version per row)."""
+    from common.mujoco_env import make_mujoco_env
+
+    monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=30))
+    shared, published, network = seqlock_setup(14)
+    real_read_published = vr.read_published
+
+    def read_then_publish(shared, version):
+        copy_kept = real_read_published(shared, version)
+        if copy_kept is not None:
+            publish(shared, network, published, copy_kept[0] + 1)
+        return copy_kept
+
+    monkeypatch.setattr(vr, "read_published", read_then_publish)
+    publish(shared, network, published, 1)
+    shared.steps_allowed[0] = 8
+    args = vr.Args(env_id="Hopper-v5", num_actors=1)
+    actor = start_actor(args, shared, 11, 3, seed=15)
+    try:
+        wait_for_rows(shared, 8)
+    finally:
+        shared.stop_event.set()
+        actor.join()
+    np.testing.assert_array_equal(shared.rings["policy_version"][0].numpy(), np.arange(1, 9))
+    assert_rows_acted_with(shared.rings, 8, published, args.std_map)
+
+
+def test_every_copy_an_actor_keeps_is_one_complete_publish():
+    """Clause 1 under a race: while a learner stand-in publishes in a tight loop from another process, an actor
+    stand-in copies with `read_published` as fast as it can; every copy it keeps (not None) is the weights and
+    statistics published as the version it returns, exactly, and the versions it keeps rise."""
+    shared, published, _ = seqlock_setup(12)
     learner, stop_publishing = start_publishing(shared, published)
     kept = []
     # version 0: nothing published yet
@@ -198,35 +312,27 @@ def test_every_copy_an_actor_keeps_is_one_complete_publish():
         learner.join()
     versions = [version for version, _, _, _ in kept]
     assert all(a < b for a, b in zip(versions, versions[1:]))
-    for version, weights, obs_mean, obs_std in kept:
-        expected_weights, expected_mean, expected_std = published(version)
-        assert torch.equal(weights, expected_weights), version
-        assert torch.equal(obs_mean, expected_mean) and torch.equal(obs_std, expected_std), version
+    for copy_kept in kept:
+        assert_copy_of(copy_kept, published, copy_kept[0])
 
 
 def test_actors_act_with_exactly_the_version_they_record_while_the_learner_publishes(monkeypatch):
-    """Clause 1 under a race: a learner stand-in publishes with the real `publish_weights` in a tight loop while the
-    real actor steps; every ring row's mu = (mean, std) and V are those of the network and statistics published as the
-    version the row records, exactly (an actor that reads the version and then copies weights that a publish in
-    between has changed, or half changed, acts with another version than it records), and the actor takes up new
-    versions as it goes."""
+    """Clause 1 under a race: a learner stand-in publishes with the real `publish_weights` in a tight loop from another
+    process while the real actor steps; every ring row's mu = (mean, std) and V are those of the network and
+    statistics published as the version the row records, exactly (an actor that reads the version and then copies
+    weights that a publish in between has changed, or half changed, acts with another version than it records), and
+    the actor takes up new versions as it goes."""
     from common.mujoco_env import make_mujoco_env
 
     monkeypatch.setattr(vr, "make_env", lambda env_id, s, *a, **k: make_mujoco_env(env_id, s, max_episode_steps=30))
-    obs_dim = 11
-    act_dim = 3
     args = vr.Args(env_id="Hopper-v5", num_actors=1, ring_size=4096)
-    torch.manual_seed(8)
-    agent = vr.Agent(obs_dim, act_dim)
-    published = PublishedStates(agent, obs_dim, np.random.default_rng(9))
-    num_params = sum(p.numel() for p in agent.parameters())
-    shared = vr.make_shared_handles(1, args.ring_size, obs_dim, act_dim, num_params, threading.Event())
+    shared, published, _ = seqlock_setup(8, args.ring_size)
     learner, stop_publishing = start_publishing(shared, published)
-    actor = start_actor(args, shared, obs_dim, act_dim, seed=10)
+    actor = start_actor(args, shared, 11, 3, seed=10)
     versions_seen = 0
     rows = 0
     try:
-        # steps until the rows hold 400 different versions (the F gate opens 200 steps at a time)
+        # steps until the rows hold 400 different versions or the ring is full (the F gate opens 200 steps at a time)
         while versions_seen < 400 and rows < args.ring_size - 200:
             rows += 200
             shared.steps_allowed[0] = rows
@@ -238,17 +344,7 @@ def test_actors_act_with_exactly_the_version_they_record_while_the_learner_publi
         learner.join()
         actor.join()
     assert versions_seen >= 40
-    ring = {name: field[0, :rows].numpy() for name, field in shared.rings.items()}
-    network = vr.Agent(obs_dim, act_dim)
-    for version in np.unique(ring["policy_version"]):
-        weights, obs_mean, obs_std = published(int(version))
-        torch.nn.utils.vector_to_parameters(weights, network.parameters())
-        net = vr.numpy_params(network, args.std_map, obs_mean.numpy(), obs_std.numpy())
-        for row in np.flatnonzero(ring["policy_version"] == version):
-            mean, std, value = vr.numpy_forward(net, ring["obs"][row])
-            np.testing.assert_array_equal(ring["mu_mean"][row], mean, err_msg=f"row {row}, version {version}")
-            np.testing.assert_array_equal(ring["mu_std"][row], std, err_msg=f"row {row}, version {version}")
-            assert ring["value"][row] == value, f"row {row}, version {version}"
+    assert_rows_acted_with(shared.rings, rows, published, args.std_map)
 
 
 def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
