@@ -508,23 +508,23 @@ def random_behaviour_memory(rng, N=400, obs_dim=3, act_dim=2):
 
 
 @pytest.mark.parametrize(
-    "refer,per,kl_direction",
+    "refer,per,kl_direction,D",
     [
-        ("full", "none", "mu_pi"),
-        ("rule1", "none", "mu_pi"),
-        ("rule2", "none", "mu_pi"),
-        ("none", "none", "mu_pi"),
-        ("full", "rank", "mu_pi"),
-        ("full", "none", "pi_mu"),
+        ("full", "none", "mu_pi", 0.001),
+        ("rule1", "none", "mu_pi", 0.001),
+        ("rule2", "none", "mu_pi", 0.999),
+        ("none", "none", "mu_pi", 0.001),
+        ("full", "rank", "mu_pi", 0.001),
+        ("full", "none", "pi_mu", 0.999),
     ],
 )
-def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction):
+def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction, D):
     """Clause 4: two consecutive `train_step`s on the batches they draw equal the update written here from the paper,
     parameter by parameter: the gradient of `textbook_loss` (float64) at Q^ret from the textbook recursion over the
     memory's r / sigma_r, V, rho and V(s_L) (Eqs. (8), (16)), the PER weights with beta annealed to
     min(1, beta0 + (1 - beta0) A k), c_max(k) and lr(k) of Eq. (13) at each k, Adam written out; after each step the
     written-back rho, V, V(s_L) and priorities, Q^ret equal to the recursion again, and beta moved by Eq. (12) with
-    the exact far fraction (--refer none keeps beta = 1)."""
+    the exact far fraction, down where it is above D and up where below (--refer none keeps beta = 1)."""
     rng = np.random.default_rng(30)
     rm = random_behaviour_memory(rng)
     if per == "rank":
@@ -540,8 +540,8 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction)
         adam_eps=1e-4,
         C=0.5,
         A=0.05,
-        # far fraction > D: Eq. (12)'s decreasing branch (test_vracer_runs.py sees the other one)
-        D=0.001,
+        # below the far fraction (0.001: Eq. (12) lowers beta) or above it (0.999: raises it)
+        D=D,
         beta_lr=0.05,
         logrho_clip=2.0,
         per_beta0=0.3,
@@ -622,7 +622,7 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction)
         # Eq. (12) with the far fraction of the memory's latest rho
         stored = rm.rho[rm.valid]
         far_fraction = np.mean(~((stored > 1.0 / cmax) & (stored < cmax)))
-        assert far_fraction > args.D
+        assert (far_fraction > args.D) == (args.D == 0.001)
         if refer == "none":
             assert state["beta"] == 1.0
         elif far_fraction > args.D:
