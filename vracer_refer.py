@@ -141,93 +141,6 @@ class Args(CommonArgs):
 RULE2_RHO_MAX = 1e3
 # The learner reads the actor rings at least every this many gradient steps.
 GRAD_STEPS_PER_READ = 64
-# The flags a resumed run may not change: environment, seed, network, method and replay size.
-FIXED_ON_RESUME = (
-    "env_id",
-    "gamma",
-    "hidden_size",
-    "residual",
-    "std_map",
-    "refer",
-    "kl_direction",
-    "per",
-    "buffer_size",
-    # beta_0 and sigma_0 only act at the start: a resumed run continues with the checkpoint's beta and std parameter
-    "beta_init",
-    "init_std",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "total_timesteps",
-    "learning_starts",
-    "batch_size",
-    "learning_rate",
-    "adam_eps",
-    "F",
-    "C",
-    "A",
-    "D",
-    "beta_lr",
-    "logrho_clip",
-    "per_alpha",
-    "per_beta0",
-    "action_noise",
-    "clip_actions",
-    "stats_every",
-    "state_stats_rate",
-    "num_actors",
-    "eval_episodes",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = (
-    "ring_size",
-    "log_every",
-    "checkpoint_replay",
-)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
-    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
-    require(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts!r}")
-    require(args.buffer_size >= 1, f"--buffer-size must be >= 1, got {args.buffer_size!r}")
-    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
-    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
-    require(args.F > 0, f"--F must be > 0, got {args.F!r}")
-    require(args.C >= 0, f"--C must be >= 0, got {args.C!r}")
-    require(args.A >= 0, f"--A must be >= 0, got {args.A!r}")
-    require(0 < args.D < 1, f"--D must be in (0, 1), got {args.D!r}")
-    require(0 <= args.beta_init <= 1, f"--beta-init must be in [0, 1], got {args.beta_init!r}")
-    require(0 < args.beta_lr < 1, f"--beta-lr must be in (0, 1), got {args.beta_lr!r}")
-    require(args.logrho_clip > 0, f"--logrho-clip must be > 0, got {args.logrho_clip!r}")
-    require(args.per_alpha >= 0, f"--per-alpha must be >= 0, got {args.per_alpha!r}")
-    require(0 <= args.per_beta0 <= 1, f"--per-beta0 must be in [0, 1], got {args.per_beta0!r}")
-    require(args.init_std > 0, f"--init-std must be > 0, got {args.init_std!r}")
-    require(args.hidden_size >= 1, f"--hidden-size must be >= 1, got {args.hidden_size!r}")
-    require(args.stats_every >= 1, f"--stats-every must be >= 1, got {args.stats_every!r}")
-    require(0 <= args.state_stats_rate <= 1, f"--state-stats-rate must be in [0, 1], got {args.state_stats_rate!r}")
-    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
-    require(args.ring_size >= 2, f"--ring-size must be >= 2, got {args.ring_size!r}")
-    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
-    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
-    try:
-        check_mujoco_env_id(args.env_id)
-        if args.capture_video:
-            check_video_support()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    require(args.buffer_size >= args.batch_size, "--batch-size must be <= --buffer-size")
-    require(
-        args.learning_starts <= args.buffer_size,
-        "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)",
-    )
-    require(
-        args.learning_starts >= args.batch_size,
-        "--learning-starts must be >= --batch-size (the first batch needs that many samples)",
-    )
-    require(args.C > 0 or args.refer == "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")
 
 
 def make_env(env_id: str, seed: int, capture_video: bool = False, run_name: str = ""):
@@ -495,7 +408,9 @@ class EpisodeReplay:
     @classmethod
     def capacity_for(cls, N: int, max_episode_len: int) -> int:
         """Slots: N plus 4 episodes of slack for the FIFO and the jump to slot 0, in whole blocks."""
-        return -(-(N + 4 * max_episode_len) // cls.BLOCK) * cls.BLOCK
+        slots = N + 4 * max_episode_len
+        whole_blocks = (slots + cls.BLOCK - 1) // cls.BLOCK
+        return whole_blocks * cls.BLOCK
 
     @classmethod
     def bytes_needed(cls, N: int, obs_dim: int, act_dim: int, max_episode_len: int = 1000) -> int:
@@ -1134,7 +1049,96 @@ def evaluate(agent, env_id: str, seed: int, episodes: int, obs_mean, obs_std, de
     return returns
 
 
-# RUN PLUMBING: what a checkpoint holds and what --resume puts back
+# RUN PLUMBING: the resume rules, the flags' checks, what a checkpoint holds and what --resume puts back
+# The flags a resumed run may not change: environment, seed, network, method and replay size.
+FIXED_ON_RESUME = (
+    "env_id",
+    "gamma",
+    "hidden_size",
+    "residual",
+    "std_map",
+    "refer",
+    "kl_direction",
+    "per",
+    "buffer_size",
+    # beta_0 and sigma_0 only act at the start: a resumed run continues with the checkpoint's beta and std parameter
+    "beta_init",
+    "init_std",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "learning_starts",
+    "batch_size",
+    "learning_rate",
+    "adam_eps",
+    "F",
+    "C",
+    "A",
+    "D",
+    "beta_lr",
+    "logrho_clip",
+    "per_alpha",
+    "per_beta0",
+    "action_noise",
+    "clip_actions",
+    "stats_every",
+    "state_stats_rate",
+    "num_actors",
+    "eval_episodes",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "ring_size",
+    "log_every",
+    "checkpoint_replay",
+)
+
+
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
+    require(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts!r}")
+    require(args.buffer_size >= 1, f"--buffer-size must be >= 1, got {args.buffer_size!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps!r}")
+    require(args.F > 0, f"--F must be > 0, got {args.F!r}")
+    require(args.C >= 0, f"--C must be >= 0, got {args.C!r}")
+    require(args.A >= 0, f"--A must be >= 0, got {args.A!r}")
+    require(0 < args.D < 1, f"--D must be in (0, 1), got {args.D!r}")
+    require(0 <= args.beta_init <= 1, f"--beta-init must be in [0, 1], got {args.beta_init!r}")
+    require(0 < args.beta_lr < 1, f"--beta-lr must be in (0, 1), got {args.beta_lr!r}")
+    require(args.logrho_clip > 0, f"--logrho-clip must be > 0, got {args.logrho_clip!r}")
+    require(args.per_alpha >= 0, f"--per-alpha must be >= 0, got {args.per_alpha!r}")
+    require(0 <= args.per_beta0 <= 1, f"--per-beta0 must be in [0, 1], got {args.per_beta0!r}")
+    require(args.init_std > 0, f"--init-std must be > 0, got {args.init_std!r}")
+    require(args.hidden_size >= 1, f"--hidden-size must be >= 1, got {args.hidden_size!r}")
+    require(args.stats_every >= 1, f"--stats-every must be >= 1, got {args.stats_every!r}")
+    require(0 <= args.state_stats_rate <= 1, f"--state-stats-rate must be in [0, 1], got {args.state_stats_rate!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.ring_size >= 2, f"--ring-size must be >= 2, got {args.ring_size!r}")
+    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    try:
+        check_mujoco_env_id(args.env_id)
+        if args.capture_video:
+            check_video_support()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    require(args.buffer_size >= args.batch_size, "--batch-size must be <= --buffer-size")
+    require(
+        args.learning_starts <= args.buffer_size,
+        "--learning-starts must be <= --buffer-size (the memory never holds more than N + one episode)",
+    )
+    require(
+        args.learning_starts >= args.batch_size,
+        "--learning-starts must be >= --batch-size (the first batch needs that many samples)",
+    )
+    require(args.C > 0 or args.refer == "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")
+
+
 def checkpoint_contents(
     args: Args, learner: Learner, state: dict, global_step: int, t0: int, started: bool, stats_ready: bool
 ):

@@ -715,8 +715,6 @@ def test_train_step_anneals_learning_rate_and_cmax():
 def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     """--per rank in train_step: the loss is the one weighted by the batch's IS weights, and the sampled steps'
     priorities become |rho-bar (Q^ret - V)| of this step (the next re-sort ranks by them)."""
-    import copy
-
     rng = np.random.default_rng(26)
     rm = vr.EpisodeReplay(400, 3, 2, 0.99, max_episode_len=40, per_alpha=0.5)
     fill(rm, rng, 40)
