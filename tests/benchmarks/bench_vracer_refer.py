@@ -1,20 +1,21 @@
 """Benchmark for vracer_refer.py (not collected by pytest).
 
-1. Learner (`--skip-learner` to leave out): gradient steps/s at B = 256 on full replay memories of N = 2**14, 2**16
-   and 2**18 (`--sizes`; Hopper-sized synthetic episodes of 250-1000 steps) with the full ReF-ER step (rho/V
+1. Learner (`--skip-learner` to leave out): ms per gradient step at B = 256 on full replay memories of N = 2**14,
+   2**16 and 2**18 (`--sizes`; Hopper-sized synthetic episodes of 250-1000 steps) with the full ReF-ER step (rho/V
    write-back, n_far, the Eq. (8) targets of the sampled steps, beta, and every `stats_every` steps the reward scale,
-   the n_far recount and the maps' recomputation), interleaved in one process with SB3's SAC (`--sac`: the
-   CleanRL/Zoo baseline, 2 x 256 ReLU actor and twin critics, B = 256, on random Hopper-v5 transitions; installs
+   the n_far recount and the maps' recomputation), for each form of the Eq. (8) targets at each N: the script's
+   blocks (Q^ret read when sampled, `vtbc_at`), the vectorised eager refresh the script used before
+   (`EagerVectorisedReplay`) and the readable eager refresh by the recursion of App. C Alg. 3 (`EagerReplay`; both
+   left out with `--skip-forms`); interleaved in one process, in chunks of `--steps` steps, with SB3's SAC (`--sac`:
+   the CleanRL/Zoo baseline, 2 x 256 ReLU actor and twin critics, B = 256, on random Hopper-v5 transitions; installs
    stable-baselines3==2.9.2 into this environment when it is missing, benchmark only, not in requirements.txt) and
    with a bare learner (no write-back, targets refresh or n_far: not a correct V-RACER) at the largest N. Then the
-   split of one step per N, timed inside real steps: sampling, the Eq. (8) targets (reading Q^ret of the batch and
-   updating the maps of the written-back steps), network (forward, loss, backward, Adam), bookkeeping (the rest of the
-   step: batch assembly, the host copy, write-back, n_far, beta), and the periodic work amortised over stats_every.
-2. Forms (`--skip-forms` to leave out): the learner step with the script's Q^ret (read by blocks) against the
-   readable form of App. C Alg. 3, a stored Q^ret refreshed after each step for every prior step of each sampled
-   episode by the recursion (`EagerReplay`), and against the vectorised form of that refresh the script used before
-   (`EagerVectorisedReplay`), interleaved in one process on the same memory, at the largest N.
-3. Actors (`--skip-actors` to leave out): env steps/s with `--num-actors` actor processes (policy forward + shared-memory
+   split of one step of the script's form per N, timed inside real steps (interleaved across N only): sampling, the
+   Eq. (8) targets (reading Q^ret of the batch and updating the maps of the written-back steps), network (forward,
+   loss, backward, Adam), bookkeeping (the rest of the step: batch assembly, the host copy, write-back, n_far, beta),
+   and the periodic work amortised over stats_every; and the time of reading the batch's rows alone (the fancy
+   indexing of train_step's batch assembly) per N. Then that the forms' Q^ret agree after the same write-backs.
+2. Actors (`--skip-actors` to leave out): env steps/s with `--num-actors` actor processes (policy forward + shared-memory
    ring) against env-only stepping of the same task in this process.
 
 Usage: python tests/benchmarks/bench_vracer_refer.py [--sac] [--sizes 16384 65536 262144] [--steps 25] [--reps 12]
@@ -241,10 +242,11 @@ def make_sac(env_id, device, transitions=10_000):
     return model
 
 
-def interleaved(setups: dict, steps: int, reps: int, device) -> dict:
+def interleaved(setups: dict, steps: int, reps: int, device, warm_up: bool = True) -> dict:
     """Gradient steps/s (wall) of each setup, run in short alternating chunks so machine load hits all alike."""
-    for run in setups.values():
-        run(20)  # warm-up
+    if warm_up:
+        for run in setups.values():
+            run(20)
     wall = {name: 0.0 for name in setups}
     for _ in range(reps):
         for name, run in setups.items():
@@ -259,14 +261,19 @@ def interleaved(setups: dict, steps: int, reps: int, device) -> dict:
 
 
 class Split:
-    """ms per gradient step of each part of `train_step`, timed inside real steps (module docstring): wrappers around
-    the sampler, the Q^ret read and the maps' update, the network's forward, loss, backward and Adam step; the rest of
-    the step is bookkeeping."""
+    """The script's learner (`learn`, as `learner_run`) with each part of `train_step` timed inside its real steps
+    (module docstring): wrappers around the sampler, the Q^ret read and the maps' update, the network's forward, loss,
+    backward and Adam step; the rest of the step is bookkeeping. Run as a setup of `interleaved`, so that its parts add
+    up to the time the learner table shows."""
 
     def __init__(self, learner, state, args):
         self.learner = learner
         self.state = state
         self.args = args
+        self.learn = learner_run(learner, state, args)
+        self.reset()
+
+    def reset(self) -> None:
         self.spent = {}
         self.steps = 0
         self.total = 0.0
@@ -284,7 +291,7 @@ class Split:
         setattr(owner, name, wrapper)
         return real
 
-    def run(self, steps: int) -> None:
+    def __call__(self, steps: int) -> None:
         learner = self.learner
         replay = learner.replay
         real_loss = self.timed(vr, "refer_loss", "network")
@@ -296,8 +303,7 @@ class Split:
         self.timed(learner.agent, "forward", "network")
         self.timed(learner.optimizer, "step", "network")
         start = time.perf_counter()
-        for _ in range(steps):
-            vr.train_step(learner, self.state, self.args)
+        self.learn(steps)
         self.total += time.perf_counter() - start
         self.steps += steps
         vr.refer_loss = real_loss
@@ -307,14 +313,15 @@ class Split:
         vars(learner.agent).pop("forward")
         vars(learner.optimizer).pop("step")
 
-    def periodic(self, calls: int = 2) -> None:
-        """Every stats_every steps (`learn`): the reward scale with the maps of every step, the n_far recount."""
+    def periodic_ms(self, calls: int = 2) -> float:
+        """ms per step of the work of every stats_every steps (`learn`: the reward scale with the maps of every step,
+        the n_far recount), amortised: timed apart, as no such step falls among the few hundred timed."""
         replay = self.learner.replay
         start = time.perf_counter()
         for _ in range(calls):
             replay.update_reward_scale()
             replay.recount_far(vr.refer_cmax(self.state["k"], self.args.C, self.args.A))
-        self.spent["periodic, amortised"] = (time.perf_counter() - start) / calls * self.steps / self.args.stats_every
+        return 1e3 * (time.perf_counter() - start) / calls / self.args.stats_every
 
     def ms(self) -> dict:
         ms = {part: 1e3 * seconds / self.steps for part, seconds in self.spent.items()}
@@ -324,9 +331,8 @@ class Split:
         step_ms = 1e3 * self.total / self.steps
         measured = ("sampling", "Eq. (8) targets", "network")
         ms["bookkeeping"] = step_ms - sum(ms[part] for part in measured)
-        ms.pop("write-back")
-        ms["step"] = step_ms + ms["periodic, amortised"]
-        return {part: ms[part] for part in (*measured, "bookkeeping", "periodic, amortised", "step")}
+        ms["step"] = step_ms
+        return {part: ms[part] for part in (*measured, "bookkeeping", "step")}
 
 
 def episodes_hit(rm, rng, draws=50):
@@ -340,62 +346,86 @@ def episodes_hit(rm, rng, draws=50):
     return np.mean(hit, axis=0)
 
 
+# the forms of the Eq. (8) targets: the script's, and the two stored-Q^ret forms above
+FORMS = {
+    "blocks (the script)": vr.EpisodeReplay,
+    "eager, vectorised (before)": EagerVectorisedReplay,
+    "eager recursion (readable)": EagerReplay,
+}
+
+
+def gather_ms(rm, rng, draws=400):
+    """ms to read the batch's rows as train_step's batch assembly does (obs, action, mu_mean, mu_std, truncated_last of
+    256 sampled slots), without the rest of the step."""
+    batches = [rm.sample(256, rng) for _ in range(draws)]
+    start = time.perf_counter()
+    for idx in batches:
+        rm.obs[idx]
+        rm.action[idx]
+        rm.mu_mean[idx]
+        rm.mu_std[idx]
+        rm.truncated_last[idx]
+    return 1e3 * (time.perf_counter() - start) / draws
+
+
 def bench_learner(a):
     torch.set_num_threads(a.threads)
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
-    rng = np.random.default_rng(0)
-    learners = {}
+    forms = {"blocks (the script)": vr.EpisodeReplay} if a.skip_forms else FORMS
+    splits = {}
     setups = {}
     for N in a.sizes:
-        learner, state, args = make_learner(filled_replay(N, rng), rng, device=device)
-        learners[N] = (learner, state, args)
-        setups[f"ReF-ER N={N}"] = learner_run(learner, state, args)
+        for form, replay_class in forms.items():
+            rng = np.random.default_rng(N)
+            learner, state, args = make_learner(filled_replay(N, rng, replay_class), rng, device=device)
+            if replay_class is vr.EpisodeReplay:
+                splits[N] = Split(learner, state, args)
+                setups[form, N] = splits[N]
+            else:
+                setups[form, N] = learner_run(learner, state, args)
     N_max = max(a.sizes)
-    bare, bare_state, bare_args = make_learner(learners[N_max][0].replay, rng, refer="none", device=device)
-    setups[f"bare N={N_max}"] = learner_run(bare, bare_state, bare_args, bookkeeping=False)
+    rng = np.random.default_rng(0)
+    bare, bare_state, bare_args = make_learner(splits[N_max].learner.replay, rng, "none", device)
+    setups["bare", N_max] = learner_run(bare, bare_state, bare_args, bookkeeping=False)
     if a.sac:
         sac = make_sac(a.env_id, device)
-        setups["SAC"] = lambda n: sac.train(gradient_steps=n, batch_size=256)
-    sps = interleaved(setups, a.steps, a.reps, device)
-    print(f"learner ({device}, B=256, {a.threads} thread(s), {a.reps} x {a.steps} steps each, interleaved), grad steps/s:")
-    for name, value in sps.items():
-        ratio = f"  ({value / sps['SAC']:.2f}x SAC)" if "SAC" in sps and name != "SAC" else ""
-        print(f"  {name}: {value:.0f}{ratio}")
-    print(f"split of one step, ms (timed inside real steps, {a.reps} interleaved chunks of {a.steps} steps per N):")
-    splits = {N: Split(*learners[N]) for N in a.sizes}
-    for _ in range(a.reps):
-        for part in splits.values():
-            part.run(a.steps)
-    print("  | N | episodes hit / their prior steps | sampling | Eq. (8) targets | network | bookkeeping | periodic | step |")
-    print("  |---|---|---|---|---|---|---|---|")
-    for N, part in splits.items():
-        part.periodic()
-        hit, prior = episodes_hit(part.learner.replay, rng)
-        print(f"  | {N:,} | {hit:.0f} / {prior:,.0f} | " + " | ".join(f"{value:.3f}" for value in part.ms().values()) + " |")
+        setups["SAC", None] = lambda n: sac.train(gradient_steps=n, batch_size=256)
+    for run in setups.values():
+        run(20)  # warm-up
+    for split in splits.values():
+        split.reset()
+    sps = interleaved(setups, a.steps, a.reps, device, warm_up=False)
+    print(
+        f"learner ({device}, B=256, {a.threads} thread(s), {a.reps} x {a.steps} steps each, interleaved, load average "
+        f"{os.getloadavg()[0]:.1f} at the end), ms per gradient step:"
+    )
+    print("  | N | " + " | ".join(forms) + " | bare learner | SB3 SAC | " + " | ".join(f"{f} / SAC" for f in forms) + " |")
+    print("  " + "|---" * (2 * len(forms) + 4) + "|")
+    sac_sps = sps.get(("SAC", None))
+    for N in a.sizes:
+        times = [f"{1e3 / sps[form, N]:.2f}" for form in forms]
+        bare_ms = f"{1e3 / sps['bare', N]:.2f}" if ("bare", N) in sps else ""
+        sac_ms = f"{1e3 / sac_sps:.2f}" if sac_sps else ""
+        ratios = [f"{sps[form, N] / sac_sps:.2f}x" if sac_sps else "" for form in forms]
+        print(f"  | {N:,} | " + " | ".join(times) + f" | {bare_ms} | {sac_ms} | " + " | ".join(ratios) + " |")
+    print("split of one step of the blocks, ms (timed inside the same steps as the table):")
+    print(
+        "  | N | episodes hit / their prior steps | sampling | Eq. (8) targets | network | bookkeeping | step | periodic, "
+        "amortised | the batch's row reads alone |"
+    )
+    print("  |---|---|---|---|---|---|---|---|---|")
+    gathers = {N: [] for N in a.sizes}
+    for _ in range(5):
+        for N, split in splits.items():
+            gathers[N].append(gather_ms(split.learner.replay, rng))
+    for N, split in splits.items():
+        hit, prior = episodes_hit(split.learner.replay, rng)
+        parts = " | ".join(f"{value:.3f}" for value in split.ms().values())
+        print(f"  | {N:,} | {hit:.0f} / {prior:,.0f} | {parts} | {split.periodic_ms():.3f} | {np.median(gathers[N]):.3f} |")
 
 
-def bench_forms(a):
-    """The script's block form against the stored-Q^ret forms, interleaved in one process, at the largest N."""
-    torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
-    N = max(a.sizes)
-    setups = {}
-    learners = {}
-    for name, replay_class in (
-        ("blocks (the script)", vr.EpisodeReplay),
-        ("eager, vectorised (before)", EagerVectorisedReplay),
-        ("eager recursion (readable)", EagerReplay),
-    ):
-        rng = np.random.default_rng(1)
-        learner, state, args = make_learner(filled_replay(N, rng, replay_class), rng, device=device)
-        learners[name] = learner
-        setups[name] = learner_run(learner, state, args)
-    sps = interleaved(setups, a.form_steps, a.form_reps, device)
-    reference = sps["blocks (the script)"]
-    print(f"forms of Eq. (8) ({device}, B=256, N={N}, {a.form_reps} x {a.form_steps} steps each, interleaved):")
-    for name, value in sps.items():
-        print(f"  {name}: {1e3 / value:.2f} ms per learner step ({reference / value:.2f}x the blocks' time)")
-    # the same memory, the same write-backs: the forms' Q^ret agree
+def check_forms_agree(a):
+    """The script's block form and the recursion give the same Q^ret after the same write-backs."""
     memories = [filled_replay(min(a.sizes), np.random.default_rng(2), form) for form in (vr.EpisodeReplay, EagerReplay)]
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -406,7 +436,7 @@ def bench_forms(a):
             memory.update_samples(idx, rho, value)
     stored = np.flatnonzero(memories[0].valid)
     gap = np.abs(memories[0].qret_at(stored) - memories[1].qret_at(stored)).max()
-    print(f"  after 50 write-backs, max |Q^ret by blocks - Q^ret by the recursion| over the memory: {gap:.1e}")
+    print(f"forms: after 50 write-backs, max |Q^ret by blocks - Q^ret by the recursion| over the memory: {gap:.1e}")
 
 
 def bench_actors(a):
@@ -471,14 +501,12 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--skip-actors", action="store_true")
     p.add_argument("--skip-learner", action="store_true")
-    p.add_argument("--skip-forms", action="store_true")
+    p.add_argument("--skip-forms", action="store_true", help="the script's form only (no eager forms, no agreement check)")
     p.add_argument("--sac", action="store_true", help="add SB3 SAC to the learner comparison (installs it if missing)")
-    p.add_argument("--form-steps", type=int, default=10)
-    p.add_argument("--form-reps", type=int, default=6)
     a = p.parse_args()
     if not a.skip_learner:
         bench_learner(a)
     if not a.skip_forms:
-        bench_forms(a)
+        check_forms_agree(a)
     if not a.skip_actors:
         bench_actors(a)
