@@ -29,7 +29,8 @@ Differences from the paper (long form: README.md, section vracer_refer.py)
 - Eq. (13)'s t counts gradient steps; PER weights / batch max; PER re-sorts every `stats_every` steps, and steps stored
   since the last re-sort are drawn uniformly (probability 1/n each) until the next one.
 - Glorot init U(+-sqrt(6/(fi+fo))) (the paper's formula read as a typo); rho and KL use untruncated densities.
-- Actors may act with weights one iteration old; each transition stores the mu it used, so rho stays exact.
+- Actors may act with weights a publish or more old (read whole under a seqlock, `read_published`); each transition
+  stores the mu it used and its version, so rho stays exact.
 - Not implemented: `farpolfrac` forgetting, DDPG / NAF with ReF-ER, the advantage of App. E.
 - `--residual` (authors' code: a residual connection on hidden layer 2) is off by default.
 Autoreset: none (each actor resets its env; truncation bootstraps from the true s_T). `--resume` restores the learner
