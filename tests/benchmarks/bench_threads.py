@@ -156,11 +156,11 @@ def setup(script, a, device):
         import vracer_refer as vr
 
         args = vr.Args()
-        # HalfCheetah-v5, the default env
-        obs_dim = 17
-        act_dim = 6
+        # Hopper-sized episodes, as in bench_vracer_refer.py
+        obs_dim = bench_vracer_refer.OBS_DIM
+        act_dim = bench_vracer_refer.ACT_DIM
         rng = np.random.default_rng(0)
-        rm = bench_vracer_refer.filled_replay(args.buffer_size, obs_dim, act_dim, 1000, rng)
+        rm = bench_vracer_refer.filled_replay(args.buffer_size, rng)
         agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
         opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
         state = {"k": 0, "beta": args.beta_init}
