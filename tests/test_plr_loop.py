@@ -1250,7 +1250,8 @@ def test_evaluation_counts_each_envs_first_episodes_in_a_fixed_order():
 
 def test_evaluation_samples_the_policy():
     """Clause 5's policy: evaluation's actions on a fixed observation are distributed as softmax(logits) (Pearson
-    chi-square, p > 1e-4), not the argmax."""
+    chi-square, p > 1e-4), not the argmax. Its samples come from a seeded torch stream (forked: the tests after it
+    see the global RNG as it was), so the outcome does not depend on which tests ran before."""
     probs = np.array([0.05, 0.1, 0.15, 0.2, 0.5])
     logits = torch.log(torch.as_tensor(probs, dtype=torch.float32))
 
@@ -1259,7 +1260,9 @@ def test_evaluation_samples_the_policy():
 
     args = plr_ppo.Args(env_id="MultiRoom-N4-Random")
     envs = LevelOutcomeEnv(8, lambda levels: (np.full(len(levels), 50), np.zeros(len(levels))))
-    plr_ppo.evaluate(policy, envs, uniform_level_sets(np.random.default_rng(1)), 8, args, "cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        plr_ppo.evaluate(policy, envs, uniform_level_sets(np.random.default_rng(1)), 8, args, "cpu")
     actions = np.concatenate(envs.actions)
     counts = np.bincount(actions, minlength=len(probs))
     assert len(actions) == 2 * 50 * 8
