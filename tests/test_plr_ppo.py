@@ -7,15 +7,11 @@ tests/test_plr_resume.py); the textbook GAE: tests/plr_helpers.py."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from plr_helpers import textbook_gae
+from plr_helpers import run_main, textbook_gae
 
 import plr_ppo
 from plr_ppo import (
@@ -30,9 +26,6 @@ from plr_ppo import (
     step_scores,
     validate_args,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "plr_ppo.py")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,34 +636,19 @@ def test_validate_args_one_line(flags, needle):
     assert msg.startswith("error: ") and needle in msg and "\n" not in msg
 
 
-def _run(tmp_path, *flags, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+def test_smoke_procgen(tmp_path, monkeypatch):
+    """A tiny Procgen run, the real `__main__` in this process (--plr-commit update; one epoch per update, the
+    per-domain defaults are checked above): it trains, scores levels, evaluates with Cobbe et al.'s normalized return
+    and writes its summary (MiniGrid runs: tests/test_plr_loop.py, and in subprocesses tests/test_lifecycle.py)."""
+    monkeypatch.chdir(tmp_path)
+    run_main(
+        (
+            "--env-id bigfish --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 1 "
+            "--num-train-levels 5 --eval-every 0 --final-eval-episodes 1 --num-eval-envs 1 --plr-commit update "
+            "--no-progress --no-cuda"
+        ).split()
     )
-
-
-def _runs(tmp_path):
-    return sorted((tmp_path / "runs").iterdir())
-
-
-def test_smoke_procgen(tmp_path):
-    """A tiny Procgen run in a subprocess (--plr-commit update): it trains, scores levels, evaluates with Cobbe et al.'s
-    normalized return and writes its summary (MiniGrid runs: tests/test_plr_loop.py)."""
-    out = _run(
-        tmp_path,
-        *(
-            "--env-id bigfish --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 "
-            "--num-train-levels 5 --eval-every 0 --final-eval-episodes 1 --num-eval-envs 1 --plr-commit update"
-        ).split(),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run,) = _runs(tmp_path)
+    (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 64 and "final_test_normalized_return" in summary
     assert 1 <= summary["plr_num_seen_levels"] <= 5
