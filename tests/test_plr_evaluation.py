@@ -2,7 +2,10 @@
 samples its actions from the policy, counts each env's first episodes, as many as its share (`episodes_per_env`),
 whatever their lengths, plays held-out test levels (never a training level) and training levels (the buffer's in
 unbounded mode), and ends at a stop signal. `evaluate` on fake envs, and the evaluations of the real tiny MiniGrid
-run's resumption (tests/plr_helpers.py)."""
+run's resumption (tests/plr_helpers.py). Also the held-out levels of tests/benchmarks/plr_eval_by_difficulty.py."""
+
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -225,3 +228,53 @@ def test_evaluation_stops_at_a_stop_signal(monkeypatch):
     with pytest.raises(processes.Interrupted):
         plr_ppo.evaluate(lambda obs: (torch.zeros(len(obs), 7), torch.zeros(len(obs))), envs, level_sets, 10, args, "cpu")
     assert envs.played == [[]]  # reset, then stopped before the first step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tests/benchmarks/plr_eval_by_difficulty.py: the held-out levels of each difficulty
+# ---------------------------------------------------------------------------------------------------------------
+class SmallSeedSpace:
+    """An RNG of level seeds in [0, 60) (the benchmark's draws are in [0, 2^31 - 1)): most draws are training levels
+    or seeds drawn before."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def integers(self, high):
+        return int(self.rng.integers(60))
+
+
+def test_held_out_levels_by_difficulty_are_never_played_twice(monkeypatch):
+    """plr_eval_by_difficulty.py's levels: each difficulty's held-out levels are drawn as they are needed from one RNG
+    stream, after the levels drawn at the start, so that however many episodes the envs past their share play, no
+    level comes round again (a counted episode replaying a counted level) and none is a training level; the i-th
+    level of a difficulty is the same whatever order the difficulties are asked in (every run of the benchmark plays
+    the same levels). ObstructedMazeGamut-Easy: difficulty = variant seed mod 3; training levels 0-39 of [0, 60)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "benchmarks"))
+    from plr_eval_by_difficulty import HeldOutLevels
+
+    args = SimpleNamespace(env_id="ObstructedMazeGamut-Easy", start_level=0, num_train_levels=40)
+    variants = ["1Dl", "1Dlh", "1Dlhb"]
+    held_out_seeds = {variant: [seed for seed in range(40, 60) if seed % 3 == k] for k, variant in enumerate(variants)}
+    streams = []
+    for order in ("one difficulty after another", "in turn"):
+        held_out = HeldOutLevels(args, seed=0)
+        held_out.rng = SmallSeedSpace(0)
+        # as the benchmark: some levels drawn at the start, then each difficulty's as they are needed
+        for _ in range(6):
+            held_out.draw()
+        levels = {variant: held_out.levels(variant) for variant in variants}
+        played = {variant: [] for variant in variants}
+        if order == "in turn":
+            for k in range(max(len(seeds) for seeds in held_out_seeds.values())):
+                for variant in variants:
+                    if k < len(held_out_seeds[variant]):
+                        played[variant].append(next(levels[variant]))
+        else:
+            for variant in variants:
+                played[variant] = [next(levels[variant]) for _ in held_out_seeds[variant]]
+        for variant in variants:
+            # every held-out level of the difficulty once: none twice, no training level
+            assert sorted(played[variant]) == held_out_seeds[variant], (order, variant)
+        streams.append(played)
+    assert streams[0] == streams[1]
