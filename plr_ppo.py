@@ -33,7 +33,8 @@ Differences from the paper (long form: README.md, section plr_ppo.py)
   training levels; `--resume` restarts the current levels from their first frame and drops their partial scores
   and running returns.
 - Against the authors' level_sampler.py: staleness counted before a draw (Alg. 2 / 4; theirs after), a trailing
-  partial episode scored on its own steps (theirs also averages |V(s_T)|), first levels drawn from P_new and counted.
+  partial episode scored on its own steps (theirs averages in one more row: −V(s_T) for gae, |V(s_T)| for value_l1),
+  first levels drawn from P_new and counted.
 Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying this file: it needs
 common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """

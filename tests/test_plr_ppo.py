@@ -1,19 +1,17 @@
 """Tests for plr_ppo.py's pieces: PLR's distributions and level sampler against slow textbook versions written from
 the paper's equations (Eqs. (1)-(4), Algorithm 4), hand-computed scores, GAE with termination vs truncation, a
 hand-computed PPO loss, the return normaliser, the MiniGrid network against the authors' MinigridPolicy, per-domain
-defaults, replay-decision frequencies, level plumbing through the vector adapters, held-out evaluation levels, CLI
-errors and tiny end-to-end runs (subprocess). The training loop's contract: tests/test_plr_loop.py."""
+defaults, replay-decision frequencies, level plumbing through the vector adapters, CLI errors and a tiny Procgen
+run. The training loop's contract: tests/test_plr_loop.py (evaluation: tests/test_plr_evaluation.py; resume:
+tests/test_plr_resume.py); the textbook GAE: tests/plr_helpers.py."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from plr_helpers import run_main, textbook_gae
 
 import plr_ppo
 from plr_ppo import (
@@ -28,9 +26,6 @@ from plr_ppo import (
     step_scores,
     validate_args,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "plr_ppo.py")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,31 +83,6 @@ def textbook_scores(rollouts, num_levels, alpha=1.0, flush_each_update=False):
                 commit(tau[a][-1][0], np.mean([s for _, s in tau[a]]))
                 tau[a] = []
     return S, scored
-
-
-def textbook_gae(rewards, values, next_value, terminated, truncated, final_values, gamma, lam):
-    """A_t = Σ_{k=t}^{end} (γλ)^{k-t} δ_k with δ_k = r_k + γ V(s_{k+1}) - V(s_k), V(s_{end+1}) = 0 on termination,
-    V(final obs) on truncation, V(s_T) at the rollout's end."""
-    T, N = rewards.shape
-    A = np.zeros((T, N))
-    delta = np.zeros((T, N))
-    for n in range(N):
-        for k in range(T):
-            if terminated[k, n]:
-                v_next = 0.0
-            elif truncated[k, n]:
-                v_next = final_values[k, n]
-            else:
-                v_next = values[k + 1, n] if k + 1 < T else next_value[n]
-            delta[k, n] = rewards[k, n] + gamma * v_next - values[k, n]
-        for t in range(T):
-            total = 0.0
-            for k in range(t, T):
-                total += (gamma * lam) ** (k - t) * delta[k, n]
-                if terminated[k, n] or truncated[k, n]:
-                    break
-            A[t, n] = total
-    return A, delta
 
 
 def random_rollouts(rng, num_rollouts, T, N, levels_per_actor, p_done=0.15):
@@ -643,89 +613,6 @@ def test_level_plumbing_minigrid_and_procgen():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Held-out evaluation: test levels are never training levels, train-level evaluation plays only training levels
-# ---------------------------------------------------------------------------------------------------------------
-class OneStepLevelEnv:
-    """The vector-env interface `evaluate` uses: every episode lasts one step and returns 1 on a training level, 0 on any
-    other; `played` holds the level of every episode, one list per reset (one per evaluated level set)."""
-
-    def __init__(self, num_envs, training_levels):
-        self.num_envs = num_envs
-        self.training_levels = set(training_levels)
-        self.levels = np.zeros(num_envs, np.int64)
-        self.played = []
-
-    def reset(self, levels):
-        self.levels = np.array(levels, np.int64)
-        self.played.append([])
-        return np.zeros((self.num_envs, 1))
-
-    def step(self, actions, next_level):
-        self.played[-1] += self.levels.tolist()
-        returns = np.array([float(s in self.training_levels) for s in self.levels])
-        info = {"_episode": np.ones(self.num_envs, bool), "episode_return": returns}
-        self.levels = np.array([next_level(i) for i in range(self.num_envs)], np.int64)
-        return np.zeros((self.num_envs, 1)), returns, np.ones(self.num_envs, bool), np.zeros(self.num_envs, bool), info
-
-
-def _evaluate_levels(args, sampler, training_levels, num_episodes=200):
-    """Runs plr_ppo.evaluate with the script's level sets; returns its metrics and the levels each set played."""
-    envs = OneStepLevelEnv(4, training_levels)
-    level_sets = plr_ppo.eval_level_sets(args, sampler, np.random.default_rng(0))
-    assert list(level_sets) == ["train", "test"]
-
-    def uniform_policy(obs):
-        return torch.zeros(len(obs), 7), torch.zeros(len(obs))
-
-    metrics = plr_ppo.evaluate(uniform_policy, envs, level_sets, num_episodes, args, "cpu")
-    train_played, test_played = envs.played
-    return metrics, set(train_played), set(test_played)
-
-
-def test_evaluation_test_levels_are_held_out(monkeypatch):
-    """Training levels 10..49 of a seed space shrunk to [0, 60), so that test draws would hit them often if they could."""
-    monkeypatch.setattr(plr_ppo, "MAX_SEED", 60)
-    args = Args(env_id="MultiRoom-N4-Random", start_level=10, num_train_levels=40, num_envs=4)
-    training_levels = set(range(10, 50))
-    metrics, train_played, test_played = _evaluate_levels(args, plr_ppo.make_sampler(args, seed=0), training_levels)
-    assert train_played <= training_levels and len(train_played) > 30
-    assert test_played.isdisjoint(training_levels)
-    assert test_played == set(range(10)) | set(range(50, 60))  # all held-out levels, on both sides of the range
-    assert metrics["eval/train_return"] == 1.0 and metrics["eval/test_return"] == 0.0
-    assert metrics["eval/generalization_gap"] == 1.0
-
-
-def test_evaluation_unbounded_mode_train_is_the_buffer_test_is_not(monkeypatch):
-    """Unbounded mode: training levels are the buffer's levels; test levels are any other seed of [0, 20)."""
-    monkeypatch.setattr(plr_ppo, "MAX_SEED", 20)
-    args = Args(env_id="MultiRoom-N4-Random", num_train_levels=0, plr_replay_schedule="fixed", num_envs=5)
-    sampler = LevelSampler(None, 5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
-    buffer = [3, 7, 11, 12, 19]
-    sampler.update_with_rollouts(np.ones((1, 5)), np.ones((1, 5), bool), np.array([buffer]))
-    assert set(sampler.slot_of) == set(buffer)
-    metrics, train_played, test_played = _evaluate_levels(args, sampler, buffer)
-    assert train_played == set(buffer)
-    assert test_played == set(range(20)) - set(buffer)
-    assert metrics["eval/train_return"] == 1.0 and metrics["eval/test_return"] == 0.0
-
-
-def test_evaluation_stops_at_a_stop_signal(monkeypatch):
-    """A recorded SIGTERM (common.processes: handlers only record) ends evaluate at its next step, as it ends the
-    periodic and the final evaluations of a run."""
-    import signal
-
-    from common import processes
-
-    monkeypatch.setattr(processes, "_received_signals", [signal.SIGTERM])
-    args = Args(env_id="MultiRoom-N4-Random", num_train_levels=40, num_envs=4)
-    envs = OneStepLevelEnv(4, range(40))
-    level_sets = plr_ppo.eval_level_sets(args, plr_ppo.make_sampler(args, seed=0), np.random.default_rng(0))
-    with pytest.raises(processes.Interrupted):
-        plr_ppo.evaluate(lambda obs: (torch.zeros(len(obs), 7), torch.zeros(len(obs))), envs, level_sets, 10, args, "cpu")
-    assert envs.played == [[]]  # reset, then stopped before the first step
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # CLI validation and end-to-end runs
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
@@ -749,34 +636,19 @@ def test_validate_args_one_line(flags, needle):
     assert msg.startswith("error: ") and needle in msg and "\n" not in msg
 
 
-def _run(tmp_path, *flags, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, SCRIPT, "--no-progress", "--no-cuda", *flags],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+def test_smoke_procgen(tmp_path, monkeypatch):
+    """A tiny Procgen run, the real `__main__` in this process (--plr-commit update; one epoch per update, the
+    per-domain defaults are checked above): it trains, scores levels, evaluates with Cobbe et al.'s normalized return
+    and writes its summary (MiniGrid runs: tests/test_plr_loop.py, and in subprocesses tests/test_lifecycle.py)."""
+    monkeypatch.chdir(tmp_path)
+    run_main(
+        (
+            "--env-id bigfish --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 1 "
+            "--num-train-levels 5 --eval-every 0 --final-eval-episodes 1 --num-eval-envs 1 --plr-commit update "
+            "--no-progress --no-cuda"
+        ).split()
     )
-
-
-def _runs(tmp_path):
-    return sorted((tmp_path / "runs").iterdir())
-
-
-def test_smoke_procgen(tmp_path):
-    """A tiny Procgen run in a subprocess (--plr-commit update): it trains, scores levels, evaluates with Cobbe et al.'s
-    normalized return and writes its summary (MiniGrid runs: tests/test_plr_loop.py)."""
-    out = _run(
-        tmp_path,
-        *(
-            "--env-id bigfish --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 "
-            "--num-train-levels 5 --eval-every 0 --final-eval-episodes 1 --num-eval-envs 1 --plr-commit update"
-        ).split(),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run,) = _runs(tmp_path)
+    (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 64 and "final_test_normalized_return" in summary
     assert 1 <= summary["plr_num_seen_levels"] <= 5

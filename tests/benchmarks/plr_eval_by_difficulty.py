@@ -38,15 +38,13 @@ def main():
     ckpts = [load_checkpoint(path) for path in paths]
     records = {}
     args = SimpleNamespace(**ckpts[0]["args"])
-    rng = np.random.default_rng(a.seed)
-    pools = {}
-    while min((len(v) for v in pools.values()), default=0) < a.episodes + 64 or len(pools) < 2:
-        s = int(rng.integers(2**31 - 1))  # held-out: test levels are drawn from the full distribution
-        if args.num_train_levels and args.start_level <= s < args.start_level + args.num_train_levels:
-            continue
-        pools.setdefault(level_difficulty(args.env_id, s), []).append(s)
-    print("| run | step | " + " | ".join(f"{k} success / return" for k in sorted(pools)) + " |")
-    print("|---|---|" + "---|" * len(pools))
+    held_out = HeldOutLevels(args, a.seed)
+    # the difficulties: those met until each has --episodes + 64 levels (the levels themselves are drawn as needed)
+    while min((len(v) for v in held_out.pools.values()), default=0) < a.episodes + 64 or len(held_out.pools) < 2:
+        held_out.draw()
+    difficulties = sorted(held_out.pools)
+    print("| run | step | " + " | ".join(f"{k} success / return" for k in difficulties) + " |")
+    print("|---|---|" + "---|" * len(difficulties))
     for d, ckpt in zip(a.runs, ckpts):
         envs = plr_ppo.make_env(SimpleNamespace(**ckpt["args"]), 8, seed=0, num_workers=1)
         agent = plr_ppo.make_agent(
@@ -57,10 +55,11 @@ def main():
         # the policy's samples: the same stream for every run
         torch.manual_seed(a.seed)
         cells = []
-        held_out = {}
-        for k in sorted(pools):
-            # envs that have played their share go on playing (uncounted): past the pool, its levels come round again
-            it = itertools.cycle(pools[k])
+        results = {}
+        for k in difficulties:
+            # every episode on the next level of this difficulty, never one played before in this run: the envs that
+            # have played their share go on playing (uncounted) on levels of their own
+            it = held_out.levels(k)
             obs = envs.reset([next(it) for _ in range(envs.num_envs)])
             # as plr_ppo.evaluate: each env's first episodes, as many as its share, whatever their lengths
             share = plr_ppo.episodes_per_env(a.episodes, envs.num_envs)
@@ -77,7 +76,7 @@ def main():
             succ = (rets > 0).mean()
             se = np.sqrt(succ * (1 - succ) / len(rets))
             cells.append(f"{succ:.2f} ± {se:.2f} / {rets.mean():.2f}")
-            held_out[k] = {
+            results[k] = {
                 "success": float(succ),
                 "success_se": float(se),
                 "return": float(rets.mean()),
@@ -87,7 +86,7 @@ def main():
         print(f"| {os.path.basename(os.path.normpath(d))} | {ckpt['global_step']:,} | " + " | ".join(cells) + " |")
         records[os.path.basename(os.path.normpath(d))] = {
             "global_step": ckpt["global_step"],
-            "held_out": held_out,
+            "held_out": results,
             "scores": level_scores(ckpt),
         }
     print("\n| run | difficulty | levels | score mean / median | best rank | in top 10 / top 100 |\n|---|---|---|---|---|---|")
@@ -100,6 +99,39 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"episodes": a.episodes, "seed": a.seed, "runs": records}, f, indent=1)
+
+
+class HeldOutLevels:
+    """Held-out level seeds by difficulty, in the order one RNG draws them (test levels come from the full
+    distribution: any seed that is not a training level, never one drawn before). The i-th level of a difficulty is
+    the same for every run, and the levels are drawn as they are needed, so that no level is played twice in a run,
+    however many episodes the envs past their share play (a fixed pool that came round again replayed counted
+    levels, and the standard error assumes independent ones)."""
+
+    def __init__(self, args, seed: int):
+        self.args = args
+        self.rng = np.random.default_rng(seed)
+        self.pools = {}
+        self.drawn = set()
+
+    def is_training_level(self, seed: int) -> bool:
+        start = self.args.start_level
+        return bool(self.args.num_train_levels) and start <= seed < start + self.args.num_train_levels
+
+    def draw(self) -> None:
+        """The next held-out seed, filed under its difficulty."""
+        seed = int(self.rng.integers(2**31 - 1))
+        while self.is_training_level(seed) or seed in self.drawn:
+            seed = int(self.rng.integers(2**31 - 1))
+        self.drawn.add(seed)
+        self.pools.setdefault(level_difficulty(self.args.env_id, seed), []).append(seed)
+
+    def levels(self, difficulty: str):
+        """The held-out levels of `difficulty`, in order, without end."""
+        for index in itertools.count():
+            while len(self.pools[difficulty]) <= index:
+                self.draw()
+            yield self.pools[difficulty][index]
 
 
 def level_scores(ckpt) -> dict:
