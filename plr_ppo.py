@@ -40,6 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from common.processes import install_stop_handling
+
+# Ctrl-C, SIGTERM and SIGHUP are handled from here on, during the heavy imports below too (common/processes.py)
+if __name__ == "__main__":
+    install_stop_handling()
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -57,7 +63,7 @@ from common.checkpoint import (
 )
 from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
-from common.processes import StopRun, check_stop, finish_run, set_learner_threads, stop_on_signals
+from common.processes import StopRun, check_stop, finish_run, set_learner_threads
 
 MAX_SEED = 2**31 - 1
 
@@ -923,8 +929,6 @@ def make_rollout(num_steps, num_envs, obs_shape, num_actions, device) -> Rollout
 
 
 if __name__ == "__main__":
-    # SIGINT (even when inherited as ignored) and SIGTERM stop every process and still write summary.json
-    stop_on_signals()
     # --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     args = resolve_defaults(args)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import io
 import sys
@@ -199,6 +200,11 @@ def parse_run_args(
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
     require(0 <= args.seed < 2**31, f"--seed must be in [0, 2**31), got {args.seed}")
     require(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    # wandb is imported lazily (not a requirement): check now, before any folder, that --track can work
+    require(
+        not args.track or importlib.util.find_spec("wandb") is not None,
+        "--track needs wandb, which is not installed (pip install wandb, or leave out --track)",
+    )
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)
