@@ -173,6 +173,22 @@ def test_process_group_reports_dead_actor_and_stops():
     group.stop()  # idempotent
 
 
+def test_stop_terminates_at_once_the_children_still_importing_and_lets_running_ones_return():
+    """Contract (stop time): a child that has not reached its target yet (its interpreter still imports: it cannot
+    see the stop flag) is terminated at once by stop() instead of using up the join budget; a child in its loop
+    returns by itself when the flag is set (exit code 0, no kill)."""
+    ctx = mp.get_context("spawn")
+    group = ProcessGroup(ctx)
+    started = ctx.RawArray("b", 1)
+    group.start(_spinning_actor, (group.stop_event, started, 0), "actor-0")
+    deadline = time.time() + 60
+    while not started[0] and time.time() < deadline:
+        time.sleep(0.05)
+    group.start(_waiting_actor, (group.stop_event,), "actor-1")
+    group.stop()
+    assert [proc.exitcode for proc in group.procs] == [0, -signal.SIGTERM]
+
+
 @pytest.mark.parametrize("actors", [0, 1, 2, 64])
 def test_set_learner_threads_gives_the_learner_the_cores_the_actors_leave(actors, monkeypatch, capsys):
     cores = 3  # pretend: the rule must not depend on this machine's core count

@@ -278,8 +278,12 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_with_one_line_and_keeps_the_l
     while not checkpoint.exists():
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
         time.sleep(0.05)
+    limit = checkpoint.stat().st_size - 1
+    # the other files are far smaller: the next checkpoint is the first write to meet the limit
+    others = [path for path in run.iterdir() if "checkpoint.pt" not in path.name]
+    assert max(path.stat().st_size for path in others) < limit // 2, [(p.name, p.stat().st_size) for p in others]
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (checkpoint.stat().st_size - 1, hard))
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, hard))
     assert finish(proc, timeout=90) == 1
     err = (tmp_path / "stderr.txt").read_text().strip().splitlines()
     assert err[-1] == "error: checkpoint.pt not written: [Errno 27] File too large", err[-20:]

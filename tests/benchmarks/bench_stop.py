@@ -132,12 +132,13 @@ def measure(script: str, point: str, signal_name: str) -> dict:
             proc.wait()
 
 
-def seconds(values: list) -> str:
+def seconds(values: list, missing: str) -> str:
+    """`median / max` of the measured values, and how many runs gave none (`missing` says why)."""
     known = [v for v in values if v is not None]
     if not known:
-        return "-"
+        return f"- ({missing})"
     text = f"{statistics.median(known):.2f} / {max(known):.2f}"
-    return text if len(known) == len(values) else f"{text} ({len(values) - len(known)} not gone in 120 s)"
+    return text if len(known) == len(values) else f"{text} ({len(values) - len(known)} {missing})"
 
 
 if __name__ == "__main__":
@@ -161,7 +162,8 @@ if __name__ == "__main__":
                 tracebacks = sum(r["traceback"] for r in reached)
                 rows.append(
                     f"| `{script}` | {point} | {signal_name} | {len(reached)}/{len(results)} | "
-                    f"{seconds([r['gone'] for r in reached])} | {seconds([r['stopped'] for r in reached])} | "
+                    f"{seconds([r['gone'] for r in reached], 'not gone in 120 s')} | "
+                    f"{seconds([r['stopped'] for r in reached], 'line not seen: the process ended first')} | "
                     f"{', '.join(str(c) for c in codes)} | {tracebacks} |"
                 )
                 print(rows[-1], file=sys.stderr, flush=True)
