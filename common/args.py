@@ -2,8 +2,9 @@
 
 - `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
   script's `@dataclass class Args(CommonArgs)` adds its own. Choices are `Literal` types, checked by tyro.
-- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, then, with `--resume`,
-  the checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, the common flags'
+  checks (`--track` needs wandb installed: checked here, before any folder), then, with `--resume`, the checkpoint
+  (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
 - `resume_classes(Args, fixed, applied, run_only)`: every flag of a script in exactly one class on `--resume`
   (below); a flag in none, or in two, stops every start of the script (a programming error, so a new flag is
   classified the day it is added).
