@@ -32,7 +32,7 @@ start-up or after its loop) ends the run the same way (`sys.excepthook`, install
 stopped, summary.json with the reason, no traceback; any other exception keeps its traceback and is recorded too.
 The run's process then ends by `exit_now(code)`: the atexit functions, then `os._exit`, without the interpreter's
 teardown (1-2 s with torch loaded); actors and env workers end the same way.
-`check_memory(need, flag)` refuses at start-up a replay memory that does not fit in RAM.
+`check_memory(need, flag, what=...)` refuses at start-up a replay memory (or a rollout) that does not fit in RAM.
 
 Threads: every actor/worker process uses 1 torch thread; `set_learner_threads(n)` gives the learner the cores that
 its n other CPU processes do not use (at least 1), so that the learner does not fight its own actors.
@@ -71,14 +71,14 @@ def available_memory_bytes() -> int:
         return 1 << 62
 
 
-def check_memory(need: int, flag: str, fraction: float = 0.9) -> None:
-    """Print what a replay memory needs at start-up; refuse with one line (`error: ...`) when it would take more than
-    `fraction` of the available RAM, naming the flag that sizes it."""
+def check_memory(need: int, flag: str, fraction: float = 0.9, what: str = "replay memory") -> None:
+    """Print what a large buffer (`what`: the replay memory, a rollout) needs at start-up; refuse with one line
+    (`error: ...`) when it would take more than `fraction` of the available RAM, naming the flag that sizes it."""
     avail = available_memory_bytes()
-    print(f"replay memory: {need / 2**30:.2f} GiB ({avail / 2**30:.1f} GiB available)", flush=True)
+    print(f"{what}: {need / 2**30:.2f} GiB ({avail / 2**30:.1f} GiB available)", flush=True)
     if need > fraction * avail:
         raise SystemExit(
-            f"error: the replay memory needs {need / 2**30:.2f} GiB, more than {fraction:.0%} of the "
+            f"error: the {what} needs {need / 2**30:.2f} GiB, more than {fraction:.0%} of the "
             f"{avail / 2**30:.1f} GiB of RAM available: lower {flag}"
         )
 

@@ -210,6 +210,26 @@ def test_available_cores_falls_back_to_cpu_count(monkeypatch):
     assert available_cores() == 5
 
 
+@pytest.mark.parametrize("what", [None, "rollout"])
+def test_check_memory_names_what_it_measures_and_the_flag_that_sizes_it(what, monkeypatch, capsys):
+    """Contract: check_memory prints what the buffer needs at start-up, under the name given (`what`, by default
+    "replay memory": the replays; plr_ppo.py's rollout passes "rollout"), and refuses one that would take more than
+    `fraction` of the available RAM with one `error:` line naming the same thing and the flag that sizes it."""
+    from common import processes
+
+    monkeypatch.setattr(processes, "available_memory_bytes", lambda: 10 * 2**30)
+    named = {} if what is None else {"what": what}
+    name = what or "replay memory"
+    processes.check_memory(9 * 2**30, "--buffer-size", **named)
+    assert capsys.readouterr().out == f"{name}: 9.00 GiB (10.0 GiB available)\n"
+    with pytest.raises(SystemExit) as e:
+        processes.check_memory(9 * 2**30 + 1, "--buffer-size", 0.9, **named)
+    assert capsys.readouterr().out == f"{name}: 9.00 GiB (10.0 GiB available)\n"
+    assert str(e.value.code) == (
+        f"error: the {name} needs 9.00 GiB, more than 90% of the 10.0 GiB of RAM available: lower --buffer-size"
+    )
+
+
 def test_run_checkpoint_holds_what_every_resume_reads_and_the_first_checkpoint_step(tmp_path):
     from common.checkpoint import load_run_checkpoint, next_checkpoint_step, save_run_checkpoint
 
