@@ -439,8 +439,11 @@ def _guarded(target: Callable, args: tuple, name: str, error_queue, lifeline_rea
     exit_code = 0
     try:
         target(*args)
-    except Exception:
-        error_queue.put((name, traceback.format_exc()))
+    except Exception as e:
+        # a failed write to the disk (an actor saving its replay at a checkpoint on a full disk) is the run folder's
+        # failure, reported in one line; any other error keeps its traceback
+        failed_write = disk_error(e)
+        error_queue.put((name, traceback.format_exc(), None if failed_write is None else str(failed_write)))
         exit_code = 1
     exit_now(exit_code)
 
@@ -476,6 +479,8 @@ class ProcessGroup:
         self.stop_event = StopFlag(ctx)
         self.stopping = False
         self._tracebacks: dict[str, str] = {}
+        # the failed disk write that ended a child (a full disk), by name; None for any other error
+        self._failed_writes: dict[str, str | None] = {}
         self.lifeline = Lifeline(ctx)
         stop_when_run_ends(self.stop)
 
@@ -493,7 +498,7 @@ class ProcessGroup:
 
     def check(self) -> None:
         """Raise `Interrupted` if a stop signal arrived, ActorDied if any child has exited (while the run is not
-        stopping)."""
+        stopping), RunFolderFailed (one line, no traceback) if it ended on a failed write to the disk."""
         if self.stopping:
             return
         check_stop()
@@ -503,10 +508,13 @@ class ProcessGroup:
                     raise ActorDied(f"the fork server died (its children {proc.name} and others with it)")
                 try:
                     while True:
-                        name, text = self.errors.get(timeout=0.2)
+                        name, text, failed_write = self.errors.get(timeout=0.2)
                         self._tracebacks[name] = text
+                        self._failed_writes[name] = failed_write
                 except queue.Empty:
                     pass
+                if self._failed_writes.get(proc.name):
+                    raise RunFolderFailed(f"{proc.name} could not write to the run folder: {self._failed_writes[proc.name]}")
                 tb = self._tracebacks.get(proc.name, "")
                 last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback (killed or exited)"
                 raise died_or_interrupted(f"{proc.name} died (exit code {proc.exitcode}): {last}", proc.exitcode, tb)

@@ -122,6 +122,12 @@ def _crashing_actor(delay):
     raise ValueError("env exploded")
 
 
+def _actor_on_a_full_disk(path):
+    with open(path, "wb") as f:
+        f.write(b"a replay")
+        raise OSError(28, "No space left on device", path)
+
+
 def _waiting_actor(stop_event):
     while not stop_event.is_set():
         time.sleep(0.01)
@@ -171,6 +177,24 @@ def test_process_group_reports_dead_actor_and_stops():
     assert all(not p.is_alive() for p in group.procs)
     group.check()  # no error while stopping
     group.stop()  # idempotent
+
+
+def test_a_child_that_meets_a_full_disk_stops_the_run_in_one_line(tmp_path):
+    """Contract: a child whose write fails on the disk (an actor saving its replay at a checkpoint on a full disk)
+    stops the run with RunFolderFailed, one line naming the child and the failed write, not "died" with a traceback;
+    finish_run then prints it as its one `error:` line."""
+    from common.processes import RunFolderFailed
+
+    group = ProcessGroup(mp.get_context("spawn"))
+    group.start(_actor_on_a_full_disk, (str(tmp_path / "replay.npz"),), "actor-0")
+    deadline = time.time() + 60
+    with pytest.raises(RunFolderFailed) as err:
+        while time.time() < deadline:
+            group.check()
+            time.sleep(0.05)
+    group.stop()
+    expected = f"actor-0 could not write to the run folder: [Errno 28] No space left on device: '{tmp_path / 'replay.npz'}'"
+    assert str(err.value) == expected and not isinstance(err.value, ActorDied)
 
 
 def test_stop_terminates_at_once_the_children_still_importing_and_lets_running_ones_return():
