@@ -8,6 +8,10 @@ Each script runs for real in a subprocess, in its own process group, so that eve
 - `--resume` follows the one rule of common/args.py: the checkpoint's flags, only given flags override, flags that
   change the experiment refused; the resumed run continues in the same folder and its metrics never go back;
 - bad input stops the script at start-up with one `error:` line and no traceback.
+What ends before the run folder (bad input, a refused resume, `--track` without wandb, `runs` a file) runs each
+script's real `__main__` in this process (`run_main_in_process`: no interpreter and imports to start, 0.1 s instead
+of 2-6 s a case); where a mechanism lives in common/ and every script reaches it the same way, one script runs it for
+real and the reason is in the test's docstring.
 """
 
 import ast
@@ -19,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -184,16 +189,17 @@ def assert_clean_end(tmp_path, proc):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize(
-    "signum, ignore_sigint", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["SIGTERM", "SIGINT-inherited-ignored"]
-)
-def test_signal_stops_every_process_and_writes_the_summary(tmp_path, script, signum, ignore_sigint):
-    proc = start(tmp_path, script, *TINY[script], *LONG[script], ignore_sigint=ignore_sigint)
+def test_signal_stops_every_process_and_writes_the_summary(tmp_path, script):
+    """Contract: SIGTERM while the run trains stops every process, writes summary.json with the reason and exits 143,
+    no traceback. Each script gets both stop signals, each at one moment: SIGTERM here, SIGINT (inherited as ignored,
+    the harder case) during start-up in the next test; both go through one handler (common/processes.py, whose
+    test_common_run.py tests record and raise every stop signal alike)."""
+    proc = start(tmp_path, script, *TINY[script], *LONG[script])
     run = wait_for_metrics(tmp_path, proc)
-    os.kill(proc.pid, signum)
-    assert finish(proc, timeout=60) == 128 + signum
+    os.kill(proc.pid, signal.SIGTERM)
+    assert finish(proc, timeout=60) == 143
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == f"interrupted by {signal.Signals(signum).name}"
+    assert summary["stop_reason"] == "interrupted by SIGTERM"
     assert_clean_end(tmp_path, proc)
 
 
@@ -207,14 +213,16 @@ def wait_for_output(tmp_path, proc, text, timeout=60.0):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_signal_during_start_up_stops_cleanly_with_the_summary(tmp_path, script):
-    """SIGTERM as soon as the run folder exists, while the script still builds its networks, memory and processes:
-    the signal waits for the main loop's first check, then the run stops as from any other moment."""
-    proc = start(tmp_path, script, *TINY[script], *LONG[script])
+    """Contract: SIGINT as soon as the run folder exists, while the script still builds its networks, memory and
+    processes, in a run started with SIGINT ignored (as a shell starts a background job: the signal must not be
+    lost): the signal waits for the first check, then the run stops as from any other moment (exit 130, summary.json
+    "interrupted by SIGINT", no process left, no traceback)."""
+    proc = start(tmp_path, script, *TINY[script], *LONG[script], ignore_sigint=True)
     wait_for_output(tmp_path, proc, "run directory: ")
-    os.kill(proc.pid, signal.SIGTERM)
-    assert finish(proc, timeout=60) == 143
+    os.kill(proc.pid, signal.SIGINT)
+    assert finish(proc, timeout=60) == 130
     (run,) = (tmp_path / "runs").iterdir()
-    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "interrupted by SIGTERM"
+    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "interrupted by SIGINT"
     assert_clean_end(tmp_path, proc)
 
 
@@ -264,12 +272,16 @@ def parent(pid: int) -> int:
         return 0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_full_disk_at_a_checkpoint_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(tmp_path, script):
+def test_a_full_disk_at_a_checkpoint_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """Contract: the disk fills up after a first checkpoint (the learner's file size limit lowered below a checkpoint's
     size: a real failed write, for which torch.save raises RuntimeError as on a full disk): the run stops at its next
     checkpoint with one `error: checkpoint.pt not written: ...` line, exit 1, no traceback, the previous checkpoint
-    intact and summary.json (small enough) written with the reason."""
+    intact and summary.json (small enough) written with the reason. One script, clear_impala.py (actors, test actors,
+    a fork server, and a file written after its loop): the failed write is common/checkpoint.py's CheckpointFailed,
+    a StopRun that every script's loop handles as it handles a dead actor (test_a_killed_actor_stops_the_run_with_its_
+    reason, all four), the line and summary.json are common/processes.py's finish_run, and each script writes its
+    checkpoints only through save_run_checkpoint (test_each_script_writes_its_checkpoints_through_common)."""
+    script = "clear_impala.py"
     proc = start(tmp_path, script, *TINY[script], *LONG[script], "--checkpoint-every", "1")
     wait_for_output(tmp_path, proc, "run directory: ")
     (run,) = (tmp_path / "runs").iterdir()
@@ -293,6 +305,16 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_with_one_line_and_keeps_the_l
     assert kept["script"] == script and 0 < kept["global_step"] <= summary["global_step"]
     assert not any(".tmp" in name for name in os.listdir(run))
     assert_clean_end(tmp_path, proc)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_writes_its_checkpoints_through_common(script):
+    """Contract: a script writes its checkpoint with common/checkpoint.py's save_run_checkpoint (atomic; a failed
+    write is CheckpointFailed, one line) and never calls torch.save itself, so that the full-disk run above, on one
+    script, holds for all four."""
+    tree = ast.parse(open(os.path.join(ROOT, script)).read())
+    called = [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    assert "save_run_checkpoint" in called and "torch.save" not in called and "save_checkpoint" not in called
 
 
 def actor_or_worker(pid: int, main_pid: int) -> bool:
@@ -333,8 +355,48 @@ def run(tmp_path, script, *flags, timeout=240, cwd=None):
     )
 
 
+@pytest.fixture
+def run_main_in_process(monkeypatch, capsys):
+    """`run_main_in_process(tmp_path, script, *flags)` runs the script's real `__main__` in this process (runpy, with
+    `flags` as its command line and tmp_path as its working folder) up to its start-up stop, and returns the
+    SystemExit's message and what was printed on stderr. A run that got past its checks would make its folder:
+    start_run then closes it and fails the test (the run never starts in the test process). What running a script's
+    `__main__` changes in this process (signal handlers, sys.stdout and the hooks, common.processes' state) is put
+    back afterwards."""
+    import common.logger
+    from common import processes
+
+    handlers = {signum: signal.getsignal(signum) for signum in processes.STOP_SIGNALS}
+    for name in ("stdout", "argv", "excepthook"):
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    monkeypatch.setattr(processes, "_exit_before_run", False)
+    monkeypatch.setattr(processes, "_run_logger", None)
+    real_start_run = common.logger.start_run
+
+    def start_run_fails(*args):
+        real_start_run(*args).close()
+        processes._run_logger = None
+        raise AssertionError("the script got past its start-up checks: it made its run folder")
+
+    monkeypatch.setattr(common.logger, "start_run", start_run_fails)
+
+    def run_main(tmp_path, script, *flags) -> tuple[str, str]:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [script, *flags])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        return str(stop.value.code), capsys.readouterr().err
+
+    yield run_main
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    processes._received_signals.clear()
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path, script):
+def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path, script, run_main_in_process):
     """Contract: --resume takes the checkpoint's flags (given ones override, experiment-changing ones are refused)
     and continues in the folder that holds the checkpoint, also from another working folder, with metrics that never
     go back."""
@@ -345,8 +407,9 @@ def test_resume_takes_the_checkpoints_flags_and_continues_the_same_run(tmp_path,
     ckpt_step = torch.load(ckpt, weights_only=False)["global_step"]
     with open(run_dir / "metrics.jsonl", "a") as f:  # as if logged after the checkpoint, before a crash
         f.write(json.dumps({"global_step": ckpt_step + 10**9, "time": 0.0, "test/after_checkpoint": 1.0}) + "\n")
-    refused = run(tmp_path, script, "--resume", str(ckpt), *CHANGES_EXPERIMENT[script], timeout=60)
-    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1].startswith("error: --resume: ")
+    # refused at start-up (in this process: the same parse_run_args as a second interpreter's)
+    refused, printed = run_main_in_process(tmp_path, script, "--resume", str(ckpt), *CHANGES_EXPERIMENT[script])
+    assert refused.startswith("error: --resume: ") and "\n" not in refused and printed == "", (refused, printed)
     # from another working folder, a relative path: the run continues in the folder that holds the checkpoint
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -411,12 +474,14 @@ BAD_INPUT = [
     BAD_INPUT,
     ids=[f"{s}:{' '.join(f if isinstance(f, str) else f.__name__ for f in fl)}" for s, fl in BAD_INPUT],
 )
-def test_bad_input_stops_at_start_up_with_one_error_line(tmp_path, script, flags):
+def test_bad_input_stops_at_start_up_with_one_error_line(tmp_path, script, flags, run_main_in_process):
+    """Contract: bad input stops the script at start-up with one `error:` line (the SystemExit's message, which the
+    interpreter prints on stderr with exit 1), nothing else on stderr, no traceback (any other exception fails here),
+    before any run folder."""
     flags = [f(tmp_path) if callable(f) else f for f in flags]
-    r = run(tmp_path, script, *flags, "--no-cuda", timeout=60)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists(), r.stderr[-2000:]
+    message, printed = run_main_in_process(tmp_path, script, *flags, "--no-cuda")
+    assert message.startswith("error: ") and "\n" not in message and printed == "", (message, printed)
+    assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -537,57 +602,40 @@ def user_namespaces_work() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.parametrize("folder", ["runs-is-a-file", "read-only"])
-def test_a_run_folder_that_cannot_be_made_stops_at_start_up_with_one_error_line(tmp_path, folder):
-    """Contract: `runs` being a file, or a read-only working folder (a read-only tmpfs in a user and mount namespace:
-    read-only even for root), stop the script at start-up with one `error:` line, exit 1, no traceback. One script:
-    every script makes its folder through common/logger.py's start_run (a full disk at start: test_common_run.py)."""
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_runs_being_a_file_stops_at_start_up_with_one_error_line(tmp_path, script, run_main_in_process):
+    """Contract: `runs` being a file stops each script at its run folder with one `error:` line naming the folder and
+    the reason, no traceback, and leaves the file alone (the real start_run, in this process)."""
+    (tmp_path / "runs").write_text("not a folder")
+    message, printed = run_main_in_process(tmp_path, script, *TINY[script], *LONG[script])
+    assert message.startswith("error: run folder runs/") and "\n" not in message and printed == "", (message, printed)
+    assert message.endswith("not written: [Errno 20] Not a directory: 'runs'") and (tmp_path / "runs").is_file()
+
+
+def test_a_read_only_working_folder_stops_at_start_up_with_one_error_line(tmp_path):
+    """Contract: a read-only working folder (a read-only tmpfs in a user and mount namespace: read-only even for
+    root) stops the script at start-up with one `error:` line on stderr, exit 1, no traceback. One script, in a real
+    interpreter: every script makes its folder through common/logger.py's start_run, whose error line for `runs`
+    being a file the previous test reads in all four (a full disk at start: test_common_run.py)."""
+    if not user_namespaces_work():
+        pytest.skip("unshare -r -m cannot mount a tmpfs here (user namespaces disabled): no read-only folder")
     script = "plr_ppo.py"
+    (tmp_path / "ro").mkdir()
+    mount = 'mount -t tmpfs -o ro,size=64k tmpfs "$0" && cd "$0" && exec "$@"'
     command = [sys.executable, os.path.join(ROOT, script), *TINY[script], *LONG[script]]
-    if folder == "runs-is-a-file":
-        (tmp_path / "runs").write_text("not a folder")
-        expected = "error: run folder runs/MultiRoom-N4-Random__plr_ppo__1__"
-        reason = "not written: [Errno 20] Not a directory: 'runs'"
-    else:
-        if not user_namespaces_work():
-            pytest.skip("unshare -r -m cannot mount a tmpfs here (user namespaces disabled): no read-only folder")
-        (tmp_path / "ro").mkdir()
-        mount = 'mount -t tmpfs -o ro,size=64k tmpfs "$0" && cd "$0" && exec "$@"'
-        command = ["unshare", "-r", "-m", "sh", "-c", mount, str(tmp_path / "ro"), *command]
-        expected = "error: run folder runs/MultiRoom-N4-Random__plr_ppo__1__"
-        reason = "not written: [Errno 30] Read-only file system: 'runs'"
+    command = ["unshare", "-r", "-m", "sh", "-c", mount, str(tmp_path / "ro"), *command]
     r = subprocess.run(command, cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
-    assert lines[0].startswith(expected) and lines[0].endswith(reason), lines
-
-
-@pytest.fixture
-def script_process_state(monkeypatch):
-    """What running a script's `__main__` in this process changes (signal handlers, sys.stdout, common.processes'
-    state), restored after the test."""
-    from common import processes
-
-    handlers = {signum: signal.getsignal(signum) for signum in processes.STOP_SIGNALS}
-    monkeypatch.setattr(sys, "stdout", sys.stdout)
-    monkeypatch.setattr(sys, "argv", sys.argv)
-    monkeypatch.setattr(processes, "_exit_before_run", False)
-    monkeypatch.setattr(processes, "_run_logger", None)
-    yield
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    processes._received_signals.clear()
+    assert lines[0].startswith("error: run folder runs/MultiRoom-N4-Random__plr_ppo__1__"), lines
+    assert lines[0].endswith("not written: [Errno 30] Read-only file system: 'runs'"), lines
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_track_without_wandb_stops_at_start_up_with_one_error_line(tmp_path, monkeypatch, script, script_process_state):
+def test_track_without_wandb_stops_at_start_up_with_one_error_line(tmp_path, monkeypatch, script, run_main_in_process):
     """Contract: `--track` where wandb is not installed stops the script at start-up with one `error:` line, before
-    any run folder (not a ModuleNotFoundError traceback once runs/ exists). Each script's real `__main__` runs in
-    this process (runpy: no second interpreter to start), with wandb hidden where it is installed."""
+    any run folder (not a ModuleNotFoundError traceback once runs/ exists), wandb hidden where it is installed."""
     monkeypatch.setitem(sys.modules, "wandb", None)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [script, *TINY[script], *LONG[script], "--track"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
-    assert str(e.value.code) == "error: --track needs wandb, which is not installed (pip install wandb, or leave out --track)"
-    assert not (tmp_path / "runs").exists()
+    message, printed = run_main_in_process(tmp_path, script, *TINY[script], *LONG[script], "--track")
+    assert message == "error: --track needs wandb, which is not installed (pip install wandb, or leave out --track)"
+    assert printed == "" and not (tmp_path / "runs").exists()
