@@ -43,6 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from common.processes import install_stop_handling
+
+# Ctrl-C, SIGTERM and SIGHUP are handled from here on, during the heavy imports below too (common/processes.py)
+if __name__ == "__main__":
+    install_stop_handling()
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -52,7 +58,7 @@ from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import save_run_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
-from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads, stop_on_signals
+from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads
 from common.video import check_video_support
 
 
@@ -1036,8 +1042,6 @@ def drain(q, limit=10_000):
 
 
 if __name__ == "__main__":
-    # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    stop_on_signals()
     # --resume: the checkpoint's flags, the flags given on this command line override them
     args, checkpoint, overridden = parse_run_args(
         Args, "clear_impala.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME

@@ -44,6 +44,12 @@ import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from common.processes import install_stop_handling
+
+# Ctrl-C, SIGTERM and SIGHUP are handled from here on, during the heavy imports below too (common/processes.py)
+if __name__ == "__main__":
+    install_stop_handling()
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -61,7 +67,7 @@ from common.checkpoint import (
 )
 from common.logger import start_run
 from common.minigrid_env import MiniGridVecEnv, level_difficulty, resolve_minigrid_id
-from common.processes import StopRun, check_stop, finish_run, set_learner_threads, stop_on_signals
+from common.processes import StopRun, check_stop, finish_run, set_learner_threads
 
 MAX_SEED = 2**31 - 1
 
@@ -976,7 +982,7 @@ def check_rollout_memory(args: Args) -> None:
         )
     else:
         host_bytes += rollout_bytes
-    check_memory(host_bytes, "--num-steps or --num-envs")
+    check_memory(host_bytes, "--num-steps or --num-envs", what="rollout")
 
 
 def training_level_difficulties(args: Args) -> np.ndarray | None:
@@ -1000,8 +1006,6 @@ def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None
 
 
 if __name__ == "__main__":
-    # SIGINT (even when inherited as ignored) and SIGTERM stop every process and still write summary.json
-    stop_on_signals()
     # --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "plr_ppo.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     args = resolve_defaults(args)

@@ -42,6 +42,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from common.processes import install_stop_handling
+
+# Ctrl-C, SIGTERM and SIGHUP are handled from here on, during the heavy imports below too (common/processes.py)
+if __name__ == "__main__":
+    install_stop_handling()
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -67,7 +73,6 @@ from common.processes import (
     check_stop,
     finish_run,
     set_learner_threads,
-    stop_on_signals,
 )
 from common.sum_tree import SumTree
 from common.video import check_video_support
@@ -1279,8 +1284,6 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
 
 
 if __name__ == "__main__":
-    # SIGINT (even inherited-ignored) and SIGTERM: stop every process, write summary.json
-    stop_on_signals()
     # tyro; --resume: the checkpoint's flags, given flags override
     args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks before anything heavy and before the run folder

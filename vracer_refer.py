@@ -47,6 +47,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from common.processes import install_stop_handling
+
+# Ctrl-C, SIGTERM and SIGHUP are handled from here on, during the heavy imports below too (common/processes.py)
+if __name__ == "__main__":
+    install_stop_handling()
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -62,7 +68,7 @@ from common.checkpoint import (
 )
 from common.logger import start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
-from common.processes import ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads, stop_on_signals
+from common.processes import ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads
 from common.video import check_video_support
 
 
@@ -1225,8 +1231,6 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
 
 
 if __name__ == "__main__":
-    # SIGINT (even when inherited as ignored) and SIGTERM stop every process and write summary.json
-    stop_on_signals()
     # with --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks come before anything heavy and before the run folder is made

@@ -2,8 +2,9 @@
 
 - `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
   script's `@dataclass class Args(CommonArgs)` adds its own. Choices are `Literal` types, checked by tyro.
-- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, then, with `--resume`,
-  the checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, the common flags'
+  checks (`--track` needs wandb installed: checked here, before any folder), then, with `--resume`, the checkpoint
+  (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
 - `resume_classes(Args, fixed, applied, run_only)`: every flag of a script in exactly one class on `--resume`
   (below); a flag in none, or in two, stops every start of the script (a programming error, so a new flag is
   classified the day it is added).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import io
 import sys
@@ -199,6 +201,11 @@ def parse_run_args(
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
     require(0 <= args.seed < 2**31, f"--seed must be in [0, 2**31), got {args.seed}")
     require(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    # wandb is imported lazily (not a requirement): check now, before any folder, that --track can work
+    require(
+        not args.track or importlib.util.find_spec("wandb") is not None,
+        "--track needs wandb, which is not installed (pip install wandb, or leave out --track)",
+    )
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)

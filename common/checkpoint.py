@@ -59,8 +59,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
     """Atomically write `obj` with torch.save: temporary file + fsync + os.replace. A folder that cannot be written
-    (permissions, a full disk) raises `CheckpointFailed` with one line; the previous checkpoint stays intact."""
-    from common.processes import CheckpointFailed
+    (permissions, a full disk) raises `CheckpointFailed` with one line; the previous checkpoint stays intact. (On a
+    full disk torch.save raises RuntimeError, "unexpected pos", with the OSError as its context: that is a failed
+    write too; an object that cannot be pickled raises its own error.)"""
+    from common.processes import CheckpointFailed, disk_error
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -71,10 +73,13 @@ def save_checkpoint(path: str | os.PathLike, obj: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        raise CheckpointFailed(f"{path.name} not written: {e}") from None
+    except (OSError, RuntimeError) as e:
+        failed_write = e if isinstance(e, OSError) else disk_error(e)
+        if failed_write is None:
+            raise
+        raise CheckpointFailed(f"{path.name} not written: {failed_write}") from None
     finally:
-        if tmp.exists():
+        if tmp.exists() or tmp.is_symlink():
             tmp.unlink()
 
 

@@ -1,14 +1,20 @@
 """Run logging shared by the four scripts: one folder per run, CleanRL metric names, files readable without TensorBoard.
 
-`RunLogger(run_name, args)` creates `runs/{run_name}/` with
+`RunLogger(run_name, args)` creates a new folder `runs/{run_name}/` (atomically: a run started in the same second
+with the same name gets `runs/{run_name}-2/`, never the other run's folder) with
 - TensorBoard event files (`SummaryWriter`) and the hyperparameter table as text (CleanRL's `hyperparameters`);
 - `args.json`: the full configuration;
 - `metrics.jsonl`: one flat JSON object per `log()` call, e.g.
   `{"global_step": 2048, "time": 12.3, "charts/SPS": 171.0, "losses/value_loss": 0.41}`;
 - `summary.json`: written once by `summary()` at the end of a run (atomically).
-A resumed run (`resume_step=S`, the checkpoint's global step) writes into the same folder: records logged after step
-S (between the checkpoint and the stop) are dropped from metrics.jsonl and purged from TensorBoard, and the `time`
-column continues from the last kept record, so neither steps nor times ever go backwards.
+A resumed run (`resume_step=S`, the checkpoint's global step) writes into the checkpoint's folder (`start_run`: the
+folder that holds the checkpoint file, wherever the command runs): records logged after step S (between the
+checkpoint and the stop) are dropped from metrics.jsonl and purged from TensorBoard, and the `time` column continues
+from the last kept record, so neither steps nor times ever go backwards.
+The disk: a folder that cannot be made or written at start-up (`runs` a file, a read-only working folder, a full
+disk) stops `start_run` with one `error:` line (a new run's half-made folder is removed); a write that fails later
+(metrics.jsonl, TensorBoard) raises `RunFolderFailed` once, which stops the run like a dead actor, and later records
+are dropped, so that the run's end (`finish_run`) still writes what the disk allows.
 It also prints a compact progress line (`progress()`, switched off with `progress=False`) and mirrors everything to
 Weights & Biases when `track=True` (imported lazily, so wandb is not a dependency).
 
@@ -19,14 +25,18 @@ Metric names follow CleanRL: `charts/episodic_return`, `charts/episodic_length`,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
+
+from common.processes import RunFolderFailed, disk_error, run_started
 
 
 def make_run_name(env_id: str, exp_name: str, seed: int) -> str:
@@ -36,18 +46,32 @@ def make_run_name(env_id: str, exp_name: str, seed: int) -> str:
 
 
 def start_run(args: Any, ckpt: dict | None, env_name: str) -> RunLogger:
-    """The run's logger, from the common flags: a new `runs/{env_name}__{exp_name}__{seed}__{time}`, or with
-    `--resume` the checkpoint's run directory, continued from its step."""
-    run_name = ckpt["run_name"] if ckpt else make_run_name(env_name, args.exp_name, args.seed)
-    return RunLogger(
-        run_name,
-        args,
-        track=args.track,
-        wandb_project_name=args.wandb_project_name,
-        wandb_entity=args.wandb_entity,
-        progress=args.progress,
-        resume_step=ckpt["global_step"] if ckpt else None,
-    )
+    """The run's logger, from the common flags: a new `runs/{env_name}__{exp_name}__{seed}__{time}` (a suffix `-2`,
+    `-3`, ... if another run took that name), or with `--resume` the folder that holds the checkpoint file, continued
+    from its step. A folder that cannot be made or written stops the script with one `error:` line. From here on a
+    stop signal stops the run at its next check (`run_started`)."""
+    if ckpt:
+        run_dir = Path(os.path.abspath(args.resume)).parent
+        run_name = run_dir.name
+        root = run_dir.parent
+    else:
+        run_name = make_run_name(env_name, args.exp_name, args.seed)
+        root = Path("runs")
+    try:
+        logger = RunLogger(
+            run_name,
+            args,
+            track=args.track,
+            wandb_project_name=args.wandb_project_name,
+            wandb_entity=args.wandb_entity,
+            progress=args.progress,
+            root=root,
+            resume_step=ckpt["global_step"] if ckpt else None,
+        )
+    except RunFolderFailed as e:
+        raise SystemExit(f"error: {e}") from None
+    run_started(logger)
+    return logger
 
 
 def _to_jsonable(value: Any) -> Any:
@@ -68,14 +92,37 @@ def _to_jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write `data` as JSON to `path` through a temporary file and a rename, so readers never see half a file."""
+    """Write `data` as JSON to `path` through a temporary file and a rename, so readers never see half a file (a
+    failed write, e.g. a full disk, raises OSError and leaves the old file and no temporary file)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(_to_jsonable(data), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(_to_jsonable(data), indent=2)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def make_new_folder(root: Path, name: str) -> Path:
+    """Create `root/name`, or `root/name-2`, `root/name-3`, ... if it exists: mkdir is atomic, so two runs that start
+    together never share a folder."""
+    if root.exists() and not root.is_dir():
+        # mkdir would say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(root))
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        folder = root / (name if attempt == 1 else f"{name}-{attempt}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{root / name} and 998 suffixed folders exist")
 
 
 class RunLogger:
@@ -93,9 +140,37 @@ class RunLogger:
         root: str | os.PathLike = "runs",
         resume_step: int | None = None,
     ):
-        self.run_name = run_name
-        self.dir = Path(root) / run_name
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = None
+        self.new_folder = resume_step is None
+        # the first write that failed (then the run stops, and later records are dropped); None while all is well
+        self.failed: str | None = None
+        self.closed = False
+        self.last_step = resume_step or 0
+        self._metrics = None
+        self.writer = None
+        self.wandb = None
+        try:
+            if self.new_folder:
+                self.dir = make_new_folder(Path(root), run_name)
+            else:
+                self.dir = Path(root) / run_name
+            self.run_name = self.dir.name
+            self._open(args, resume_step, track, wandb_project_name, wandb_entity)
+        except OSError as e:
+            where = self.dir if self.dir is not None else Path(root) / run_name
+            self._close_files()
+            if self.new_folder and self.dir is not None:
+                # nothing of a new run is worth keeping: leave no half-made folder behind
+                shutil.rmtree(self.dir, ignore_errors=True)
+            raise RunFolderFailed(f"run folder {where} not written: {e}") from None
+        self.show_progress = progress
+        print(
+            f"run directory: {self.dir}" + (f" (resumed at step {resume_step:,})" if resume_step is not None else ""),
+            flush=True,
+        )
+
+    def _open(self, args, resume_step, track, wandb_project_name, wandb_entity) -> None:
+        """Write args.json, open metrics.jsonl and TensorBoard (raises OSError where the folder cannot be written)."""
         elapsed = 0.0
         # On resume, keep what was logged up to the checkpoint and continue the time column.
         if resume_step is not None:
@@ -108,11 +183,10 @@ class RunLogger:
             with open(self.dir / ".metrics.jsonl.tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(self.dir / ".metrics.jsonl.tmp", self.dir / "metrics.jsonl")
-        self.show_progress = progress
         config = _to_jsonable(args)
-        self.wandb = None
+        write_json_atomic(self.dir / "args.json", config)
         if track:
-            import wandb  # lazy: only needed with --track
+            import wandb  # lazy: only needed with --track (parse_run_args checks that it is installed)
 
             self.wandb = wandb
             wandb.init(
@@ -120,29 +194,37 @@ class RunLogger:
                 entity=wandb_entity,
                 sync_tensorboard=True,
                 config=config,
-                name=run_name,
+                name=self.run_name,
                 save_code=True,
             )
         self.writer = SummaryWriter(str(self.dir), purge_step=None if resume_step is None else resume_step + 1)
         table = "\n".join(f"|{k}|{v}|" for k, v in (config.items() if isinstance(config, dict) else []))
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        write_json_atomic(self.dir / "args.json", config)
+        # TensorBoard writes in a thread: flush now, so that a folder that takes no file fails here
+        self.writer.flush()
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: one record per line
         self.start_time = time.time() - elapsed
-        print(
-            f"run directory: {self.dir}" + (f" (resumed at step {resume_step:,})" if resume_step is not None else ""),
-            flush=True,
-        )
 
     def log(self, global_step: int, metrics: dict[str, Any]) -> None:
-        """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl."""
+        """Write each metric as a TensorBoard scalar and all of them as one JSON line in metrics.jsonl. A failed
+        write (a full disk) raises `RunFolderFailed` once; after it, records are dropped."""
+        if self.failed:
+            return
+        self.last_step = int(global_step)
         record: dict[str, Any] = {"global_step": int(global_step), "time": round(time.time() - self.start_time, 3)}
-        for name, value in metrics.items():
-            # Accepts python/numpy numbers and 0-d tensors (one sync per metric, per log call).
-            value = float(value)
-            self.writer.add_scalar(name, value, global_step)
-            record[name] = value if math.isfinite(value) else str(value)
-        self._metrics.write(json.dumps(record) + "\n")
+        try:
+            for name, value in metrics.items():
+                # Accepts python/numpy numbers and 0-d tensors (one sync per metric, per log call).
+                value = float(value)
+                self.writer.add_scalar(name, value, global_step)
+                record[name] = value if math.isfinite(value) else str(value)
+            self._metrics.write(json.dumps(record) + "\n")
+        except Exception as e:
+            failed_write = disk_error(e)
+            if failed_write is None:
+                raise
+            self.failed = f"metrics not written to {self.dir}: {failed_write}"
+            raise RunFolderFailed(self.failed) from None
 
     def progress(
         self,
@@ -173,15 +255,33 @@ class RunLogger:
         return path
 
     def close(self) -> None:
-        if self._metrics.closed:
+        """Flush and close metrics.jsonl, TensorBoard and wandb; safe to call twice. A flush that fails (a full disk)
+        is kept in `failed`, not raised."""
+        if self.closed:
             return
-        self._metrics.close()
-        self.writer.close()
+        self.closed = True
+        self._close_files()
         if self.wandb is not None:
             self.wandb.finish()
 
+    def _close_files(self) -> None:
+        for close in (self._metrics.close if self._metrics else None, self.writer.close if self.writer else None):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as e:
+                failed_write = disk_error(e)
+                if failed_write is None:
+                    raise
+                self.failed = self.failed or f"metrics not written to {self.dir}: {failed_write}"
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a metrics.jsonl file back into a list of dicts (for plots, tests and README tables)."""
+    """Read a metrics.jsonl file back into a list of dicts (for plots, tests and README tables). A last line without
+    its newline is a record cut short by a failed write (a full disk) and is left out."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    # the text after the last newline: "" for a whole file, a partial record otherwise
+    whole_lines = lines[:-1]
+    return [json.loads(line) for line in whole_lines if line.strip()]

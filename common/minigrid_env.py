@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import time
 from collections.abc import Callable, Sequence
 
 import gymnasium as gym
@@ -38,7 +39,15 @@ from minigrid.envs.multiroom import MultiRoomEnv
 from minigrid.envs.obstructedmaze import ObstructedMaze_1Dlhb, ObstructedMaze_Full, ObstructedMazeEnv
 from minigrid.wrappers import FullyObsWrapper, ImgObsWrapper
 
-from common.processes import ActorDied, available_cores
+from common.processes import (
+    available_cores,
+    check_stop,
+    died_or_interrupted,
+    exit_now,
+    ignore_terminal_signals,
+    start_child,
+    stop_when_run_ends,
+)
 
 MINIGRID_NAMED_ENVS = ("MultiRoom-N4-Random", "ObstructedMazeGamut-Easy", "ObstructedMazeGamut-Medium")
 
@@ -257,10 +266,8 @@ def level_difficulty(env_id: str, seed: int) -> str:
 # --------------------------------------------------------------------------------------------------------------
 def _worker(conn, env_id: str, num_envs: int, fully_observable: bool, max_steps: int | None) -> None:
     """Worker process: holds `num_envs` envs, steps them without autoreset, resets the ones it is told to."""
-    import signal
-
-    # the parent handles Ctrl-C and closes us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent handles Ctrl-C and closes us (it started us with SIGINT blocked: ignored from our first instant)
+    ignore_terminal_signals()
     envs = [make_minigrid_env(env_id, fully_observable=fully_observable, max_steps=max_steps) for _ in range(num_envs)]
     try:
         while True:
@@ -283,6 +290,8 @@ def _worker(conn, env_id: str, num_envs: int, fully_observable: bool, max_steps:
         for env in envs:
             env.close()
         conn.close()
+    # without the interpreter's teardown (a second or more with torch loaded): the parent is waiting for us
+    exit_now(0)
 
 
 class MiniGridVecEnv:
@@ -325,10 +334,16 @@ class MiniGridVecEnv:
         ctx = mp.get_context(start_method)
         self._conns = []
         self._procs = []
+        # whether each worker has answered once (its imports are done)
+        self._answered = [False] * num_workers
+        self.closed = False
+        stop_when_run_ends(self.close)
         for idx in self._splits:
+            # a stop requested meanwhile: start nothing more
+            check_stop()
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(child, env_id, len(idx), fully_observable, max_steps), daemon=True)
-            p.start()
+            start_child(p)
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
@@ -337,14 +352,15 @@ class MiniGridVecEnv:
         self._ep_return = np.zeros(num_envs, dtype=np.float64)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
         self._obs = np.zeros((num_envs, *self.single_observation_space.shape), dtype=np.uint8)
-        self.closed = False
 
     def _random_level(self) -> int:
         return int(self._rng.integers(2**31 - 1))
 
-    def _worker_died(self, w: int) -> ActorDied:
+    def _worker_died(self, w: int) -> BaseException:
+        """ActorDied naming the worker, or `Interrupted` where the run's own stop signal ended it."""
         self._procs[w].join(timeout=1.0)
-        return ActorDied(f"MiniGrid worker {w} died (exit code {self._procs[w].exitcode})")
+        exitcode = self._procs[w].exitcode
+        return died_or_interrupted(f"MiniGrid worker {w} died (exit code {exitcode})", exitcode)
 
     def _send(self, w: int, message) -> None:
         try:
@@ -354,10 +370,20 @@ class MiniGridVecEnv:
             raise self._worker_died(w) from None
 
     def _recv(self, w: int):
+        """The worker's answer; while waiting (a worker still importing takes seconds), a stop signal raises
+        `Interrupted` and a worker that died raises at once."""
+        conn = self._conns[w]
         try:
-            return self._conns[w].recv()
+            check_stop()
+            while not conn.poll(0.05):
+                check_stop()
+                if not self._procs[w].is_alive():
+                    raise EOFError
+            answer = conn.recv()
         except (EOFError, OSError):
             raise self._worker_died(w) from None
+        self._answered[w] = True
+        return answer
 
     def _reset_envs(self, env_indices: Sequence[int], seeds: Sequence[int]) -> None:
         per_worker: dict[int, list] = {}
@@ -416,19 +442,26 @@ class MiniGridVecEnv:
         info["next_level_seed"] = self.levels.copy()
         return self._obs.copy(), reward, terminated, truncated, info
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Close the workers: a worker that never answered (still importing) is terminated at once; the others get
+        "close" and `timeout` s in all, then are terminated. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
-        for conn in self._conns:
+        for conn, proc, answered in zip(self._conns, self._procs, self._answered):
+            if not answered:
+                proc.terminate()
+                continue
             try:
                 conn.send(("close", None))
             except (BrokenPipeError, OSError):
                 pass
-        for p in self._procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=1.0)
 
     def __del__(self):
         try:

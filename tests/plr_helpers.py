@@ -34,7 +34,8 @@ SCRIPT = ROOT / "plr_ppo.py"
 def main_code():
     """The body of plr_ppo.py's `if __name__ == "__main__":` block, compiled with the file's line numbers."""
     tree = ast.parse(SCRIPT.read_text())
-    (block,) = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"]
+    # the last one: the first holds only install_stop_handling(), before the heavy imports
+    *_, block = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"]
     return compile(ast.Module(body=block.body, type_ignores=[]), str(SCRIPT), "exec")
 
 

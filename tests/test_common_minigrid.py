@@ -1,5 +1,8 @@
 """common/minigrid_env.py: named envs and their sizes, seeded determinism, the vector env's level plumbing."""
 
+import os
+import signal
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -149,6 +152,50 @@ def test_dead_worker_is_reported_in_one_line():
         with pytest.raises(RuntimeError, match=r"MiniGrid worker 1 died \(exit code -9\)"):
             for _ in range(3):
                 envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
+
+
+def test_a_ctrl_c_while_the_workers_start_does_not_kill_them():
+    """Contract: a worker ignores SIGINT and SIGHUP from its first instant (started with them blocked, ignored by its
+    first statement): a Ctrl-C reaching it while it still imports, or later, leaves it alive and the vector env
+    working (it used to die, "MiniGrid worker 0 died (exit code -2)")."""
+    envs = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 2, num_workers=2)
+    try:
+        for proc in envs._procs:  # at once: the spawned workers are still starting their interpreter
+            os.kill(proc.pid, signal.SIGINT)
+            os.kill(proc.pid, signal.SIGHUP)
+        envs.reset([0, 1])
+        for proc in envs._procs:
+            os.kill(proc.pid, signal.SIGINT)
+        envs.step(np.zeros(2, dtype=np.int64))
+        assert all(proc.is_alive() for proc in envs._procs)
+    finally:
+        envs.close()
+
+
+def test_after_a_stop_signal_a_wait_or_a_dead_worker_is_the_interruption(monkeypatch):
+    """Contract: once the run received a stop signal, waiting for a worker (one still importing takes seconds: the
+    first evaluation's start) raises the interruption at once, and close() terminates a worker that never answered
+    instead of waiting for it; a worker found dead then (as the run's own Ctrl-C kills one) is the interruption too,
+    not "MiniGrid worker died"."""
+    from common import processes
+
+    envs = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 2, num_workers=2)
+    monkeypatch.setattr(processes, "_received_signals", [signal.SIGINT])
+    with pytest.raises(processes.Interrupted):
+        envs.reset([0, 1])
+    envs.close()
+    assert [proc.exitcode for proc in envs._procs] == [-signal.SIGTERM] * 2
+    monkeypatch.setattr(processes, "_received_signals", [])
+    envs = MiniGridVecEnv("MiniGrid-Empty-5x5-v0", 2, num_workers=2)
+    try:
+        envs.reset([0, 1])
+        envs._procs[0].kill()
+        envs._procs[0].join(timeout=5)
+        monkeypatch.setattr(processes, "_received_signals", [signal.SIGTERM])
+        with pytest.raises(processes.Interrupted, match="SIGTERM"):
+            envs.step(np.zeros(2, dtype=np.int64))
     finally:
         envs.close()
 

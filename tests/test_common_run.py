@@ -1,9 +1,11 @@
 """common/logger.py, common/checkpoint.py, common/processes.py."""
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -120,6 +122,12 @@ def _crashing_actor(delay):
     raise ValueError("env exploded")
 
 
+def _actor_on_a_full_disk(path):
+    with open(path, "wb") as f:
+        f.write(b"a replay")
+        raise OSError(28, "No space left on device", path)
+
+
 def _waiting_actor(stop_event):
     while not stop_event.is_set():
         time.sleep(0.01)
@@ -171,6 +179,40 @@ def test_process_group_reports_dead_actor_and_stops():
     group.stop()  # idempotent
 
 
+def test_a_child_that_meets_a_full_disk_stops_the_run_in_one_line(tmp_path):
+    """Contract: a child whose write fails on the disk (an actor saving its replay at a checkpoint on a full disk)
+    stops the run with RunFolderFailed, one line naming the child and the failed write, not "died" with a traceback;
+    finish_run then prints it as its one `error:` line."""
+    from common.processes import RunFolderFailed
+
+    group = ProcessGroup(mp.get_context("spawn"))
+    group.start(_actor_on_a_full_disk, (str(tmp_path / "replay.npz"),), "actor-0")
+    deadline = time.time() + 60
+    with pytest.raises(RunFolderFailed) as err:
+        while time.time() < deadline:
+            group.check()
+            time.sleep(0.05)
+    group.stop()
+    expected = f"actor-0 could not write to the run folder: [Errno 28] No space left on device: '{tmp_path / 'replay.npz'}'"
+    assert str(err.value) == expected and not isinstance(err.value, ActorDied)
+
+
+def test_stop_terminates_at_once_the_children_still_importing_and_lets_running_ones_return():
+    """Contract (stop time): a child that has not reached its target yet (its interpreter still imports: it cannot
+    see the stop flag) is terminated at once by stop() instead of using up the join budget; a child in its loop
+    returns by itself when the flag is set (exit code 0, no kill)."""
+    ctx = mp.get_context("spawn")
+    group = ProcessGroup(ctx)
+    started = ctx.RawArray("b", 1)
+    group.start(_spinning_actor, (group.stop_event, started, 0), "actor-0")
+    deadline = time.time() + 60
+    while not started[0] and time.time() < deadline:
+        time.sleep(0.05)
+    group.start(_waiting_actor, (group.stop_event,), "actor-1")
+    group.stop()
+    assert [proc.exitcode for proc in group.procs] == [0, -signal.SIGTERM]
+
+
 @pytest.mark.parametrize("actors", [0, 1, 2, 64])
 def test_set_learner_threads_gives_the_learner_the_cores_the_actors_leave(actors, monkeypatch, capsys):
     cores = 3  # pretend: the rule must not depend on this machine's core count
@@ -190,6 +232,26 @@ def test_available_cores_falls_back_to_cpu_count(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert available_cores() == 5
+
+
+@pytest.mark.parametrize("what", [None, "rollout"])
+def test_check_memory_names_what_it_measures_and_the_flag_that_sizes_it(what, monkeypatch, capsys):
+    """Contract: check_memory prints what the buffer needs at start-up, under the name given (`what`, by default
+    "replay memory": the replays; plr_ppo.py's rollout passes "rollout"), and refuses one that would take more than
+    `fraction` of the available RAM with one `error:` line naming the same thing and the flag that sizes it."""
+    from common import processes
+
+    monkeypatch.setattr(processes, "available_memory_bytes", lambda: 10 * 2**30)
+    named = {} if what is None else {"what": what}
+    name = what or "replay memory"
+    processes.check_memory(9 * 2**30, "--buffer-size", **named)
+    assert capsys.readouterr().out == f"{name}: 9.00 GiB (10.0 GiB available)\n"
+    with pytest.raises(SystemExit) as e:
+        processes.check_memory(9 * 2**30 + 1, "--buffer-size", 0.9, **named)
+    assert capsys.readouterr().out == f"{name}: 9.00 GiB (10.0 GiB available)\n"
+    assert str(e.value.code) == (
+        f"error: the {name} needs 9.00 GiB, more than 90% of the 10.0 GiB of RAM available: lower --buffer-size"
+    )
 
 
 def test_run_checkpoint_holds_what_every_resume_reads_and_the_first_checkpoint_step(tmp_path):
@@ -241,7 +303,7 @@ def test_finish_run_writes_the_model_file_atomically_after_a_normal_end_only(tmp
     with pytest.raises(SystemExit) as e:
         finish_run(logger, None, {}, {"model": weights, "args": {"exp_name": "an_exp"}})
     assert e.value.code == 1
-    assert "error: an_exp.model not written: " in capsys.readouterr().out
+    assert capsys.readouterr().err.startswith("error: an_exp.model not written: ")
     assert json.loads((logger.dir / "summary.json").read_text())["stop_reason"].startswith("an_exp.model not written: ")
 
 
@@ -289,6 +351,13 @@ def test_signals_are_recorded_and_raised_at_the_next_check_and_stop_reason_names
         1,
     )
     assert stop_reason(RuntimeError("MiniGrid worker 0 died (exit code -9)"))[1] == 1
+    assert stop_reason(Interrupted(sig.SIGHUP)) == ("interrupted by SIGHUP", 129)
+    # a child dead of SIGINT died of the run's own Ctrl-C (the whole process group gets it): the interruption
+    from common.processes import died_or_interrupted
+
+    assert isinstance(died_or_interrupted("worker 0 died (exit code -2)", -sig.SIGINT), Interrupted)
+    died = died_or_interrupted("worker 0 died (exit code -9)", -sig.SIGKILL, "a traceback")
+    assert isinstance(died, ActorDied) and str(died) == "worker 0 died (exit code -9)" and died.traceback == "a traceback"
 
 
 SIGNALLED_LOGGING_LOOP = """
@@ -424,3 +493,244 @@ def test_readme_commands_parse_and_pass_each_scripts_checks(monkeypatch):
         if hasattr(module, "resolve_defaults"):
             args = module.resolve_defaults(args)
         module.validate_args(args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run folder, the disk and the signals at the edges (issue 48). start_run and install_stop_handling change this
+# process (signal handlers, sys.stdout, sys.excepthook, the run of the process): `process_state` puts them back.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def process_state(monkeypatch):
+    """What `start_run` and `install_stop_handling` change in this process, restored after the test (a registered
+    run would make `finish_run` end the test process: the tests call finish_run on loggers of their own)."""
+    from common import processes
+
+    handlers = {signum: signal.getsignal(signum) for signum in processes.STOP_SIGNALS}
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(processes, "_run_logger", None)
+    monkeypatch.setattr(processes, "_exit_before_run", False)
+    monkeypatch.setattr(processes, "_to_stop", [])
+    yield processes
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    processes._received_signals.clear()
+
+
+def common_args(**changes):
+    from common.args import CommonArgs
+
+    return CommonArgs(**({"exp_name": "an_exp", "seed": 3, "progress": False} | changes))
+
+
+@contextlib.contextmanager
+def file_size_limit(limit_bytes: int):
+    """RLIMIT_FSIZE in this process: a write that would make any file larger than `limit_bytes` fails with EFBIG, a
+    real failed write without root (torch.save then raises RuntimeError with the OSError as its context, as on a
+    full disk; Python ignores SIGXFSZ). The soft limit only: it can be raised back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypatch, process_state):
+    """Contract: a new run never writes into an existing folder. Two start_run calls with the same env, seed,
+    exp-name and second get `<name>` and `<name>-2`, each with its own args.json; 16 threads creating the same name
+    at once get 16 folders (mkdir is atomic; a check-then-create would hand one folder to two runs)."""
+    import common.logger as logger_module
+    from common.logger import make_new_folder, start_run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(logger_module, "make_run_name", lambda env, exp, seed: f"{env}__{exp}__{seed}__1700000000")
+    first = start_run(common_args(), None, "Env-v0")
+    second = start_run(common_args(wandb_project_name="other"), None, "Env-v0")
+    assert first.dir != second.dir
+    assert [first.run_name, second.run_name] == ["Env-v0__an_exp__3__1700000000", "Env-v0__an_exp__3__1700000000-2"]
+    assert json.loads((first.dir / "args.json").read_text())["wandb_project_name"] == "replay-rl"
+    assert json.loads((second.dir / "args.json").read_text())["wandb_project_name"] == "other"
+    first.close()
+    second.close()
+    barrier = threading.Barrier(16)
+    made = []
+
+    def make():
+        barrier.wait()
+        for _ in range(8):
+            made.append(make_new_folder(tmp_path / "race", "run"))
+
+    threads = [threading.Thread(target=make) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(made)) == len(made) == 128 and len(os.listdir(tmp_path / "race")) == 128
+
+
+def test_resume_continues_in_the_checkpoints_folder_from_any_working_folder(tmp_path, monkeypatch, process_state):
+    """Contract: `--resume <path>/checkpoint.pt` given from another working folder continues in the checkpoint's
+    folder (metrics after the checkpoint dropped there), never in a new ./runs/<same name>/ of the working folder."""
+    from common.checkpoint import load_run_checkpoint, save_run_checkpoint
+    from common.logger import start_run
+
+    first = RunLogger("Env-v0__an_exp__3__1700000000", common_args(), root=tmp_path / "project" / "runs")
+    first.log(10, {"charts/SPS": 1.0})
+    save_run_checkpoint(first, "a_script.py", common_args(), 10)
+    first.log(20, {"charts/SPS": 2.0})
+    first.close()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    path = "../project/runs/Env-v0__an_exp__3__1700000000/checkpoint.pt"
+    ckpt = load_run_checkpoint(path, "a_script.py")
+    resumed = start_run(common_args(resume=path), ckpt, "Env-v0")
+    resumed.log(11, {"charts/SPS": 3.0})
+    resumed.close()
+    assert resumed.dir == first.dir.resolve() and resumed.run_name == first.run_name
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+    assert [r["global_step"] for r in read_metrics(first.dir / "metrics.jsonl")] == [10, 11]
+
+
+def test_a_folder_that_cannot_be_made_or_written_stops_start_up_with_one_line(tmp_path, monkeypatch, process_state):
+    """Contract: `runs` being a file, or a disk too full for args.json (a real failed write: RLIMIT_FSIZE), stop
+    start_run with one `error:` line (SystemExit, no traceback) and leave no half-made run folder."""
+    from common.logger import start_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("a file where the runs folder goes")
+    with pytest.raises(SystemExit) as e:
+        start_run(common_args(), None, "Env-v0")
+    assert str(e.value.code).startswith("error: run folder runs/Env-v0__an_exp__3__") and "\n" not in str(e.value.code)
+    assert "Not a directory" in str(e.value.code) and (tmp_path / "runs").is_file()
+    (tmp_path / "runs").unlink()
+    with file_size_limit(8), pytest.raises(SystemExit) as e:
+        start_run(common_args(), None, "Env-v0")
+    assert str(e.value.code).startswith("error: run folder runs/Env-v0__an_exp__3__") and "\n" not in str(e.value.code)
+    assert "File too large" in str(e.value.code) and os.listdir(tmp_path / "runs") == []
+    assert process_state._run_logger is None  # no run started: a signal still ends the script at once
+
+
+def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_keeps_the_previous_one(tmp_path):
+    """Contract: a full disk at a checkpoint raises CheckpointFailed (one line, which stops the run), the previous
+    checkpoint stays intact and no temporary file is left, whichever way the write fails: torch.save's RuntimeError
+    ("unexpected pos", the OSError as its context: RLIMIT_FSIZE, as on a full tmpfs) or an OSError at the flush
+    (the temporary file a link to /dev/full). An object that cannot be pickled keeps its own error."""
+    from common.processes import CheckpointFailed
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"global_step": 1, "weights": torch.zeros(10)})
+    big = {"global_step": 2, "weights": torch.zeros(100_000)}
+    with file_size_limit(path.stat().st_size + 100), pytest.raises(CheckpointFailed) as e:
+        save_checkpoint(path, big)
+    assert str(e.value) == "checkpoint.pt not written: [Errno 27] File too large"
+    os.symlink("/dev/full", tmp_path / f".checkpoint.pt.tmp{os.getpid()}")
+    with pytest.raises(CheckpointFailed, match=r"^checkpoint.pt not written: \[Errno 28\] No space left on device$"):
+        save_checkpoint(path, big)
+    assert load_checkpoint(path)["global_step"] == 1 and os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_a_failed_write_mid_run_stops_the_run_once_and_its_end_writes_what_the_disk_allows(tmp_path, capsys, monkeypatch):
+    """Contract: a full disk mid-run (metrics.jsonl or TensorBoard, a real failed write) raises RunFolderFailed
+    once, which stops the run; later records are dropped; finish_run then ends with one `error:` line and exit 1,
+    saying that summary.json could not be written while the disk is full, and writing it once the disk allows.
+    metrics.jsonl stays readable (the record cut short is left out)."""
+    from common.processes import RunFolderFailed, _quiet_disk_errors_in_threads, finish_run
+
+    # as in a run: TensorBoard's writer thread meeting the full disk prints no traceback (the main thread reports it)
+    monkeypatch.setattr(threading, "excepthook", _quiet_disk_errors_in_threads)
+    for disk_frees_up in (False, True):
+        logger = RunLogger(f"run{disk_frees_up}", _Args(), root=tmp_path, progress=False)
+        logger.log(1, {"charts/SPS": 1.0})
+        with file_size_limit((logger.dir / "metrics.jsonl").stat().st_size + 10):
+            with pytest.raises(RunFolderFailed) as stop:
+                for step in range(2, 10_000):
+                    logger.log(step, {"charts/SPS": float(step), "losses/value_loss": 0.5})
+            assert "not written" in str(stop.value) and "File too large" in str(stop.value)
+            logger.log(10_001, {"charts/SPS": 1.0})  # dropped: the run is stopping
+            capsys.readouterr()
+            if not disk_frees_up:
+                with pytest.raises(SystemExit) as e:
+                    finish_run(logger, stop.value, {"global_step": logger.last_step})
+        if disk_frees_up:
+            with pytest.raises(SystemExit) as e:
+                finish_run(logger, stop.value, {"global_step": logger.last_step})
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"error: {stop.value}"), err
+        assert ("summary.json not written" in err[0]) == (not disk_frees_up)
+        assert (logger.dir / "summary.json").exists() == disk_frees_up
+        if disk_frees_up:
+            assert json.loads((logger.dir / "summary.json").read_text())["stop_reason"] == str(stop.value)
+        assert [r["global_step"] for r in read_metrics(logger.dir / "metrics.jsonl")][0] == 1
+        assert not any(".tmp" in name for name in os.listdir(logger.dir))
+
+
+STOP_HANDLING_PROBE = """
+import os, signal, sys, time
+from common import processes
+
+case = sys.argv[1]
+processes.install_stop_handling()
+if case == "before-run":
+    os.kill(os.getpid(), signal.SIGTERM)  # before run_started: the script ends at once
+    time.sleep(5)
+    print("not stopped", flush=True)
+    sys.exit(0)
+processes.run_started(type("Logger", (), {"closed": True})())  # from here on a stop is only recorded
+if case == "closed-stdout":
+    os.close(0)  # the reader of our stdout is gone (the test closed it): the next print meets a broken pipe
+    time.sleep(0.2)
+    print("a line nobody reads", flush=True)
+    print("and another", flush=True)
+else:
+    os.kill(os.getpid(), getattr(signal, case))
+    time.sleep(0.2)
+try:
+    processes.check_stop()
+    sys.stderr.write("no stop requested\\n")
+except processes.Interrupted as e:
+    sys.stderr.write(f"{processes.stop_reason(e)}\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    "case, ignore_sighup, expected_code, expected",
+    [
+        ("before-run", False, 143, "stopped: interrupted by SIGTERM before the run started"),
+        ("SIGHUP", False, 0, "('interrupted by SIGHUP', 129)"),
+        ("SIGHUP", True, 0, "no stop requested"),
+        ("closed-stdout", False, 0, "('interrupted by SIGPIPE (stdout closed)', 141)"),
+    ],
+    ids=["signal-before-the-run-folder", "SIGHUP", "SIGHUP-under-nohup", "closed-stdout"],
+)
+def test_stop_handling_at_the_edges_of_a_run(tmp_path, case, ignore_sighup, expected_code, expected):
+    """Contract (install_stop_handling, each script's first statement): before the run folder exists a stop ends the
+    process at once with one `stopped:` line and 128 + signal; after it, SIGHUP is recorded like SIGTERM (exit 129)
+    unless inherited as ignored (nohup); a closed stdout (`| head`) raises nothing in a print and requests a stop,
+    "interrupted by SIGPIPE (stdout closed)", exit 141."""
+    script = tmp_path / "probe.py"
+    script.write_text(STOP_HANDLING_PROBE)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def preexec():
+        if ignore_sighup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    read_end, write_end = os.pipe()
+    # the probe's stdin is the read end of its own stdout: once it closes fd 0, no reader is left
+    proc = subprocess.Popen(
+        [sys.executable, str(script), case],
+        stdin=read_end,
+        stdout=write_end if case == "closed-stdout" else subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        preexec_fn=preexec,
+    )
+    os.close(read_end)
+    os.close(write_end)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == expected_code, stderr
+    output = stdout.strip() if case == "before-run" else stderr.strip()
+    assert output == expected and "Traceback" not in stderr, (stdout, stderr)

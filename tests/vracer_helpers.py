@@ -145,7 +145,8 @@ def load_records(probe_dir) -> dict:
 def main_block(path: str):
     """The body of the script's `if __name__ == "__main__":` block, compiled."""
     tree = ast.parse(Path(path).read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'")
+    # the last one: the first holds only install_stop_handling(), before the heavy imports
+    *_, block = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
     return compile(ast.Module(body=block.body, type_ignores=[]), path, "exec")
 
 
