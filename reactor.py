@@ -19,6 +19,8 @@ Paper parts, in file order
   (ND) or total variation (distributional) in `reactor_loss`.
 - Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
+- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags (RUN PLUMBING)
+  `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`. The loop's contract: tests/test_reactor_loop.py.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
