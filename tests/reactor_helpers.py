@@ -61,12 +61,13 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "reactor.py"
 
 
-def run_probed(cwd, flags, timeout=300):
+def run_probed(cwd, flags, episode_limit=None, timeout=300):
     """`python reactor.py FLAGS` in `cwd`, through `probed_main` (the script itself, run as __main__, with spies
-    on its loop). Returns (the completed process, the spies' records)."""
+    on its loop; `episode_limit`: the actors' MinAtar episodes truncated after that many steps, so that truncations
+    and their pad slots happen in a tiny run). Returns (the completed process, the spies' records)."""
     out = Path(cwd) / f"probe_{time.time_ns()}.pt"
     code = f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import reactor_helpers; "
-    code += f"reactor_helpers.probed_main({str(out)!r})"
+    code += f"reactor_helpers.probed_main({str(out)!r}, {episode_limit!r})"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", code, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     records = torch.load(out, weights_only=False) if out.exists() else None
@@ -209,10 +210,29 @@ class LoopSpies:
         return self.evaluate(net, args, episodes, device, seed, greedy)
 
 
-def probed_main(out_path):
+def actor_loop_with_episode_limit(episode_limit, *actor_args):
+    """In an actor process (reactor.py is its module __mp_main__): the script's `actor_loop` in envs whose episodes
+    are truncated after `episode_limit` steps (MinAtar's time limit, `MinAtarEnv.max_episode_steps`)."""
+    actor_loop = sys.modules["__mp_main__"].actor_loop
+    # the globals the script's functions read (spawn runs the script in a module whose globals it then copies)
+    script_globals = actor_loop.__globals__
+    make_env = script_globals["make_env"]
+
+    def make_env_with_limit(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        env.max_episode_steps = episode_limit
+        return env
+
+    script_globals["make_env"] = make_env_with_limit
+    actor_loop(*actor_args)
+
+
+def probed_main(out_path, episode_limit=None):
     """Run reactor.py as __main__ (runpy; its spawned actors import it as the script, as in a real run) with this
     process's command line, and `LoopSpies` installed when the script asks torch for its process context (after the
-    set-up and the restoration, before any actor starts). The records go to `out_path` however the run ends."""
+    set-up and the restoration, before any actor starts); with `episode_limit`, its actors start as
+    `actor_loop_with_episode_limit`. The records go to `out_path` however the run ends."""
+    import functools
     import runpy
 
     import torch.multiprocessing
@@ -226,6 +246,8 @@ def probed_main(out_path):
             spies.append(LoopSpies(vars(sys.modules["__main__"])))
             # the actors define its classes in their module "__mp_main__" (what a script's parent process aliases)
             sys.modules["__mp_main__"] = sys.modules["__main__"]
+            if episode_limit is not None:
+                spies[0].g["actor_loop"] = functools.partial(actor_loop_with_episode_limit, episode_limit)
         return get_context(method)
 
     torch.multiprocessing.get_context = get_context_spy

@@ -31,6 +31,7 @@ from reactor_helpers import ATARI, run_probed, same_weights
 
 import reactor
 from common.args import COMMON_APPLIED_ON_RESUME, COMMON_FIXED_ON_RESUME, parse_run_args
+from common.checkpoint import rng_state, seed_everything, set_rng_state
 from common.processes import check_memory
 
 # pytest fixtures of reactor_helpers (float64_by_default: autouse, every test of this file runs in float64)
@@ -82,7 +83,7 @@ RUN_ONLY = {
 }
 
 
-def test_every_fixed_flag_changed_on_resume_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+def test_every_fixed_flag_changed_on_resume_is_refused_in_one_line(tmp_path, monkeypatch):
     """The fixed class, with a reason per flag (FIXED: it must equal the class exactly, common flags included): a
     resume that changes one is refused at start-up in one `error: --resume:` line; the same value is accepted."""
     classes = set(reactor.FIXED_ON_RESUME) | set(COMMON_FIXED_ON_RESUME)
@@ -124,9 +125,9 @@ def test_resume_checks_and_the_ratio_base_of_a_resumed_run():
     """`check_resume` refuses in one line a checkpoint of an older reactor.py, a budget that ends before learning
     resumes (without the replay: before the refill ends; with a replay still filling: before it is full), and a new
     --learning-starts where it cannot act (a replay restored after learning began). `resumed_ratio_base`: the
-    checkpoint's base when nothing changes; a refill of learning_starts steps without the replay; a new --replay-ratio
-    counted from the resumed step; a new --learning-starts moves the start of a replay still filling, never before
-    the resumed step."""
+    checkpoint's base when nothing changes (one moved by an earlier refill too); a refill of learning_starts steps
+    without the replay; a new --replay-ratio counted from the resumed step; a new --learning-starts moves the start of
+    a replay still filling, never before the resumed step."""
     args = reactor.Args(learning_starts=100, replay_ratio=4.0, total_timesteps=400, resume="ckpt.pt")
     ckpt = checkpoint_like()
     old = {key: value for key, value in ckpt.items() if key not in ("ratio_base", "actor_steps")}
@@ -153,6 +154,9 @@ def test_resume_checks_and_the_ratio_base_of_a_resumed_run():
     # (after a resume without the replay at step 500: the filling began there)
     refilling = checkpoint_like(global_step=560, learn_steps=90, ratio_base=(600, 90))
     assert base(refilling, reactor.Args(learning_starts=70)) == (570, 90)
+    # (learning began there at step 600: its base is restored as it is, not a new run's (learning_starts, 0))
+    refilled = checkpoint_like(global_step=900, learn_steps=165, ratio_base=(600, 90))
+    assert base(refilled, reactor.Args(learning_starts=100, replay_ratio=4.0)) == (600, 90)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,6 +179,8 @@ A_FLAGS = {
     "checkpoint_replay": True,
     "eval_episodes": 0,
 }
+# the actors' episodes are truncated after this many steps in the runs below (pad slots happen)
+EPISODE_LIMIT = 12
 # every applied flag changed on a resumed run: (the run, the new value)
 APPLIED_CHANGES = {
     "total_timesteps": ("B", 420),
@@ -224,28 +230,43 @@ def finished_run(folder: Path, process, records) -> SimpleNamespace:
     )
 
 
+def rng_state_of_seed(seed: int) -> dict:
+    """Every global RNG's state after seeding them with `seed` (this process's states are kept)."""
+    kept = rng_state()
+    seed_everything(seed)
+    state = rng_state()
+    set_rng_state(kept)
+    return state
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A: a new run to step 300 with a replay checkpoint at its end. B: A resumed with its replay and every applied
-    flag of APPLIED_CHANGES["B"], with --save-model. C: A resumed from a copy of its checkpoint without the replay,
-    with a new --learning-starts, to 80 steps past the refill. Each in its own folder (a copy of A's runs/)."""
+    """The actors' episodes end after at most EPISODE_LIMIT steps (a time limit: truncations and pad slots).
+    A: a new run to step 300 with a replay checkpoint at its end. B: A resumed with its replay and every applied
+    flag of APPLIED_CHANGES["B"], with --save-model. C: A resumed from a copy of its checkpoint without the replay
+    and with other global RNG states, with a new --learning-starts, to 80 steps past the refill. Each in its own
+    folder (a copy of A's runs/); `resumed_from`: the checkpoint B and C resumed from."""
     base = tmp_path_factory.mktemp("reactor_runs")
     folders = {name: base / name for name in "ABC"}
     folders["A"].mkdir()
-    a = finished_run(folders["A"], *run_probed(folders["A"], [*TINY, *command_line(A_FLAGS)]))
+    a = finished_run(folders["A"], *run_probed(folders["A"], [*TINY, *command_line(A_FLAGS)], EPISODE_LIMIT))
     out = {"A": a}
     for name in "BC":
         shutil.copytree(folders["A"] / "runs", folders[name] / "runs")
     checkpoint = {name: folders[name] / "runs" / a.dir.name / "checkpoint.pt" for name in "BC"}
     b_flags = {flag: value for flag, (run, value) in APPLIED_CHANGES.items() if run == "B"}
-    process, records = run_probed(folders["B"], ["--resume", str(checkpoint["B"]), *command_line(b_flags), "--save-model"])
+    b_command_line = ["--resume", str(checkpoint["B"]), *command_line(b_flags), "--save-model"]
+    process, records = run_probed(folders["B"], b_command_line, EPISODE_LIMIT)
     out["B"] = finished_run(folders["B"], process, records)
-    torch.save({**a.ckpt, "replay": None}, checkpoint["C"])
+    out["B"].resumed_from = a.ckpt
+    # (A's loop draws from no global RNG, so that its checkpoint holds a new set-up's states: C's holds others)
+    c_checkpoint = {**a.ckpt, "replay": None, "rng": rng_state_of_seed(12345)}
+    torch.save(c_checkpoint, checkpoint["C"])
     learning_starts = APPLIED_CHANGES["learning_starts"][1]
     c_flags = {"learning_starts": learning_starts, "total_timesteps": a.ckpt["global_step"] + learning_starts + 80}
-    out["C"] = finished_run(
-        folders["C"], *run_probed(folders["C"], ["--resume", str(checkpoint["C"]), *command_line(c_flags)])
-    )
+    c_command_line = ["--resume", str(checkpoint["C"]), *command_line(c_flags)]
+    out["C"] = finished_run(folders["C"], *run_probed(folders["C"], c_command_line, EPISODE_LIMIT))
+    out["C"].resumed_from = c_checkpoint
     return out
 
 
@@ -322,15 +343,17 @@ def test_run_actors_act_with_rising_versions_and_a_bounded_lag(runs):
 
 
 def test_run_counts_every_env_step_once(runs):
-    """Clause 3 in A: the env steps the learner counts (global_step, the actor's count, the summary) are the slots
-    the actor sent less its pad slots, and the checkpoint's replay holds them all in order."""
+    """Clause 3 in A (episodes truncated after 12 steps): the env steps the learner counts (global_step, the actor's
+    count, the summary) are the slots the actor sent less its pad slots, and the checkpoint's replay holds them all,
+    in order, with a pad slot after each truncation."""
     a = runs["A"]
     sent = sum(len(chunk["versions"]) for chunk in a.records["chunks"])
     end = a.records["end"]
     assert end["global_step"] == sent == end["actor_steps"][0] == a.summary["global_step"] == a.ckpt["global_step"]
     replay = a.ckpt["replay"]
     written = int(replay["written"][0])
-    assert written < len(replay["pad"]) and written - int(replay["pad"][:written].sum()) == sent
+    pads = int(replay["pad"][:written].sum())
+    assert written < len(replay["pad"]) and written - pads == sent and pads >= 3
     versions = replay["version"][:written][~replay["pad"][:written]]
     np.testing.assert_array_equal(versions, np.concatenate([chunk["versions"] for chunk in a.records["chunks"]]))
 
@@ -411,11 +434,12 @@ def test_saved_model_is_the_online_network_and_the_evaluation_plays_it(runs, mon
 # ----------------------------------------------------------------------------------------------------------------
 # the run contract on --resume
 def test_resumed_process_holds_the_checkpoint_at_its_first_step(runs):
-    """B (with the replay) and C (without) at their first step, entry by entry against A's checkpoint: counters,
-    weights, the actors' version and learner count, the optimizer state (this run's lr and beta1: B's changed, C's
-    the checkpoint's), the replay's sampling RNG, every global RNG, the replay and its priorities (B: each actor's
-    last slot now a pad; C: empty), and the ratio base (B: counted from the resumed step for its new --replay-ratio;
-    C: after a refill of its --learning-starts). The actors' shared step counts start from the checkpoint's."""
+    """B (with the replay) and C (without) at their first step, entry by entry against the checkpoint each resumed
+    from (A's; C's without the replay and with other global RNG states): counters, weights, the actors' version and
+    learner count, the optimizer state (this run's lr and beta1: B's changed, C's the checkpoint's), the replay's
+    sampling RNG, every global RNG, the replay and its priorities (B: each actor's last slot now a pad; C: empty), and
+    the ratio base (B: counted from the resumed step for its new --replay-ratio; C: after a refill of its
+    --learning-starts). The actors' shared step counts start from the checkpoint's."""
     ckpt = runs["A"].ckpt
     global_step = ckpt["global_step"]
     learn_steps = ckpt["learn_steps"]
@@ -436,7 +460,9 @@ def test_resumed_process_holds_the_checkpoint_at_its_first_step(runs):
             group["betas"] = (flags["adam_beta1"], 0.999)
         assert_same(first["optimizer"], optimizer, f"{name}: optimizer")
         assert_same(first["np_rng"], ckpt["np_rng"].bit_generator.state, f"{name}: the replay's RNG")
-        assert_same(first["rng"], ckpt["rng"], f"{name}: the global RNGs")
+        assert_same(first["rng"], runs[name].resumed_from["rng"], f"{name}: the global RNGs")
+    # (C's states are not those B holds)
+    assert not torch.equal(runs["C"].resumed_from["rng"]["torch"], ckpt["rng"]["torch"])
     replay = copy.deepcopy(ckpt["replay"])
     head = int(replay["written"][0]) - 1
     assert not replay["pad"][head]
