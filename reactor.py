@@ -19,6 +19,8 @@ Paper parts, in file order
   (ND) or total variation (distributional) in `reactor_loss`.
 - Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
+- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags (RUN PLUMBING)
+  `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`. The loop's contract: tests/test_reactor_loop.py.
 
 Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
 Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
@@ -901,10 +903,11 @@ class LazyPriorities:
 
 
 class SequenceReplay:
-    """Per-actor ring segments of slots: x_t (uint8), the LSTM state before x_t, a_t, mu(.|x_t), r_t, flags. Key t is the
-    sequence of slots t .. t+T (T+1 observations), valid from the writing of slot t+T until slot t is overwritten."""
+    """Per-actor ring segments of slots: x_t (uint8), the LSTM state before x_t, a_t, mu(.|x_t), r_t, flags, and the
+    weights version a_t was drawn with. Key t is the sequence of slots t .. t+T (T+1 observations), valid from the
+    writing of slot t+T until slot t is overwritten."""
 
-    FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state")
+    FIELDS = ("obs", "action", "reward", "term", "pad", "first", "mu", "state", "version")
 
     @staticmethod
     def slot_fields(num_actions: int, lstm_size: int, obs_shape) -> dict:
@@ -918,6 +921,8 @@ class SequenceReplay:
             "first": (np.bool_, ()),
             "mu": (np.float32, (num_actions,)),
             "state": (np.float16, (4, lstm_size)),
+            # the learning step of the weights the actor acted with (the policy lag: learning steps since then)
+            "version": (np.int64, ()),
         }
 
     def __init__(
@@ -1143,10 +1148,20 @@ def act(net, obs, state, rng: np.random.Generator, device="cpu"):
     return int(rng.choice(len(mu), p=mu)), mu, out
 
 
-def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, ratio_base: RatioBase):
-    """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio."""
+def actor_seed(seed: int, actor_id: int, start_step: int) -> int:
+    """Actor i's seed: seed + 1000 i in a new run; a run resumed at global step start_step > 0 draws new streams from
+    it (its actors must not replay the first run's env and action streams)."""
+    actor_seed = seed + 1000 * actor_id
+    if start_step == 0:
+        return actor_seed
+    return int(np.random.SeedSequence([actor_seed, start_step]).generate_state(1)[0]) % 2**31
+
+
+def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, ratio_base: RatioBase, start_step: int):
+    """Act with the shared weights (CPU, one thread), send slots to the learner in chunks; wait while ahead of the ratio.
+    start_step: the global step the run starts from (0, or the resumed checkpoint's), for the seeds."""
     torch.set_num_threads(1)
-    seed = args.seed + 1000 * actor_id
+    seed = actor_seed(args.seed, actor_id, start_step)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     video_folder = f"videos/{run_name}" if args.capture_video and actor_id == 0 else None
@@ -1157,8 +1172,9 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
     obs, _ = env.reset(seed=seed)
     state = net.initial_state(1)
     first = True
+    # the learning step of the weights in `net` (-1: none loaded yet)
     version = -1
-    # actor 0 starts from the resumed global step
+    # this actor's env steps so far (a resumed run: the learner's count at the checkpoint)
     steps = handles.actor_steps[actor_id]
     while not handles.stop_event.is_set():
         # the acting:learning ratio: wait for the learner while all actors together are ahead of it
@@ -1171,7 +1187,10 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
         # a free chunk buffer (the learner gives them back)
         if not channel.reserve(actor_id):
             continue
-        if steps % args.actor_sync_every == 0 and handles.weights_version.value != version:
+        # the learner's latest weights before the first step, then every actor_sync_every steps if they changed; the
+        # version is read first, so the weights loaded are that version or newer (hogwild)
+        at_sync_point = steps % args.actor_sync_every == 0
+        if version < 0 or (at_sync_point and handles.weights_version.value != version):
             version = handles.weights_version.value
             net.load_state_dict(handles.shared_net.state_dict())
         action, mu, out = act(net, obs, state, rng)
@@ -1187,6 +1206,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
             mu=mu.astype(np.float32),
             # the LSTM state before x_t, [4, H]
             state=torch.cat(state, 0).numpy().astype(np.float16),
+            version=version,
         )
         steps += 1
         handles.actor_steps[actor_id] = steps
@@ -1205,6 +1225,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
                     first=False,
                     mu=np.full(num_actions, 1.0 / num_actions, np.float32),
                     state=torch.cat(out.state, 0).numpy().astype(np.float16),
+                    version=version,
                 )
             obs, _ = env.reset()
             state = net.initial_state(1)
@@ -1220,6 +1241,17 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
 
 
 # LEARNER STEPS (the loop in __main__ calls them)
+def store_chunk(channel: ChunkChannel, message: ChunkMessage, replay: SequenceReplay) -> tuple[int, np.ndarray]:
+    """A chunk into its actor's replay segment, copied before its buffer goes back to the actor (who writes into it at
+    once). Returns (the actor, the weights versions of the chunk's env steps: one per slot but its pad slots)."""
+    actor_id, chunk = channel.read(message)
+    # (copies)
+    replay.add(actor_id, chunk)
+    versions = chunk["version"][~chunk["pad"]].copy()
+    channel.release(message)
+    return actor_id, versions
+
+
 def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: RatioBase, args: Args) -> bool:
     """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
     both counted from ratio_base; and at least a batch of sequences in the replay."""
@@ -1283,20 +1315,72 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
     return returns
 
 
+# RUN PLUMBING: a resume's checks and what it restores (the flags' classes on --resume: after Args)
+def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
+    """Where a resumed run's acting:learning ratio counts from. Without its replay: after learning_starts steps that
+    refill it. With it: the checkpoint's base, so that the run goes on exactly, except that a new --learning-starts
+    moves the start of a replay still filling (never before the resumed step) and a new --replay-ratio counts from the
+    resumed step (from the old base it would owe or grant learning steps at once)."""
+    global_step = ckpt["global_step"]
+    learn_steps = ckpt["learn_steps"]
+    if ckpt["replay"] is None:
+        return RatioBase(env_step=global_step + args.learning_starts, learn_step=learn_steps)
+    saved = RatioBase(*ckpt["ratio_base"])
+    if global_step < saved.env_step:
+        # still filling: learning starts learning_starts steps after the filling began
+        filling_began = saved.env_step - ckpt["args"]["learning_starts"]
+        return RatioBase(env_step=max(filling_began + args.learning_starts, global_step), learn_step=saved.learn_step)
+    if args.replay_ratio != ckpt["args"]["replay_ratio"]:
+        return RatioBase(env_step=global_step, learn_step=learn_steps)
+    return saved
+
+
+def check_resume(args: Args, ckpt: dict) -> None:
+    """A resume's checks against its checkpoint, each failure one line `error: --resume: ...`: a checkpoint of this
+    version; --learning-starts changed only where it can act (a replay still filling, or refilled: saved without
+    --checkpoint-replay); a budget beyond the step where learning resumes."""
+    require(
+        "ratio_base" in ckpt and "actor_steps" in ckpt,
+        f"--resume: {args.resume} was written by an older reactor.py (no ratio base, no actor step counts)",
+    )
+    global_step = ckpt["global_step"]
+    replay_saved = ckpt["replay"] is not None
+    learning_began = replay_saved and global_step >= ckpt["ratio_base"][0]
+    require(
+        not (learning_began and args.learning_starts != ckpt["args"]["learning_starts"]),
+        f"--resume: --learning-starts cannot act on this checkpoint: learning began at step {ckpt['ratio_base'][0]:,} "
+        "and its replay is restored (it acts on a replay still filling, or refilled after a checkpoint without "
+        "--checkpoint-replay)",
+    )
+    learns_from = max(global_step, resumed_ratio_base(ckpt, args).env_step)
+    if not replay_saved:
+        refill = f" and has no replay ({args.learning_starts:,} steps refill it)"
+    elif learns_from > global_step:
+        refill = f" and its replay fills until step {learns_from:,}"
+    else:
+        refill = ""
+    require(
+        args.total_timesteps > learns_from,
+        f"--resume: the checkpoint is at step {global_step:,}{refill}: give --total-timesteps > {learns_from:,}",
+    )
+
+
+def apply_optimizer_flags(optimizer: torch.optim.Optimizer, args: Args) -> None:
+    """Adam's --learning-rate and --adam-beta1 into its param groups (a resume's optimizer state brings back the
+    checkpoint's; the flags in effect are this run's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = args.learning_rate
+        group["betas"] = (args.adam_beta1, group["betas"][1])
+
+
 if __name__ == "__main__":
     # tyro; --resume: the checkpoint's flags, given flags override
     args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
     # all checks before anything heavy and before the run folder
     validate_args(args)
     if ckpt:
-        # the budget must reach beyond the checkpoint, and beyond the refill of a replay not saved with it
-        learns_from = ckpt["global_step"] + (args.learning_starts if ckpt["replay"] is None else 0)
-        if args.total_timesteps <= learns_from:
-            raise SystemExit(
-                f"error: --resume: the checkpoint is at step {ckpt['global_step']:,}"
-                + (f" and has no replay ({args.learning_starts:,} steps refill it)" if ckpt["replay"] is None else "")
-                + f": give --total-timesteps > {learns_from:,}"
-            )
+        # a checkpoint of this version, a budget beyond where learning resumes, --learning-starts only where it acts
+        check_resume(args, ckpt)
     # (Atari and MinAtar: discrete actions)
     probe = make_env(args.env_id, args.seed, args)
     num_actions = int(probe.action_space.n)
@@ -1334,32 +1418,33 @@ if __name__ == "__main__":
     global_step = 0
     learn_steps = 0
     episodes_done = 0
+    # the env steps received from each actor (they sum to global_step)
+    actor_env_steps = np.zeros(args.num_actors, np.int64)
     ratio_base = RatioBase(env_step=args.learning_starts, learn_step=0)
     if ckpt:
         replay_saved = ckpt["replay"] is not None
         load_state_dicts(
             ckpt, model=net, target_model=target_net, optimizer=optimizer, replay=replay if replay_saved else None
         )
+        # this run's --learning-rate and --adam-beta1 over the ones the optimizer state brought back
+        apply_optimizer_flags(optimizer, args)
         global_step = ckpt["global_step"]
         learn_steps = ckpt["learn_steps"]
         episodes_done = ckpt["episodes"]
+        actor_env_steps[:] = ckpt["actor_steps"]
+        ratio_base = resumed_ratio_base(ckpt, args)
+        # the replay's sampling stream (the global RNGs: at the end of the set-up)
+        rng = ckpt["np_rng"]
         if replay_saved:
             # the actors start new episodes: no bootstrap across the checkpoint
             replay.cut_at_heads()
             restored = f"replay ({len(replay):,} sequences, {replay.index.num_known:,} with a priority)"
         else:
-            # the first learning_starts steps refill the replay; the ratio counts from there
-            ratio_base = RatioBase(env_step=learns_from, learn_step=learn_steps)
-            restored = (
-                f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill "
-                f"it, the acting:learning ratio counts from step {learns_from:,}"
-            )
-        set_rng_state(ckpt["rng"])
-        rng = ckpt["np_rng"]
+            restored = f"no replay (saved without --checkpoint-replay): the first {args.learning_starts:,} steps refill it"
         print(
             f"resumed {args.resume} at step {global_step:,}: model, target network, optimizer ({learn_steps:,} "
-            f"learning steps), RNG, {restored}; flags from this command line: {', '.join(overridden) or 'none'}; "
-            f"runs to step {args.total_timesteps:,}",
+            f"learning steps), RNG, {restored}; the acting:learning ratio counts from step {ratio_base.env_step:,}; "
+            f"flags from this command line: {', '.join(overridden) or 'none'}; runs to step {args.total_timesteps:,}",
             flush=True,
         )
     shared_net = make_network(args, num_actions, obs_shape).share_memory()
@@ -1367,17 +1452,20 @@ if __name__ == "__main__":
     shared_net.load_state_dict(net.state_dict())
     ctx = torch.multiprocessing.get_context(args.start_method)
     procs = ProcessGroup(ctx)
-    # unlocked counters, one writer each (a killed actor leaves no lock held); actor 0 counts from the resumed step
+    # unlocked counters, one writer each (a killed actor leaves no lock held), from the resumed step's values
     handles = ActorHandles(
         shared_net=shared_net,
-        weights_version=ctx.Value("l", 0, lock=False),
-        actor_steps=ctx.Array("l", [global_step] + [0] * (args.num_actors - 1), lock=False),
+        weights_version=ctx.Value("l", learn_steps, lock=False),
+        actor_steps=ctx.Array("l", actor_env_steps.tolist(), lock=False),
         learner_steps=ctx.Value("l", learn_steps, lock=False),
         # slot chunks in shared memory, episode scores
         channel=make_channel(ctx, args, num_actions, obs_shape),
         stop_event=procs.stop_event,
     )
     channel = handles.channel
+    if ckpt:
+        # every global RNG as the checkpoint left it (last: the set-up above draws from torch's)
+        set_rng_state(ckpt["rng"])
     start_time = time.time()
     start_step = global_step
     last_log_step = learn_steps
@@ -1385,6 +1473,9 @@ if __name__ == "__main__":
     # the learning steps' stats summed on the device since the last log line, and their time
     stats_sum = {}
     learn_time = 0.0
+    # the policy lag (learning steps since the weights acted with) summed over the env steps received since then
+    lag_sum = 0
+    lag_count = 0
     recent_returns = deque(maxlen=100)
 
     def make_checkpoint():
@@ -1395,6 +1486,8 @@ if __name__ == "__main__":
             global_step,
             learn_steps=learn_steps,
             episodes=episodes_done,
+            actor_steps=actor_env_steps.tolist(),
+            ratio_base=tuple(ratio_base),
             np_rng=rng,
             **state_dicts(
                 model=net, target_model=target_net, optimizer=optimizer, replay=replay if args.checkpoint_replay else None
@@ -1405,7 +1498,8 @@ if __name__ == "__main__":
     can_learn = False
     try:
         for actor_id in range(args.num_actors):
-            procs.start(actor_loop, (actor_id, args, logger.run_name, handles, ratio_base), name=f"actor-{actor_id}")
+            actor_args = (actor_id, args, logger.run_name, handles, ratio_base, start_step)
+            procs.start(actor_loop, actor_args, name=f"actor-{actor_id}")
         while global_step < args.total_timesteps:
             # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
             for received in range(4 * args.num_actors):
@@ -1414,12 +1508,12 @@ if __name__ == "__main__":
                 except queue.Empty:
                     break
                 if isinstance(message, ChunkMessage):
-                    actor_id, chunk = channel.read(message)
-                    # (copies)
-                    replay.add(actor_id, chunk)
-                    # a pad slot is no env step
-                    global_step += int((~chunk["pad"]).sum())
-                    channel.release(message)
+                    actor_id, versions = store_chunk(channel, message, replay)
+                    # one version per env step (a pad slot is none)
+                    global_step += len(versions)
+                    actor_env_steps[actor_id] += len(versions)
+                    lag_sum += int((learn_steps - versions).sum())
+                    lag_count += len(versions)
                 else:
                     # the actors' only other message: an EpisodeMessage
                     episodes_done += 1
@@ -1451,6 +1545,7 @@ if __name__ == "__main__":
                         "charts/learning_steps": learn_steps,
                         "charts/learner_steps_per_s": learner_sps,
                         "charts/acting_learning_ratio": acting_learning_ratio,
+                        "charts/policy_lag": lag_sum / max(lag_count, 1),
                         "replay/size": len(replay),
                         "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
                         "replay/priority_mean": float(known.mean()) if known.size else 0.0,
@@ -1467,6 +1562,8 @@ if __name__ == "__main__":
                     )
                     stats_sum = {}
                     learn_time = 0.0
+                    lag_sum = 0
+                    lag_count = 0
                     last_log_step = learn_steps
             # CHECKPOINT
             if next_checkpoint is not None and global_step >= next_checkpoint:

@@ -9,6 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import reactor_helpers
 import torch
 from reactor_helpers import ATARI, MINATAR
@@ -244,15 +245,23 @@ def test_evaluate_greedy_plays_argmax_pi(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------------------------
 # the loop's wiring: the actor's stores, weight syncs and gate, the learner's gate and step
-def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypatch):
-    """Wiring: the real `actor_loop` (in a thread) and `SequenceReplay.add` (the learner's one line per chunk) store
-    exactly what a direct rollout written here gives with the same weights and seeds: frames, actions, rewards,
-    mu, the float16 LSTM state before each frame, term / first flags, and a pad slot (true last frame, uniform mu)
-    after each truncation. MinAtar Breakout with an 8-step limit has terminations and truncations; a wrapper adds
-    0.25 x (step in episode) to its rewards so that a dropped or shifted reward shows."""
-    import threading
-    from types import SimpleNamespace
+def documented_actor_seed(seed: int, actor_id: int, start_step: int) -> int:
+    """README: actor i uses seed + 1000 i; a run resumed at step S > 0 draws its actors' seeds from (that seed, S)."""
+    if start_step == 0:
+        return seed + 1000 * actor_id
+    return int(np.random.SeedSequence([seed + 1000 * actor_id, start_step]).generate_state(1)[0]) % 2**31
 
+
+@pytest.mark.parametrize("start_step, own_steps", [(0, 0), (700, 13)])
+def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypatch, start_step, own_steps):
+    """Contract, clauses 1-3: the real `actor_loop` of actor 1 (in a thread) and the learner's `store_chunk` store
+    exactly what a direct rollout written here gives with the published weights and the documented seed (seed + 1000 i;
+    a run resumed at step S: drawn from (seed + 1000 i, S), never the first run's streams): frames, actions, rewards,
+    mu, the float16 LSTM state before each frame, term / first flags, a pad slot (true last frame, uniform mu) after
+    each truncation, and the weights version on every slot. Resumed with its own step count at 13 (no sync point of
+    actor_sync_every = 16), the actor still acts with the published weights from its first step. MinAtar Breakout
+    with an 8-step limit has terminations and truncations; a wrapper adds 0.25 x (step in episode) to its rewards so
+    that a dropped or shifted reward shows."""
     import gymnasium as gym
 
     from common.minatar_env import make_minatar_env
@@ -275,7 +284,7 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
         lambda env_id, seed, args, **k: StepReward(make_minatar_env(env_id, seed, max_episode_steps=limit)),
     )
     args = reactor.Args(
-        env_id="MinAtar/Breakout-v0", num_actors=1, lstm_size=8, num_atoms=11, actor_chunk=16, seed=5, actor_sync_every=1
+        env_id="MinAtar/Breakout-v0", num_actors=2, lstm_size=8, num_atoms=11, actor_chunk=16, seed=5, actor_sync_every=16
     )
     probe = reactor.make_env(args.env_id, 0, args)
     A = int(probe.action_space.n)
@@ -284,52 +293,48 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
     shared = reactor.make_network(args, A, shape)
     channel = reactor.make_channel(torch.multiprocessing.get_context("spawn"), args, A, shape)
     stop = threading.Event()
-    actor_steps = [0]
+    actor_steps = [0, own_steps]
     threads = torch.get_num_threads()
+    # (the learner's count and the weights' version: 7 learning steps so far)
+    handles = reactor.ActorHandles(shared, SimpleNamespace(value=7), actor_steps, SimpleNamespace(value=7), channel, stop)
+    # ratio base far ahead: no acting:learning gate
     actor = threading.Thread(
-        target=reactor.actor_loop,
-        args=(
-            0,
-            args,
-            "test",
-            reactor.ActorHandles(shared, SimpleNamespace(value=0), actor_steps, SimpleNamespace(value=0), channel, stop),
-            reactor.RatioBase(10**12, 0),
-        ),
-    )  # ratio base far ahead: no acting:learning gate
-    replay = reactor.SequenceReplay(4000, 1, 8, A, args.lstm_size, obs_shape=shape)
+        target=reactor.actor_loop, args=(1, args, "test", handles, reactor.RatioBase(10**12, 0), start_step)
+    )
+    replay = reactor.SequenceReplay(8000, 2, 8, A, args.lstm_size, obs_shape=shape)
     actor.start()
     try:
-        while replay.written[0] < steps:
+        while replay.written[1] < steps:
             msg = channel.get(timeout=30)
             if msg[0] == "chunk":
-                replay.add(*channel.read(msg))  # the main loop's lines
-                channel.release(msg)
+                reactor.store_chunk(channel, msg, replay)
     finally:
         stop.set()
         actor.join()
         torch.set_num_threads(threads)
 
-    env = StepReward(make_minatar_env(args.env_id, args.seed, max_episode_steps=limit))  # the direct rollout
+    seed = documented_actor_seed(args.seed, 1, start_step)
+    env = StepReward(make_minatar_env(args.env_id, seed, max_episode_steps=limit))  # the direct rollout
     net = reactor.make_network(args, A, shape)
     net.load_state_dict(shared.state_dict())
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     rows = []
     ends = {"term": 0, "trunc": 0}
-    obs, _ = env.reset(seed=args.seed)
+    obs, _ = env.reset(seed=seed)
     state = net.initial_state(1)
     first = True
-    while len(rows) < replay.written[0]:
+    while len(rows) < replay.written[1]:
         with torch.no_grad():
             o = net(torch.from_numpy(obs)[None, None], torch.zeros(1, 1, dtype=torch.bool), state)
         mu = o.pi[0, 0].numpy().astype(np.float64)
         mu /= mu.sum()
         a = int(rng.choice(A, p=mu))
         nxt, r, term, trunc, _ = env.step(a)
-        rows.append((obs, a, r, term, False, first, mu, torch.cat(state, 0).numpy()))
+        rows.append((obs, a, r, term, False, first, mu, torch.cat(state, 0).numpy(), 7))
         if term or trunc:
             ends["term" if term else "trunc"] += 1
             if not term:
-                rows.append((nxt, 0, 0.0, False, True, False, np.full(A, 1 / A), torch.cat(o.state, 0).numpy()))
+                rows.append((nxt, 0, 0.0, False, True, False, np.full(A, 1 / A), torch.cat(o.state, 0).numpy(), 7))
             obs, _ = env.reset()
             state = net.initial_state(1)
             first = True
@@ -338,15 +343,28 @@ def test_actor_writes_into_replay_what_a_direct_rollout_gives(float32, monkeypat
             state = o.state
             first = False
     assert ends["term"] >= 1 and ends["trunc"] >= 1
-    n = int(replay.written[0])
+    n = int(replay.written[1])
     assert len({row[2] for row in rows[:n]}) >= 8  # rewards that differ from step to step
+    # the actor counts on from its own steps (it may have taken a chunk's steps more before it saw the stop)
+    received = sum(1 for row in rows[:n] if not row[4])
+    assert replay.written[0] == 0 and 0 <= actor_steps[1] - own_steps - received <= args.actor_chunk
+    segment = slice(replay.seg_cap, replay.seg_cap + n)
     for k, name in enumerate(reactor.SequenceReplay.FIELDS):
         want = np.array([row[k] for row in rows[:n]])
-        got = getattr(replay, name)[:n]
+        got = getattr(replay, name)[segment]
         if name in ("mu", "state"):
             np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-3, atol=1e-3, err_msg=name)
         else:
             np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=name)
+
+
+def test_actor_seeds_differ_between_actors_and_from_the_run_resumed():
+    """Contract, clause 2: the seeds actors draw their env and action streams from are distinct per actor, and a
+    resumed run's are new (never the first run's, nor another resume's), by the documented rule."""
+    seeds = {(i, step): reactor.actor_seed(1, i, step) for i in range(4) for step in (0, 500, 501, 10**6)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert seeds == {key: documented_actor_seed(1, *key) for key in seeds}
+    assert all(0 <= seed < 2**31 for seed in seeds.values())
 
 
 class EpisodeStub:
@@ -401,7 +419,7 @@ def run_actor_thread(
     def actor():
         try:
             handles = reactor.ActorHandles(shared, weights_version, actor_steps, learner_steps, channel, stop)
-            reactor.actor_loop(0, args, "test", handles, reactor.RatioBase(*ratio_base))
+            reactor.actor_loop(0, args, "test", handles, reactor.RatioBase(*ratio_base), 0)
         except Exception as e:
             errors.append(e)
             stop.set()
@@ -415,8 +433,7 @@ def run_actor_thread(
             except queue.Empty:
                 continue
             if msg[0] == "chunk":
-                replay.add(*channel.read(msg))  # the main loop's lines
-                channel.release(msg)
+                reactor.store_chunk(channel, msg, replay)
     finally:
         stop.set()
         thread.join()
@@ -427,11 +444,11 @@ def run_actor_thread(
 
 
 def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_chunk_s_last_row(float32, monkeypatch):
-    """Episodes of 5, 6, 3 and 9 steps (actor_chunk = 5) put time-limit truncations on several rows of the chunks, a
-    chunk's last row among them: each pad slot (the true last frame) follows its episode, in the chunk's spare row
-    when needed. Within step 6 the learner publishes new weights (a policy that all but always picks action 2) and
-    bumps the version: the actor acts with the old weights up to its next sync point (step 8, actor_sync_every = 4)
-    and with the new ones from there on (the stored mu shows which)."""
+    """Contract, clauses 1 and 3. Episodes of 5, 6, 3 and 9 steps (actor_chunk = 5) put time-limit truncations on
+    several rows of the chunks, a chunk's last row among them: each pad slot (the true last frame) follows its
+    episode, in the chunk's spare row when needed. Within step 6 the learner publishes new weights (a policy that all
+    but always picks action 2) and bumps the version: the actor acts with the old weights up to its next sync point
+    (step 8, actor_sync_every = 4) and with the new ones from there on (the stored mu and version show which)."""
     args = reactor.Args(
         env_id="MinAtar/Breakout-v0",
         num_actors=1,
@@ -482,6 +499,9 @@ def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_c
     mu = replay.mu[:rows][~is_pad]  # one row per env step
     assert (mu[:8, 2] < 0.9).all()
     np.testing.assert_allclose(mu[8:], np.broadcast_to(new_mu, mu[8:].shape), rtol=1e-5)
+    # each slot carries the version of the weights it was acted with (a pad slot: its episode's last)
+    version = replay.version[:rows][~is_pad]
+    np.testing.assert_array_equal(version, np.repeat([0, 1], [8, len(version) - 8]))
 
 
 def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
@@ -593,6 +613,7 @@ def test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_th
             "first": np.arange(m) % 13 == 0,
             "mu": rng.dirichlet(np.ones(A), m),
             "state": np.zeros((m, 4, args.lstm_size)),
+            "version": np.zeros(m, np.int64),
         },
     )
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)

@@ -348,6 +348,7 @@ def fill_chunk(start, m, A=3, H=4, first_at=(), term_at=()):
         "first": np.isin(t, first_at),
         "mu": np.full((m, A), 1 / A, np.float32),
         "state": np.full((m, 4, H), 0.5, np.float16),
+        "version": t // 7,
     }
 
 

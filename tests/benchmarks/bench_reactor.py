@@ -232,7 +232,9 @@ def run_actors(ctx, env_id, num_actors, seconds):
     handles = reactor.ActorHandles(net, ctx.Value("l", 0), steps, ctx.Value("l", 0), channel, stop)
     # the ratio base far ahead: no acting:learning gate
     ratio_base = reactor.RatioBase(10**12, 0)
-    procs = [ctx.Process(target=reactor.actor_loop, args=(i, args, "bench", handles, ratio_base)) for i in range(num_actors)]
+    procs = [
+        ctx.Process(target=reactor.actor_loop, args=(i, args, "bench", handles, ratio_base, 0)) for i in range(num_actors)
+    ]
     [p.start() for p in procs]
     replay = reactor.SequenceReplay(100_000, num_actors, 32, num_actions, 128, obs_shape=obs_shape)
     while min(steps[:]) == 0:  # start-up (imports, ROM load)
@@ -333,6 +335,7 @@ def learner_step(module, env_id, obs_shape, device, start_fraction, seed=0):
                 "first": rng.random(m) < start_fraction,
                 "mu": np.full((m, 6), 1 / 6),
                 "state": np.zeros((m, 4, args.lstm_size)),
+                "version": np.zeros(m, np.int64),
             },
         )
 
