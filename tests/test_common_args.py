@@ -118,6 +118,26 @@ def test_every_flag_of_each_script_is_in_exactly_one_resume_class(script):
     assert classes["seed"] == classes["env_ids" if script == "clear_impala" else "env_id"] == "fixed"
 
 
+@pytest.mark.parametrize("script", ["clear_impala", "reactor", "plr_ppo", "vracer_refer"])
+def test_readme_names_exactly_the_flags_a_resume_refuses(script):
+    """README's Conventions say what a resume may change: every flag but the common fixed ones (named in its text) and
+    the script's row of the "fixed on resume" table, which must equal the script's FIXED_ON_RESUME, flag for flag."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    from common.args import COMMON_FIXED_ON_RESUME
+
+    module = importlib.import_module(script)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    resume_bullet = readme[readme.index("- **Resume**:") : readme.index("- **Seeding**:")]
+    (row,) = [line for line in resume_bullet.splitlines() if line.strip().startswith(f"| `{script}.py` |")]
+    listed = re.findall(r"`--([a-zA-Z0-9-]+)`", row)
+    assert listed == [name.replace("_", "-") for name in module.FIXED_ON_RESUME]
+    common_sentence = resume_bullet[resume_bullet.index("every flag except") :].splitlines()[0]
+    assert re.findall(r"`--([a-zA-Z0-9-]+)`", common_sentence) == [name.replace("_", "-") for name in COMMON_FIXED_ON_RESUME]
+
+
 @dataclasses.dataclass
 class ScriptArgs(CommonArgs):
     env_id: str = "Pong"
