@@ -410,7 +410,12 @@ def start_child(proc) -> None:
     mask survives fork and exec; a fork server started now passes it on to its children), so a Ctrl-C during the
     child's imports waits until the child ignores it (`ignore_terminal_signals`), where it is dropped. This process
     receives a signal that came meanwhile when its mask is restored. CPython starts its resource tracker the same way
-    (bpo-33613)."""
+    (bpo-33613). The tracker is started first, unmasked: when `proc.start()` starts it, its
+    `resource_tracker.ensure_running` ends by unblocking SIGINT in this thread, and the child would then start with
+    SIGINT deliverable (the run's first child: a Ctrl-C during its imports was a KeyboardInterrupt traceback)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_IGNORED_SIGNALS)
     try:
         proc.start()

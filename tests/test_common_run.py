@@ -213,6 +213,35 @@ def test_stop_terminates_at_once_the_children_still_importing_and_lets_running_o
     assert [proc.exitcode for proc in group.procs] == [0, -signal.SIGTERM]
 
 
+START_FIRST_CHILD = """
+import multiprocessing, signal, sys, time
+from common.processes import start_child
+
+proc = multiprocessing.get_context(sys.argv[1]).Process(target=time.sleep, args=(30,))
+start_child(proc)  # the first child of this process: the resource tracker is not running yet
+with open(f"/proc/{proc.pid}/status") as f:
+    blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+proc.kill()
+print(all(blocked >> (signum - 1) & 1 for signum in (signal.SIGINT, signal.SIGHUP)))
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_the_first_child_starts_with_the_terminal_signals_blocked(start_method):
+    """Contract: start_child's child starts with SIGINT and SIGHUP blocked, also the first child of a process, whose
+    start also starts the resource tracker (and, under forkserver, the fork server): CPython's
+    resource_tracker.ensure_running unblocks SIGINT once the tracker runs, so a child started after it in the same
+    call would see a Ctrl-C during its imports as a KeyboardInterrupt traceback. Read from the kernel (/proc), at once."""
+    out = subprocess.run(
+        [sys.executable, "-c", START_FIRST_CHILD, start_method],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("actors", [0, 1, 2, 64])
 def test_set_learner_threads_gives_the_learner_the_cores_the_actors_leave(actors, monkeypatch, capsys):
     cores = 3  # pretend: the rule must not depend on this machine's core count
