@@ -126,132 +126,6 @@ class Args(CommonArgs):
     """how often the learner writes metrics and the progress line"""
 
 
-# the flags a resumed run may not change (replay and tasks are per actor)
-FIXED_ON_RESUME = (
-    "env_ids",
-    "steps_per_task",
-    "mode",
-    "torso",
-    "num_actors",
-    "envs_per_actor",
-    "unroll_length",
-    "replay_ratio",
-    "buffer_frames",
-    "behavior_cloning",
-    "sticky_action_prob",
-    "max_episode_frames",
-    "minigrid_max_steps",
-    "bootstrap_truncation",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "num_cycles",
-    "num_test_actors",
-    "batch_size",
-    "policy_cloning_cost",
-    "value_cloning_cost",
-    "gamma",
-    "pg_cost",
-    "baseline_cost",
-    "entropy_cost",
-    "clip_rho_threshold",
-    "clip_pg_rho_threshold",
-    "learning_rate",
-    "rmsprop_alpha",
-    "rmsprop_eps",
-    "max_grad_norm",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = (
-    "checkpoint_replay",
-    "test_actor_max_sps",
-    "log_every_seconds",
-)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
-    require(args.steps_per_task >= 1, f"--steps-per-task must be >= 1, got {args.steps_per_task!r}")
-    require(args.num_cycles >= 1, f"--num-cycles must be >= 1, got {args.num_cycles!r}")
-    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
-    require(args.envs_per_actor >= 1, f"--envs-per-actor must be >= 1, got {args.envs_per_actor!r}")
-    require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
-    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
-    require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
-    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
-    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
-    require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
-    require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
-    require(args.pg_cost >= 0, f"--pg-cost must be >= 0, got {args.pg_cost!r}")
-    require(args.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {args.baseline_cost!r}")
-    require(args.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {args.entropy_cost!r}")
-    require(args.clip_rho_threshold > 0, f"--clip-rho-threshold must be > 0, got {args.clip_rho_threshold!r}")
-    require(args.clip_pg_rho_threshold > 0, f"--clip-pg-rho-threshold must be > 0, got {args.clip_pg_rho_threshold!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(0 <= args.rmsprop_alpha <= 1, f"--rmsprop-alpha must be in [0, 1], got {args.rmsprop_alpha!r}")
-    require(args.rmsprop_eps >= 0, f"--rmsprop-eps must be >= 0, got {args.rmsprop_eps!r}")
-    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
-    require(
-        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
-        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
-    )
-    require(args.max_episode_frames >= 1, f"--max-episode-frames must be >= 1, got {args.max_episode_frames!r}")
-    require(
-        args.minigrid_max_steps is None or args.minigrid_max_steps >= 1,
-        f"--minigrid-max-steps must be >= 1, got {args.minigrid_max_steps!r}",
-    )
-    require(args.test_actor_max_sps >= 0, f"--test-actor-max-sps must be >= 0, got {args.test_actor_max_sps!r}")
-    require(args.log_every_seconds >= 0, f"--log-every-seconds must be >= 0, got {args.log_every_seconds!r}")
-    require(len(args.env_ids) > 0, "--env-ids needs at least one task")
-    num_tasks = len(args.env_ids)
-    num_envs = args.num_actors * args.envs_per_actor
-    if args.mode == "separate":
-        require(
-            (args.num_actors // num_tasks) * args.envs_per_actor >= args.batch_size,
-            f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size ({args.batch_size}): "
-            "each network's batch comes from its own task's envs, one pair each",
-        )
-        require(
-            args.num_actors % num_tasks == 0,
-            f"--mode separate needs --num-actors a multiple of the task count ({num_tasks})",
-        )
-    else:
-        require(
-            num_envs >= args.batch_size,
-            f"--num-actors x --envs-per-actor ({num_envs}) must be >= --batch-size ({args.batch_size}): "
-            "each env contributes at most one pair to a batch (CLEAR App. A.1)",
-        )
-    if args.mode == "simultaneous":
-        require(
-            num_envs % num_tasks == 0,
-            f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({num_tasks}): "
-            f"env i plays task i mod {num_tasks}, so any other count unbalances the tasks",
-        )
-    require(
-        not (args.buffer_frames == 0 and args.replay_ratio > 0),
-        "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0",
-    )
-    require(
-        not 0 < args.buffer_frames < args.num_actors * args.unroll_length,
-        f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
-        f"({args.num_actors} actors x {args.unroll_length} steps)",
-    )
-
-
-def total_steps(args: Args) -> int:
-    return args.steps_per_task * len(args.env_ids) * args.num_cycles
-
-
-def buffer_capacity_per_actor(args: Args) -> int:
-    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
-    if args.replay_ratio == 0 and args.buffer_frames <= 0:
-        # plain IMPALA: no buffer at all
-        return 0
-    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
-    return max(1, frames // (args.num_actors * args.unroll_length))
-
-
 # ENVIRONMENTS
 def env_kind(env_id: str) -> str:
     from common.atari_env import ATARI_ENV_IDS
@@ -307,41 +181,6 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
     env = gym.wrappers.RecordEpisodeStatistics(env)
     env.action_space.seed(seed)
     return env
-
-
-def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
-    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit.
-    Also resolves the per-family default of --bootstrap-truncation (see the flag)."""
-    shapes = set()
-    actions = set()
-    kinds = set()
-    for env_id in args.env_ids:
-        try:
-            if args.capture_video:
-                check_video_support()
-            kinds.add(env_kind(env_id))
-            env = make_env(env_id, args.seed, args)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-        shapes.add(tuple(env.observation_space.shape))
-        actions.add(int(env.action_space.n))
-        env.close()
-    if len(kinds) > 1:
-        raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
-    if len(shapes) > 1 or len(actions) > 1:
-        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions} (one network)")
-    obs_shape = shapes.pop()
-    num_actions = actions.pop()
-    kind = kinds.pop()
-    torso = resolve_torso(args, obs_shape)
-    if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
-        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
-    if args.capture_video and kind == "minatar":
-        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
-    if args.bootstrap_truncation is None:
-        # MiniGrid's step limit is part of the task: reaching it ends the episode
-        args.bootstrap_truncation = kind != "minigrid"
-    return obs_shape, num_actions, kind
 
 
 # NETWORK
@@ -608,6 +447,15 @@ class ReservoirBuffer:
         return self.size
 
 
+def buffer_capacity_per_actor(args: Args) -> int:
+    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
+    if args.replay_ratio == 0 and args.buffer_frames <= 0:
+        # plain IMPALA: no buffer at all
+        return 0
+    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
+    return max(1, frames // (args.num_actors * args.unroll_length))
+
+
 def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
     """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1). Exactly
     floor or ceil of ratio * B replay unrolls (stochastic rounding: the expected fraction is the ratio), at random
@@ -786,6 +634,11 @@ def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tens
     model.version += 1
     shared_model.load_state_dict(model.state_dict())
     return parts, grad_norm, logits_all, values_all, device_batch
+
+
+def total_steps(args: Args) -> int:
+    """The run's steps of new experience: every task visited --num-cycles times (CLEAR App. A.6)."""
+    return args.steps_per_task * len(args.env_ids) * args.num_cycles
 
 
 def task_for_actor(slot: int, step: int, args: Args) -> int:
@@ -1017,6 +870,155 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
         if terminated or truncated:
             obs, _ = env.reset()
     env.close()
+
+
+# RUN PLUMBING: the resume classes, validation, start-up probes and checks, default resolution
+# the flags a resumed run may not change (replay and tasks are per actor)
+FIXED_ON_RESUME = (
+    "env_ids",
+    "steps_per_task",
+    "mode",
+    "torso",
+    "num_actors",
+    "envs_per_actor",
+    "unroll_length",
+    "replay_ratio",
+    "buffer_frames",
+    "behavior_cloning",
+    "sticky_action_prob",
+    "max_episode_frames",
+    "minigrid_max_steps",
+    "bootstrap_truncation",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "num_cycles",
+    "num_test_actors",
+    "batch_size",
+    "policy_cloning_cost",
+    "value_cloning_cost",
+    "gamma",
+    "pg_cost",
+    "baseline_cost",
+    "entropy_cost",
+    "clip_rho_threshold",
+    "clip_pg_rho_threshold",
+    "learning_rate",
+    "rmsprop_alpha",
+    "rmsprop_eps",
+    "max_grad_norm",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "checkpoint_replay",
+    "test_actor_max_sps",
+    "log_every_seconds",
+)
+
+
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.steps_per_task >= 1, f"--steps-per-task must be >= 1, got {args.steps_per_task!r}")
+    require(args.num_cycles >= 1, f"--num-cycles must be >= 1, got {args.num_cycles!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.envs_per_actor >= 1, f"--envs-per-actor must be >= 1, got {args.envs_per_actor!r}")
+    require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
+    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
+    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
+    require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
+    require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
+    require(args.pg_cost >= 0, f"--pg-cost must be >= 0, got {args.pg_cost!r}")
+    require(args.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {args.baseline_cost!r}")
+    require(args.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {args.entropy_cost!r}")
+    require(args.clip_rho_threshold > 0, f"--clip-rho-threshold must be > 0, got {args.clip_rho_threshold!r}")
+    require(args.clip_pg_rho_threshold > 0, f"--clip-pg-rho-threshold must be > 0, got {args.clip_pg_rho_threshold!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(0 <= args.rmsprop_alpha <= 1, f"--rmsprop-alpha must be in [0, 1], got {args.rmsprop_alpha!r}")
+    require(args.rmsprop_eps >= 0, f"--rmsprop-eps must be >= 0, got {args.rmsprop_eps!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(
+        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
+        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
+    )
+    require(args.max_episode_frames >= 1, f"--max-episode-frames must be >= 1, got {args.max_episode_frames!r}")
+    require(
+        args.minigrid_max_steps is None or args.minigrid_max_steps >= 1,
+        f"--minigrid-max-steps must be >= 1, got {args.minigrid_max_steps!r}",
+    )
+    require(args.test_actor_max_sps >= 0, f"--test-actor-max-sps must be >= 0, got {args.test_actor_max_sps!r}")
+    require(args.log_every_seconds >= 0, f"--log-every-seconds must be >= 0, got {args.log_every_seconds!r}")
+    require(len(args.env_ids) > 0, "--env-ids needs at least one task")
+    num_tasks = len(args.env_ids)
+    num_envs = args.num_actors * args.envs_per_actor
+    if args.mode == "separate":
+        require(
+            (args.num_actors // num_tasks) * args.envs_per_actor >= args.batch_size,
+            f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size ({args.batch_size}): "
+            "each network's batch comes from its own task's envs, one pair each",
+        )
+        require(
+            args.num_actors % num_tasks == 0,
+            f"--mode separate needs --num-actors a multiple of the task count ({num_tasks})",
+        )
+    else:
+        require(
+            num_envs >= args.batch_size,
+            f"--num-actors x --envs-per-actor ({num_envs}) must be >= --batch-size ({args.batch_size}): "
+            "each env contributes at most one pair to a batch (CLEAR App. A.1)",
+        )
+    if args.mode == "simultaneous":
+        require(
+            num_envs % num_tasks == 0,
+            f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({num_tasks}): "
+            f"env i plays task i mod {num_tasks}, so any other count unbalances the tasks",
+        )
+    require(
+        not (args.buffer_frames == 0 and args.replay_ratio > 0),
+        "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0",
+    )
+    require(
+        not 0 < args.buffer_frames < args.num_actors * args.unroll_length,
+        f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
+        f"({args.num_actors} actors x {args.unroll_length} steps)",
+    )
+
+
+def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
+    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit.
+    Also resolves the per-family default of --bootstrap-truncation (see the flag)."""
+    shapes = set()
+    actions = set()
+    kinds = set()
+    for env_id in args.env_ids:
+        try:
+            if args.capture_video:
+                check_video_support()
+            kinds.add(env_kind(env_id))
+            env = make_env(env_id, args.seed, args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        shapes.add(tuple(env.observation_space.shape))
+        actions.add(int(env.action_space.n))
+        env.close()
+    if len(kinds) > 1:
+        raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
+    if len(shapes) > 1 or len(actions) > 1:
+        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions} (one network)")
+    obs_shape = shapes.pop()
+    num_actions = actions.pop()
+    kind = kinds.pop()
+    torso = resolve_torso(args, obs_shape)
+    if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
+        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
+    if args.capture_video and kind == "minatar":
+        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
+    if args.bootstrap_truncation is None:
+        # MiniGrid's step limit is part of the task: reaching it ends the episode
+        args.bootstrap_truncation = kind != "minigrid"
+    return obs_shape, num_actions, kind
 
 
 def resolve_torso(args: Args, obs_shape) -> str:
