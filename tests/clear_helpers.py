@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 import clear_impala as ci
@@ -51,9 +52,9 @@ def unroll_with_id(i, T=3, obs_shape=(2, 2), A=2):
     return {k: np.full(shape, i % 100, dtype=dtype) for k, (shape, dtype) in ci.unroll_specs(obs_shape, A, T).items()}
 
 
-def chi2_upper(df, z=3.29):
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.9995)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+def chi2_upper(df, p=0.9995):
+    """The chi-square quantile a goodness-of-fit statistic with `df` degrees of freedom exceeds with probability 1 - p."""
+    return float(scipy.stats.chi2.ppf(p, df))
 
 
 def act_like_an_actor(model, T, B, obs_shape, seed=0):
