@@ -270,13 +270,16 @@ def fixed_policy(probabilities):
 
 def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     """Clause T1 on the real test actor loop (--mode separate, the test actor of task 1; a stand-in task with a fixed
-    observation): it builds task 1's env; its first 2,000 actions follow pi of network 1 (a chi-square test against
-    that pi, not the other network's uniform one); network 1 is then replaced by one that always plays action 5,
-    and every action from T steps later on is 5 (reloaded within T steps); each reported episode return is the
-    task's own (its actions' sum here), reported as task 1."""
+    observation): it builds task 1's env; its actions follow pi of network 1 (a chi-square test against that pi, not
+    the other network's uniform one; this pi never plays action 5); after its 2,001st action network 1 is replaced by
+    one that always plays 5: the actions up to its next reload (step 2,004, the next multiple of T = 4) still follow
+    the old weights (no 5) and every action from that reload on is 5. 2,001 is a multiple of no reload period, so a
+    reload every 2 T or 10 T steps, or at every step, fails. Each reported episode return is the task's own (its
+    actions' sum here), reported as task 1."""
     T = 4
-    switch_at = 2000
-    total = switch_at + T + 500
+    switch_at = 2001
+    next_reload = (switch_at // T + 1) * T
+    total = next_reload + 500
     args = ci.Args(
         env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"],
         mode="separate",
@@ -284,7 +287,7 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
         batch_size=1,
         unroll_length=T,
     )
-    first = np.array([0.3, 0.05, 0.2, 0.1, 0.15, 0.05, 0.15])
+    first = np.array([0.3, 0.1, 0.2, 0.1, 0.15, 1e-12, 0.15])
     always_five = np.full(7, 1e-12)
     always_five[5] = 1.0
     shared = [fixed_policy(np.full(7, 1 / 7)), fixed_policy(first)]
@@ -307,14 +310,17 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     ci.test_actor_loop(0, 1, args, (7, 7, 3), 7, shared, 0, stop, eval_queue)
     (task,) = built
     assert task.env_id == "MiniGrid-LavaGapS5-v0" and len(task.actions) == total
-    counts = np.bincount(task.actions[:switch_at], minlength=7)
-    expected = switch_at * first
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < chi2_upper(6), (counts, chi2)
-    greedy = np.zeros(7)
-    greedy[0] = switch_at
-    assert float(((greedy - expected) ** 2 / expected).sum()) > chi2_upper(6)
-    assert set(task.actions[switch_at + T :]) == {5}
+    # the old weights: pi of network 1 over the actions it plays (df 5), and never action 5
+    played = [0, 1, 2, 3, 4, 6]
+    counts = np.bincount(task.actions[:next_reload], minlength=7)
+    assert counts[5] == 0, counts
+    expected = next_reload * first[played] / first[played].sum()
+    chi2 = float(((counts[played] - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_upper(len(played) - 1), (counts, chi2)
+    uniform = np.full(len(played), next_reload / len(played))
+    assert float(((uniform - expected) ** 2 / expected).sum()) > chi2_upper(len(played) - 1)
+    # the new weights from the next reload on
+    assert set(task.actions[next_reload:]) == {5}
     assert [report[0] for report in eval_queue.reports] == [1] * len(task.episode_returns)
     assert [report[1] for report in eval_queue.reports] == task.episode_returns
 
