@@ -8,7 +8,8 @@ gamma the discount.
 Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
   act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair and its `SlotInfo` until the
-  learner has copied it (`take_batch`); one update and the publication of its weights `learner_step`.
+  learner has copied it (`take_batch`); one update `learner_step`, whose weights reach the actors whole under a
+  seqlock (`publish_weights`, `read_weights`).
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
@@ -266,8 +267,8 @@ class Agent(nn.Module):
         self.torso, hidden = make_torso(torso, obs_shape)
         self.policy = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.baseline = layer_init(nn.Linear(hidden, 1), std=1.0)
-        # the learner updates these weights have had: it travels with them to the actors' copy, so an actor records
-        # the version it really acted with (SlotInfo.policy_version)
+        # the learner updates these weights have had: it travels with them (publish_weights, read_weights), so an
+        # actor records the version of the weights it acted with (SlotInfo.policy_version)
         self.register_buffer("version", torch.zeros((), dtype=torch.int64))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -616,11 +617,49 @@ def annealed_learning_rate(step: int, end_step: int, args: Args) -> float:
     return args.learning_rate * (1.0 - min(step, end_step) / end_step)
 
 
-def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device):
+class SharedWeights(NamedTuple):
+    """A network as the actors read it: a CPU copy in shared memory and its seqlock. `sequence` counts the learner's
+    writes into the copy, twice each: odd while a write is under way, even when the copy is whole."""
+
+    model: "Agent"
+    sequence: torch.Tensor  # int64, shared
+
+    @classmethod
+    def share(cls, model: "Agent") -> "SharedWeights":
+        """`model` (on the CPU) and a new sequence, moved to shared memory."""
+        return cls(model.share_memory(), torch.zeros((), dtype=torch.int64).share_memory_())
+
+
+def publish_weights(model, shared: SharedWeights) -> None:
+    """The learner's write of `model` (its version included) into the actors' copy, as a seqlock's writer: the
+    sequence turns odd before the first tensor is written and even after the last, so a reader can tell a copy it took
+    during a write. (Each process's stores, and its loads, stay in program order on x86-64.)"""
+    shared.sequence.add_(1)
+    shared.model.load_state_dict(model.state_dict())
+    shared.sequence.add_(1)
+
+
+def read_weights(model, shared: SharedWeights) -> int:
+    """An actor's copy of the shared weights into `model`, as a seqlock's reader; returns their version. A copy is
+    kept only if the sequence was even before it and unchanged after it (no write began or ran during it); else it
+    is taken again. So the weights and the version are one published state, never parts of two."""
+    while True:
+        sequence_before = int(shared.sequence)
+        if sequence_before % 2 == 0:
+            model.load_state_dict(shared.model.state_dict())
+            if int(shared.sequence) == sequence_before:
+                return int(model.version)
+        # the learner is writing: its copy takes a few milliseconds at most
+        time.sleep(0.0001)
+
+
+def learner_step(
+    model, optimizer, shared: SharedWeights, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device
+):
     """One update (IMPALA's learner, torchbeast's learn()): the gradient of this batch's CLEAR loss alone, clipped to a
     global norm of --max-grad-norm, one RMSProp step with `learning_rate` and the flags' alpha and eps; then the new
-    weights and their version go to the actors' shared copy. Returns (parts, the gradient norm before clipping,
-    logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    weights and their version go to the actors' shared copy (publish_weights). Returns (parts, the gradient norm
+    before clipping, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
     # the optimizer's settings come from the flags at every step (a resumed run applies new ones)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
@@ -632,7 +671,7 @@ def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tens
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
     model.version += 1
-    shared_model.load_state_dict(model.state_dict())
+    publish_weights(model, shared)
     return parts, grad_norm, logits_all, values_all, device_batch
 
 
@@ -698,7 +737,7 @@ def actor_seed(base_seed: int, args: Args, resume_step: int) -> int:
 class ActorHandles(NamedTuple):
     """What the learner shares with every training actor process, in one picklable bundle."""
 
-    shared_models: list  # the networks' CPU copies in shared memory (one per task with --mode separate)
+    shared_weights: list[SharedWeights]  # the networks the actors read (one per task with --mode separate)
     slots: dict  # field -> shared tensor [num_envs, 2 (new, replay), T+1, ...] (unroll_specs)
     slot_info: SlotInfo  # what each slot's pair is, shared
     full_queues: list  # one per network: ids of the slots whose pair is ready
@@ -771,10 +810,9 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
                 envs[e] = make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
                 # reset seeds distinct per env (a prime stride apart) and per task switch (the episodes played so far)
                 new_half["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episodes)[0]
-        # the latest weights of our network (with --mode separate all envs of a process play one task, hence one
-        # network); their version came with them
-        model.load_state_dict(handles.shared_models[net_for_task(tasks[0], args)].state_dict())
-        version = int(model.version)
+        # the latest weights of our network and their version, one published state (with --mode separate all envs of
+        # a process play one task, hence one network)
+        version = read_weights(model, handles.shared_weights[net_for_task(tasks[0], args)])
         episodes += play_unroll(model, envs, tasks, new_half, args, handles.stats_queue)
 
         # PUBLISH the pairs: CLEAR App. A.1, insert the new unrolls (reservoir), then sample the replay halves
@@ -843,7 +881,7 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
     return episodes_ended
 
 
-def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, resume_step, stop, eval_queue):
+def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_weights, resume_step, stop, eval_queue):
     """A test actor (CLEAR App. A.5): plays its own task forever, sampling from pi of its task's latest weights; no
     buffer, never feeds the learner; reports each finished episode's return (Atari: the game's score)."""
     seed = actor_seed(args.seed + 1000 * (args.num_actors + test_id) + 17, args, resume_step)
@@ -859,7 +897,7 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
             continue
         if steps % args.unroll_length == 0:
             # refresh the weights as often as a training actor does
-            model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
+            read_weights(model, shared_weights[net_for_task(task, args)])
         with torch.no_grad():
             logits, _ = model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))
             action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
@@ -1086,7 +1124,6 @@ if __name__ == "__main__":
     # SETUP: networks (one per task if separate), shared CPU copies, optimizers (the lr of each batch:
     # annealed_learning_rate, set by learner_step)
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
-    shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
     # momentum 0 (IMPALA Table G.1)
     optimizers = [
         torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
@@ -1119,10 +1156,10 @@ if __name__ == "__main__":
             f"{', '.join(overridden) or 'none'}; runs to step {end_step:,}",
             flush=True,
         )
-    # the actors' copies: CPU, shared memory
-    for model, shared_model in zip(models, shared_models):
-        shared_model.load_state_dict(model.state_dict())
-        shared_model.share_memory()
+    # the actors' copies: CPU, shared memory, the learner's weights from now on
+    shared_weights = [SharedWeights.share(Agent(obs_shape, num_actions, torso)) for _ in range(num_nets)]
+    for model, shared in zip(models, shared_weights):
+        publish_weights(model, shared)
 
     # SETUP: shared-memory slots, one (new, replay) pair per env; only slot ids travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -1139,7 +1176,7 @@ if __name__ == "__main__":
     slot_free = [ctx.Semaphore(1) for _ in range(num_envs)]
     processes = ProcessGroup(ctx)
     handles = ActorHandles(
-        shared_models=shared_models,
+        shared_weights=shared_weights,
         slots=slots,
         slot_info=slot_info,
         full_queues=[ctx.SimpleQueue() for _ in range(num_nets)],
@@ -1174,7 +1211,7 @@ if __name__ == "__main__":
                     args,
                     obs_shape,
                     num_actions,
-                    shared_models,
+                    shared_weights,
                     handles.resume_step,
                     processes.stop_event,
                     eval_queue,
@@ -1218,7 +1255,7 @@ if __name__ == "__main__":
 
             # LEARN
             parts, grad_norm, logits_all, values_all, device_batch = learner_step(
-                models[net], optimizers[net], shared_models[net], batch, halves, learning_rate, args, device
+                models[net], optimizers[net], shared_weights[net], batch, halves, learning_rate, args, device
             )
             # updates between the weights that acted and the weights that learn from it
             policy_lag = learner_steps[net] - batch_info.policy_version.float().mean()

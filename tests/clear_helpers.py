@@ -189,7 +189,7 @@ def run_actor_loops(
     args,
     obs_shape,
     num_actions,
-    shared_models,
+    shared_weights,
     unrolls,
     tmp_path,
     start_step=0,
@@ -214,11 +214,11 @@ def run_actor_loops(
         for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()
     }
     slot_info = ci.SlotInfo.zeros(N)
-    full_queues = [queue.SimpleQueue() for _ in shared_models]
+    full_queues = [queue.SimpleQueue() for _ in shared_weights]
     slot_free = [threading.Semaphore(1) for _ in range(N)]
     stop = threading.Event()
     handles = ci.ActorHandles(
-        shared_models=shared_models,
+        shared_weights=shared_weights,
         slots=slots,
         slot_info=slot_info,
         full_queues=full_queues,

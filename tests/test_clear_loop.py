@@ -9,6 +9,9 @@ W. The weights the actors act with
   W2. [runs] With one pair per env in each batch (envs = B per network), every batch lags the learner by at most
       one update: a slot is freed by the batch that took its pair, and the network's next batch needs every env's
       next pair. So the versions rise within every task, per network in separate mode.
+  W3. An actor's copy of a network is one published state, whole, and the version it records is that state's: the
+      learner publishes under a seqlock (publish_weights) and an actor retries a copy the learner wrote into during
+      it (read_weights); training and test actors read through it.
 L. One learner step (learner_step)
   L1. The gradient of this batch's loss alone, clipped to a global norm of --max-grad-norm, one RMSProp step in
       torchbeast's form with the lr of annealed_learning_rate (lr_0 (1 - frames before the batch / the run's
@@ -95,12 +98,12 @@ def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, 
     obs_shape, num_actions, _ = ci.probe_envs(args)
     unrolls = 6
     networks = [versioned_networks(obs_shape, num_actions, "minigrid", unrolls * E + 1, seed=10 * net) for net in range(2)]
-    shared = [copy.deepcopy(networks[net][0]) for net in range(num_nets)]
+    shared = [ci.SharedWeights.share(copy.deepcopy(networks[net][0])) for net in range(num_nets)]
     published = [0] * num_nets
 
     def publish(net, slot, handles):
         published[net] += 1
-        shared[net].load_state_dict(networks[net][published[net]].state_dict())
+        ci.publish_weights(networks[net][published[net]], shared[net])
 
     pairs, _, _ = run_actor_loops(
         args, obs_shape, num_actions, shared, unrolls, tmp_path, on_pair=publish, count_frames=mode == "sequential"
@@ -120,6 +123,82 @@ def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, 
             torch.testing.assert_close(pair["baseline"][0, 1:], values)
     expected_tasks = {"sequential": {(0, 0), (0, 1)}, "simultaneous": {(0, 0), (0, 1)}, "separate": {(0, 0), (1, 1)}}
     assert tasks_played == expected_tasks[mode]
+
+
+def fill_state(network, value):
+    """Every entry of `network`'s state (weights, biases, version) set to `value`: the state published as version
+    `value`, recognisable in any copy."""
+    with torch.no_grad():
+        for tensor in network.state_dict().values():
+            tensor.fill_(value)
+
+
+def assert_whole_state(network, version):
+    """`network`'s state is exactly the published state of `version` (fill_state), entry by entry."""
+    for name, tensor in network.state_dict().items():
+        assert (tensor == version).all(), (name, version, tensor.flatten()[:3])
+
+
+def test_an_actor_retries_a_copy_the_learner_published_into(monkeypatch):
+    """Clause W3, with the interleaving forced: the learner stand-in publishes versions 1 and 2 (publish_weights)
+    while the actor's read_weights is half-way through copying (a pre-hook on the reader's value head: the version
+    and the torso are copied, the head not yet). The copy read_weights returns is whole and its version is the one
+    published last; a reader that kept the first attempt would hold version 0's torso with version 2's head."""
+    learner = ci.Agent((7, 7, 3), 7, "minigrid")
+    fill_state(learner, 0)
+    shared = ci.SharedWeights.share(copy.deepcopy(learner))
+    reader = ci.Agent((7, 7, 3), 7, "minigrid")
+    published = []
+
+    def publish_during_the_copy(*_):
+        if len(published) < 2:
+            published.append(len(published) + 1)
+            fill_state(learner, published[-1])
+            ci.publish_weights(learner, shared)
+
+    reader.baseline.register_load_state_dict_pre_hook(publish_during_the_copy)
+    version = ci.read_weights(reader, shared)
+    assert published == [1, 2] and version == 2
+    assert_whole_state(reader, version)
+
+
+def test_every_copy_read_while_the_learner_publishes_in_a_tight_loop_is_one_published_version():
+    """Clause W3, concurrently: a learner stand-in thread publishes versions 1..300 as fast as it can (publish_weights;
+    torch copies release the GIL, so the two threads interleave within copies) while the actor stand-in reads
+    (read_weights) until the last one is out; every copy it accepts equals exactly the published state of the
+    version it records, and the versions it records never go back."""
+    learner = ci.Agent((7, 7, 3), 7, "minigrid")
+    fill_state(learner, 0)
+    shared = ci.SharedWeights.share(copy.deepcopy(learner))
+    reader = ci.Agent((7, 7, 3), 7, "minigrid")
+    last = 300
+    errors = []
+    stop = threading.Event()
+
+    def learn():
+        try:
+            for version in range(1, last + 1):
+                if stop.is_set():
+                    return
+                fill_state(learner, version)
+                ci.publish_weights(learner, shared)
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=learn, daemon=True)
+    thread.start()
+    versions = [0]
+    try:
+        while versions[-1] < last and not errors:
+            version = ci.read_weights(reader, shared)
+            assert_whole_state(reader, version)
+            assert version >= versions[-1]
+            versions.append(version)
+    finally:
+        # a failed assertion stops the learner before the test ends
+        stop.set()
+        thread.join(timeout=30)
+    assert not errors and not thread.is_alive()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,7 +246,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
     actor = ci.Agent(obs_shape, 7, "minigrid")
     model = ci.Agent(obs_shape, 7, "minigrid")
     oracle = copy.deepcopy(model)
-    shared = ci.Agent(obs_shape, 7, "minigrid")
+    shared = ci.SharedWeights.share(ci.Agent(obs_shape, 7, "minigrid"))
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1.0, alpha=0.5, eps=1.0)
     halves = torch.tensor([1, 0, 1])
     cpu = torch.device("cpu")
@@ -195,7 +274,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
         assert max(float((unclipped[n] - params[n]).abs().max()) for n in params) > 1e-4
         assert int(model.version) == k + 1
         for key, value in model.state_dict().items():
-            assert torch.equal(shared.state_dict()[key], value), key
+            assert torch.equal(shared.model.state_dict()[key], value), key
         with torch.no_grad():
             for name, p in oracle.named_parameters():
                 p.copy_(params[name])
@@ -290,14 +369,14 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     first = np.array([0.3, 0.1, 0.2, 0.1, 0.15, 1e-12, 0.15])
     always_five = np.full(7, 1e-12)
     always_five[5] = 1.0
-    shared = [fixed_policy(np.full(7, 1 / 7)), fixed_policy(first)]
+    shared = [ci.SharedWeights.share(fixed_policy(np.full(7, 1 / 7))), ci.SharedWeights.share(fixed_policy(first))]
     next_network = fixed_policy(always_five)
     stop = threading.Event()
     built = []
 
     def on_step(n):
         if n == switch_at:
-            shared[1].load_state_dict(next_network.state_dict())
+            ci.publish_weights(next_network, shared[1])
         if n == total:
             stop.set()
 
@@ -331,7 +410,7 @@ def test_a_test_actor_reports_an_atari_games_score_not_a_lifes(monkeypatch):
     recorders = recording_make_env(monkeypatch)
     args = ci.Args(env_ids=["ALE/SpaceInvaders-v5"], num_actors=1, batch_size=1)
     torch.manual_seed(0)
-    shared = [ci.Agent((4, 84, 84), 18, "nature")]
+    shared = [ci.SharedWeights.share(ci.Agent((4, 84, 84), 18, "nature"))]
     stop = threading.Event()
     eval_queue = StopAfter(2, stop)
     ci.test_actor_loop(0, 0, args, (4, 84, 84), 18, shared, 0, stop, eval_queue)
@@ -376,7 +455,7 @@ def test_an_actor_saves_its_buffer_at_each_checkpoint_the_last_one_after_the_sto
     out (all 4 unrolls of a 2-unroll run)."""
     args = ci.Args(**REPLAY_ARGS)
     obs_shape, num_actions, _ = ci.probe_envs(args)
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     path = "replay_actor0.npz"
     received = []
 
@@ -412,7 +491,7 @@ def test_a_resumed_actor_restores_its_buffer_and_continues_its_stream(tmp_path):
     (tmp_path / "first_run").mkdir()
     saved.save(str(tmp_path / "first_run" / "replay_actor0.npz"))
     args.resume = str(tmp_path / "first_run" / "checkpoint.pt")
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     pairs, _, _ = run_actor_loops(args, obs_shape, num_actions, shared, 4, tmp_path, start_step=480, resume_step=480)
     twin = ci.ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(0))
     twin.load(str(tmp_path / "first_run" / "replay_actor0.npz"))
@@ -434,7 +513,7 @@ def test_actor_streams_depend_on_the_resume_not_on_the_step_an_actor_starts_at(t
     )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     resumed = ci.Args(**{**vars(args), "resume": str(tmp_path / "checkpoint.pt")})
     first_unrolls = []
     starts = ((args, 0, 0), (args, 480, 0), (resumed, 480, 480), (resumed, 720, 480), (resumed, 960, 960))

@@ -116,7 +116,9 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         # mostly "forward" (p 0.55): the agent walks into the lava (terminated) unless the gap is in its row (then the
         # 6-step limit truncates), so both ends occur whatever the threads' shared torch stream draws
         shared.policy.bias[2] += 2.0
-    pairs, slots, _ = run_actor_loops(args, obs_shape, num_actions, [shared], unrolls=4, tmp_path=tmp_path)
+    pairs, slots, _ = run_actor_loops(
+        args, obs_shape, num_actions, [ci.SharedWeights.share(shared)], unrolls=4, tmp_path=tmp_path
+    )
     T = args.unroll_length
     ends = {"terminated": 0, "truncated": 0}
     earlier = {p: [] for p in range(args.num_actors)}  # new halves of each process: its reservoir's content
@@ -268,7 +270,7 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     networks = [ci.Agent(obs_shape, num_actions, "minigrid") for _ in range(K)]
-    shared = networks if mode == "separate" else networks[:1]
+    shared = [ci.SharedWeights.share(network) for network in (networks if mode == "separate" else networks[:1])]
     pairs, _, _ = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=2, tmp_path=tmp_path)
     tasks_seen = set()
     for i, published in pairs.items():
