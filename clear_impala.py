@@ -433,9 +433,25 @@ class ReservoirBuffer:
         )
         os.replace(tmp, path)
 
+    @staticmethod
+    def saved_counts(path: str) -> tuple[int, int]:
+        """(unrolls held, unrolls offered) of the buffer saved at `path`, without reading its unrolls."""
+        with np.load(path) as saved:
+            return len(saved["keys"]), int(saved["num_seen"])
+
     def load(self, path: str) -> int:
-        """Restore a saved buffer and its RNG (if smaller now: the rows with the largest keys, still uniform); returns
-        its size."""
+        """Restore a saved buffer and its RNG; returns its size. Smaller now: the rows with the largest keys, still a
+        uniform sample. Larger now: only if it never dropped an unroll (it then continues exactly as a buffer of this
+        capacity would). A reservoir that has dropped unrolls cannot grow and stay uniform: the larger sample of all
+        unrolls offered would hold some of those it dropped. Keeping every new unroll while it refills favours them;
+        keeping only keys above its smallest disfavours them until it is full (each new unroll is kept with
+        probability k / (n + 1) against k / n for each of the n it had seen)."""
+        held, offered = self.saved_counts(path)
+        if self.capacity > held < offered:
+            raise ValueError(
+                f"{path} holds {held} of the {offered} unrolls it was offered: it cannot grow to {self.capacity} and stay "
+                "a uniform sample"
+            )
         with np.load(path) as saved:
             keep = np.argsort(-saved["keys"])[: self.capacity]
             self.size = len(keep)
@@ -910,6 +926,31 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_we
     env.close()
 
 
+# EVALUATION: the test episodes at the end of a run
+def summarize_test_episodes(eval_records: list, eval_queue, step: int, args: Args, run_dir) -> dict:
+    """The end of a run's test record: the test episodes still queued (they ended after the loop's last drain) join
+    `eval_records` at the step reached, the whole history is written to eval_records.json
+    (tests/benchmarks/clear_forgetting_table.py plots it), and the summary's test entries are computed from it:
+    per task the cumulative return over the steps reached (an interrupted run: its measured part), the mean of the
+    last 20 test returns and the number of test episodes."""
+    eval_records += [(step, task, episode_return) for task, episode_return, _ in drain(eval_queue)]
+    with open(os.path.join(run_dir, "eval_records.json"), "w") as f:
+        json.dump(eval_records, f)
+    cumulative = cumulative_returns(eval_records, len(args.env_ids), step)
+    returns = {
+        env_id: [episode_return for _, record_task, episode_return in eval_records if record_task == task]
+        for task, env_id in enumerate(args.env_ids)
+    }
+    return {
+        "final_cumulative_return": {env_id: cumulative[task] for task, env_id in enumerate(args.env_ids)},
+        "final_return_last20": {
+            env_id: float(np.mean(task_returns[-20:])) if task_returns else float("nan")
+            for env_id, task_returns in returns.items()
+        },
+        "num_eval_episodes": {env_id: len(task_returns) for env_id, task_returns in returns.items()},
+    }
+
+
 # RUN PLUMBING: the resume classes, validation, start-up probes and checks, default resolution
 # the flags a resumed run may not change (replay and tasks are per actor)
 FIXED_ON_RESUME = (
@@ -1067,6 +1108,57 @@ def resolve_torso(args: Args, obs_shape) -> str:
     return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
 
 
+# what --resume restores from a checkpoint of this script (save_run_checkpoint's entries and the loop's)
+CHECKPOINT_ENTRIES = ("global_step", "rng", "models", "optimizers", "learner_steps", "eval_records", "pair_rng")
+
+
+def check_checkpoint_fits(checkpoint: dict, network: Agent, num_nets: int, path: str) -> None:
+    """Refuse, in one `error: --resume: ...` line, a checkpoint this script cannot restore exactly: an entry missing,
+    another number of networks, or a network state whose names or shapes differ from `network`'s (e.g. one written
+    before the weights carried their version)."""
+    missing = [key for key in CHECKPOINT_ENTRIES if key not in checkpoint]
+    require(not missing, f"--resume: {path} has no {', '.join(missing)}: it was written by another clear_impala.py")
+    counts = {len(checkpoint[key]) for key in ("models", "optimizers", "learner_steps")}
+    require(counts == {num_nets}, f"--resume: {path} holds {sorted(counts)} networks where this run trains {num_nets}")
+    expected = {name: tuple(tensor.shape) for name, tensor in network.state_dict().items()}
+    for net, state in enumerate(checkpoint["models"]):
+        found = {name: tuple(tensor.shape) for name, tensor in state.items()}
+        differences = []
+        if expected.keys() - found.keys():
+            differences.append(f"lacks {sorted(expected.keys() - found.keys())}")
+        if found.keys() - expected.keys():
+            differences.append(f"has no place for {sorted(found.keys() - expected.keys())}")
+        reshaped = sorted(name for name in expected.keys() & found.keys() if expected[name] != found[name])
+        if reshaped:
+            differences.append(f"has other shapes for {reshaped}")
+        require(
+            not differences,
+            f"--resume: network {net} of {path} {', '.join(differences)}: it does not fit this clear_impala.py "
+            "(a checkpoint written before the weights carried their version resumes with the script that wrote it)",
+        )
+
+
+def check_restored_buffers(args: Args, capacity: int) -> None:
+    """Refuse, in one line, a resume whose actors would restore a buffer (--checkpoint-replay) into a larger capacity
+    after it has dropped unrolls (ReservoirBuffer.load): with --buffer-frames -1 the capacity is half of the run's
+    frames, so a higher --num-cycles grows it. Refused, not resized: no refill makes such a buffer a uniform sample
+    of all unrolls offered again (the larger sample would hold some of those it dropped)."""
+    if not (args.checkpoint_replay and capacity):
+        return
+    checkpoint_dir = os.path.dirname(args.resume)
+    for i in range(args.num_actors):
+        path = os.path.join(checkpoint_dir, f"replay_actor{i}.npz")
+        if not os.path.exists(path):
+            continue
+        held, offered = ReservoirBuffer.saved_counts(path)
+        require(
+            capacity <= held or held == offered,
+            f"--resume: actor {i}'s buffer holds {held} of the {offered} unrolls it was offered and would grow to "
+            f"{capacity} (--buffer-frames -1: half of the run's {total_steps(args):,} frames), which no refill keeps a "
+            "uniform sample of them all: keep --num-cycles, or resume with --no-checkpoint-replay (empty buffers)",
+        )
+
+
 def drain(q, limit=10_000):
     for _ in range(limit):
         try:
@@ -1094,6 +1186,9 @@ if __name__ == "__main__":
     num_envs = args.num_actors * args.envs_per_actor
     num_nets = num_tasks if args.mode == "separate" else 1
     end_step = total_steps(args)
+    if checkpoint:
+        # a checkpoint this script cannot restore exactly: refused before the run's folder is opened
+        check_checkpoint_fits(checkpoint, Agent(obs_shape, num_actions, torso), num_nets, args.resume)
     if checkpoint and checkpoint["global_step"] >= end_step:
         raise SystemExit(
             f"error: --resume: the checkpoint is at step {checkpoint['global_step']:,}, the run ends at {end_step:,} "
@@ -1102,6 +1197,9 @@ if __name__ == "__main__":
 
     # MEMORY: bytes per stored frame, refuse what cannot fit
     capacity = buffer_capacity_per_actor(args)
+    if checkpoint:
+        # replay buffers the actors cannot restore as uniform samples: refused before the run's folder is opened
+        check_restored_buffers(args, capacity)
     bytes_per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
     print(
         f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
@@ -1124,6 +1222,8 @@ if __name__ == "__main__":
     # SETUP: networks (one per task if separate), shared CPU copies, optimizers (the lr of each batch:
     # annealed_learning_rate, set by learner_step)
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
+    # the actors' copies: CPU, shared memory (built before the RNG states are restored: their init draws from them)
+    shared_weights = [SharedWeights.share(Agent(obs_shape, num_actions, torso)) for _ in range(num_nets)]
     # momentum 0 (IMPALA Table G.1)
     optimizers = [
         torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
@@ -1156,8 +1256,7 @@ if __name__ == "__main__":
             f"{', '.join(overridden) or 'none'}; runs to step {end_step:,}",
             flush=True,
         )
-    # the actors' copies: CPU, shared memory, the learner's weights from now on
-    shared_weights = [SharedWeights.share(Agent(obs_shape, num_actions, torso)) for _ in range(num_nets)]
+    # the actors' copies hold the learner's weights from now on
     for model, shared in zip(models, shared_weights):
         publish_weights(model, shared)
 
@@ -1356,27 +1455,15 @@ if __name__ == "__main__":
         # actors with a buffer to save for the last checkpoint get time for it (a large .npz takes seconds)
         processes.stop(timeout=120.0 if args.checkpoint_replay and handles.checkpoint_request.value else 5.0)
 
-    # SAVE + SUMMARY: returns averaged over the steps reached (an interrupted run: its measured part)
-    eval_records += [(global_step.value, task, episode_return) for task, episode_return, _ in drain(eval_queue)]
-    # tests/benchmarks/clear_forgetting_table.py plots them
-    (logger.dir / "eval_records.json").write_text(json.dumps(eval_records))
-    cumulative = cumulative_returns(eval_records, num_tasks, global_step.value)
-    returns = {
-        env_id: [ret for _, record_task, ret in eval_records if record_task == task]
-        for task, env_id in enumerate(args.env_ids)
-    }
+    # SAVE + SUMMARY: the test returns averaged over the steps reached, the last test episodes included
+    test_summary = summarize_test_episodes(eval_records, eval_queue, global_step.value, args, logger.dir)
     summary = {
         "global_step": global_step.value,
         "mode": args.mode,
         "replay_ratio": args.replay_ratio,
         "behavior_cloning": args.behavior_cloning,
         "env_ids": args.env_ids,
-        "final_cumulative_return": {env_id: cumulative[task] for task, env_id in enumerate(args.env_ids)},
-        "final_return_last20": {
-            env_id: float(np.mean(task_returns[-20:])) if task_returns else float("nan")
-            for env_id, task_returns in returns.items()
-        },
-        "num_eval_episodes": {env_id: len(task_returns) for env_id, task_returns in returns.items()},
+        **test_summary,
         "task_mismatch": task_mismatch,
     }
     print(json.dumps({key: summary[key] for key in ("global_step", "final_cumulative_return", "task_mismatch")}))

@@ -32,7 +32,8 @@ T. The test actors
 F. The forgetting statistics
   F1. [oracles, runs] cumulative_returns is the time average of the binned test returns over [0, the steps the run
       reached] (CLEAR App. C); summary.json's final_cumulative_return equals it recomputed from eval_records.json,
-      also for a run stopped early.
+      also for a run stopped early; the test episodes still queued when the loop stops join that history and the
+      summary (summarize_test_episodes).
 E. What the network sees, per env family [wiring]
   E1. Atari through common/atari_env.py: 4 x 84 x 84 uint8 frames, the full 18 actions, sticky probability 0
       unless given; a lost life ends the learning episode (terminated) but not the game; rewards clipped to their
@@ -50,6 +51,12 @@ R. Replay persistence and resume
       pair-selection stream and every global RNG state; its lr continues the schedule from the restored step.
   R4. [runs] Every flag of APPLIED_ON_RESUME given a new value on --resume is the value in effect at the resumed
       run's first learner step (a probe per flag; the probe table is the class).
+  R5. [oracles, runs] A resume this script cannot continue exactly is refused in one `error: --resume: ...` line
+      before any run folder is opened: a checkpoint of another form (an entry missing, another number of
+      networks, other parameter names or shapes, e.g. weights written before they carried their version;
+      check_checkpoint_fits), or --checkpoint-replay buffers that have dropped unrolls and would grow to a larger
+      capacity (check_restored_buffers; ReservoirBuffer.load refuses them too). A buffer that dropped none grows and
+      continues as a buffer of the larger capacity would.
 """
 
 import copy
