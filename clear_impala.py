@@ -8,7 +8,8 @@ gamma the discount.
 Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
   act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair and its `SlotInfo` until the
-  learner has copied it (`take_batch`); one update and the publication of its weights `learner_step`.
+  learner has copied it (`take_batch`); one update `learner_step`, whose weights reach the actors whole under a
+  seqlock (`publish_weights`, `read_weights`).
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
@@ -132,132 +133,6 @@ class Args(CommonArgs):
     """how often the learner writes metrics and the progress line"""
 
 
-# the flags a resumed run may not change (replay and tasks are per actor)
-FIXED_ON_RESUME = (
-    "env_ids",
-    "steps_per_task",
-    "mode",
-    "torso",
-    "num_actors",
-    "envs_per_actor",
-    "unroll_length",
-    "replay_ratio",
-    "buffer_frames",
-    "behavior_cloning",
-    "sticky_action_prob",
-    "max_episode_frames",
-    "minigrid_max_steps",
-    "bootstrap_truncation",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "num_cycles",
-    "num_test_actors",
-    "batch_size",
-    "policy_cloning_cost",
-    "value_cloning_cost",
-    "gamma",
-    "pg_cost",
-    "baseline_cost",
-    "entropy_cost",
-    "clip_rho_threshold",
-    "clip_pg_rho_threshold",
-    "learning_rate",
-    "rmsprop_alpha",
-    "rmsprop_eps",
-    "max_grad_norm",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = (
-    "checkpoint_replay",
-    "test_actor_max_sps",
-    "log_every_seconds",
-)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
-    require(args.steps_per_task >= 1, f"--steps-per-task must be >= 1, got {args.steps_per_task!r}")
-    require(args.num_cycles >= 1, f"--num-cycles must be >= 1, got {args.num_cycles!r}")
-    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
-    require(args.envs_per_actor >= 1, f"--envs-per-actor must be >= 1, got {args.envs_per_actor!r}")
-    require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
-    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
-    require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
-    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
-    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
-    require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
-    require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
-    require(args.pg_cost >= 0, f"--pg-cost must be >= 0, got {args.pg_cost!r}")
-    require(args.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {args.baseline_cost!r}")
-    require(args.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {args.entropy_cost!r}")
-    require(args.clip_rho_threshold > 0, f"--clip-rho-threshold must be > 0, got {args.clip_rho_threshold!r}")
-    require(args.clip_pg_rho_threshold > 0, f"--clip-pg-rho-threshold must be > 0, got {args.clip_pg_rho_threshold!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(0 <= args.rmsprop_alpha <= 1, f"--rmsprop-alpha must be in [0, 1], got {args.rmsprop_alpha!r}")
-    require(args.rmsprop_eps >= 0, f"--rmsprop-eps must be >= 0, got {args.rmsprop_eps!r}")
-    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
-    require(
-        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
-        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
-    )
-    require(args.max_episode_frames >= 1, f"--max-episode-frames must be >= 1, got {args.max_episode_frames!r}")
-    require(
-        args.minigrid_max_steps is None or args.minigrid_max_steps >= 1,
-        f"--minigrid-max-steps must be >= 1, got {args.minigrid_max_steps!r}",
-    )
-    require(args.test_actor_max_sps >= 0, f"--test-actor-max-sps must be >= 0, got {args.test_actor_max_sps!r}")
-    require(args.log_every_seconds >= 0, f"--log-every-seconds must be >= 0, got {args.log_every_seconds!r}")
-    require(len(args.env_ids) > 0, "--env-ids needs at least one task")
-    num_tasks = len(args.env_ids)
-    num_envs = args.num_actors * args.envs_per_actor
-    if args.mode == "separate":
-        require(
-            (args.num_actors // num_tasks) * args.envs_per_actor >= args.batch_size,
-            f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size ({args.batch_size}): "
-            "each network's batch comes from its own task's envs, one pair each",
-        )
-        require(
-            args.num_actors % num_tasks == 0,
-            f"--mode separate needs --num-actors a multiple of the task count ({num_tasks})",
-        )
-    else:
-        require(
-            num_envs >= args.batch_size,
-            f"--num-actors x --envs-per-actor ({num_envs}) must be >= --batch-size ({args.batch_size}): "
-            "each env contributes at most one pair to a batch (CLEAR App. A.1)",
-        )
-    if args.mode == "simultaneous":
-        require(
-            num_envs % num_tasks == 0,
-            f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({num_tasks}): "
-            f"env i plays task i mod {num_tasks}, so any other count unbalances the tasks",
-        )
-    require(
-        not (args.buffer_frames == 0 and args.replay_ratio > 0),
-        "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0",
-    )
-    require(
-        not 0 < args.buffer_frames < args.num_actors * args.unroll_length,
-        f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
-        f"({args.num_actors} actors x {args.unroll_length} steps)",
-    )
-
-
-def total_steps(args: Args) -> int:
-    return args.steps_per_task * len(args.env_ids) * args.num_cycles
-
-
-def buffer_capacity_per_actor(args: Args) -> int:
-    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
-    if args.replay_ratio == 0 and args.buffer_frames <= 0:
-        # plain IMPALA: no buffer at all
-        return 0
-    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
-    return max(1, frames // (args.num_actors * args.unroll_length))
-
-
 # ENVIRONMENTS
 def env_kind(env_id: str) -> str:
     from common.atari_env import ATARI_ENV_IDS
@@ -313,41 +188,6 @@ def make_env(env_id: str, seed: int, args: Args, capture_video: bool = False, vi
     env = gym.wrappers.RecordEpisodeStatistics(env)
     env.action_space.seed(seed)
     return env
-
-
-def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
-    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit.
-    Also resolves the per-family default of --bootstrap-truncation (see the flag)."""
-    shapes = set()
-    actions = set()
-    kinds = set()
-    for env_id in args.env_ids:
-        try:
-            if args.capture_video:
-                check_video_support()
-            kinds.add(env_kind(env_id))
-            env = make_env(env_id, args.seed, args)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-        shapes.add(tuple(env.observation_space.shape))
-        actions.add(int(env.action_space.n))
-        env.close()
-    if len(kinds) > 1:
-        raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
-    if len(shapes) > 1 or len(actions) > 1:
-        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions} (one network)")
-    obs_shape = shapes.pop()
-    num_actions = actions.pop()
-    kind = kinds.pop()
-    torso = resolve_torso(args, obs_shape)
-    if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
-        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
-    if args.capture_video and kind == "minatar":
-        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
-    if args.bootstrap_truncation is None:
-        # MiniGrid's step limit is part of the task: reaching it ends the episode
-        args.bootstrap_truncation = kind != "minigrid"
-    return obs_shape, num_actions, kind
 
 
 # NETWORK
@@ -433,8 +273,8 @@ class Agent(nn.Module):
         self.torso, hidden = make_torso(torso, obs_shape)
         self.policy = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.baseline = layer_init(nn.Linear(hidden, 1), std=1.0)
-        # the learner updates these weights have had: it travels with them to the actors' copy, so an actor records
-        # the version it really acted with (SlotInfo.policy_version)
+        # the learner updates these weights have had: it travels with them (publish_weights, read_weights), so an
+        # actor records the version of the weights it acted with (SlotInfo.policy_version)
         self.register_buffer("version", torch.zeros((), dtype=torch.int64))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -599,9 +439,25 @@ class ReservoirBuffer:
         )
         os.replace(tmp, path)
 
+    @staticmethod
+    def saved_counts(path: str) -> tuple[int, int]:
+        """(unrolls held, unrolls offered) of the buffer saved at `path`, without reading its unrolls."""
+        with np.load(path) as saved:
+            return len(saved["keys"]), int(saved["num_seen"])
+
     def load(self, path: str) -> int:
-        """Restore a saved buffer and its RNG (if smaller now: the rows with the largest keys, still uniform); returns
-        its size."""
+        """Restore a saved buffer and its RNG; returns its size. Smaller now: the rows with the largest keys, still a
+        uniform sample. Larger now: only if it never dropped an unroll (it then continues exactly as a buffer of this
+        capacity would). A reservoir that has dropped unrolls cannot grow and stay uniform: the larger sample of all
+        unrolls offered would hold some of those it dropped. Keeping every new unroll while it refills favours them;
+        keeping only keys above its smallest disfavours them until it is full (each new unroll is kept with
+        probability k / (n + 1) against k / n for each of the n it had seen)."""
+        held, offered = self.saved_counts(path)
+        if self.capacity > held < offered:
+            raise ValueError(
+                f"{path} holds {held} of the {offered} unrolls it was offered: it cannot grow to {self.capacity} and stay "
+                "a uniform sample"
+            )
         with np.load(path) as saved:
             keep = np.argsort(-saved["keys"])[: self.capacity]
             self.size = len(keep)
@@ -612,6 +468,15 @@ class ReservoirBuffer:
             self.keys[: self.size] = saved["keys"][keep]
             self.rng.bit_generator.state = json.loads(str(saved["rng_state"]))
         return self.size
+
+
+def buffer_capacity_per_actor(args: Args) -> int:
+    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
+    if args.replay_ratio == 0 and args.buffer_frames <= 0:
+        # plain IMPALA: no buffer at all
+        return 0
+    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
+    return max(1, frames // (args.num_actors * args.unroll_length))
 
 
 def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
@@ -774,11 +639,49 @@ def annealed_learning_rate(step: int, end_step: int, args: Args) -> float:
     return args.learning_rate * (1.0 - min(step, end_step) / end_step)
 
 
-def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device):
+class SharedWeights(NamedTuple):
+    """A network as the actors read it: a CPU copy in shared memory and its seqlock. `sequence` counts the learner's
+    writes into the copy, twice each: odd while a write is under way, even when the copy is whole."""
+
+    model: "Agent"
+    sequence: torch.Tensor  # int64, shared
+
+    @classmethod
+    def share(cls, model: "Agent") -> "SharedWeights":
+        """`model` (on the CPU) and a new sequence, moved to shared memory."""
+        return cls(model.share_memory(), torch.zeros((), dtype=torch.int64).share_memory_())
+
+
+def publish_weights(model, shared: SharedWeights) -> None:
+    """The learner's write of `model` (its version included) into the actors' copy, as a seqlock's writer: the
+    sequence turns odd before the first tensor is written and even after the last, so a reader can tell a copy it took
+    during a write. (Each process's stores, and its loads, stay in program order on x86-64.)"""
+    shared.sequence.add_(1)
+    shared.model.load_state_dict(model.state_dict())
+    shared.sequence.add_(1)
+
+
+def read_weights(model, shared: SharedWeights) -> int:
+    """An actor's copy of the shared weights into `model`, as a seqlock's reader; returns their version. A copy is
+    kept only if the sequence was even before it and unchanged after it (no write began or ran during it); else it
+    is taken again. So the weights and the version are one published state, never parts of two."""
+    while True:
+        sequence_before = int(shared.sequence)
+        if sequence_before % 2 == 0:
+            model.load_state_dict(shared.model.state_dict())
+            if int(shared.sequence) == sequence_before:
+                return int(model.version)
+        # the learner is writing: its copy takes a few milliseconds at most
+        time.sleep(0.0001)
+
+
+def learner_step(
+    model, optimizer, shared: SharedWeights, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device
+):
     """One update (IMPALA's learner, torchbeast's learn()): the gradient of this batch's CLEAR loss alone, clipped to a
     global norm of --max-grad-norm, one RMSProp step with `learning_rate` and the flags' alpha and eps; then the new
-    weights and their version go to the actors' shared copy. Returns (parts, the gradient norm before clipping,
-    logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    weights and their version go to the actors' shared copy (publish_weights). Returns (parts, the gradient norm
+    before clipping, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
     # the optimizer's settings come from the flags at every step (a resumed run applies new ones)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
@@ -790,8 +693,13 @@ def learner_step(model, optimizer, shared_model, batch: dict, halves: torch.Tens
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
     model.version += 1
-    shared_model.load_state_dict(model.state_dict())
+    publish_weights(model, shared)
     return parts, grad_norm, logits_all, values_all, device_batch
+
+
+def total_steps(args: Args) -> int:
+    """The run's steps of new experience: every task visited --num-cycles times (CLEAR App. A.6)."""
+    return args.steps_per_task * len(args.env_ids) * args.num_cycles
 
 
 def task_for_actor(slot: int, step: int, args: Args) -> int:
@@ -851,7 +759,7 @@ def actor_seed(base_seed: int, args: Args, resume_step: int) -> int:
 class ActorHandles(NamedTuple):
     """What the learner shares with every training actor process, in one picklable bundle."""
 
-    shared_models: list  # the networks' CPU copies in shared memory (one per task with --mode separate)
+    shared_weights: list[SharedWeights]  # the networks the actors read (one per task with --mode separate)
     slots: dict  # field -> shared tensor [num_envs, 2 (new, replay), T+1, ...] (unroll_specs)
     slot_info: SlotInfo  # what each slot's pair is, shared
     full_queues: list  # one per network: ids of the slots whose pair is ready
@@ -924,10 +832,9 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
                 envs[e] = make_env(args.env_ids[task], seed + e, args, video, f"videos/{run_name}")
                 # reset seeds distinct per env (a prime stride apart) and per task switch (the episodes played so far)
                 new_half["obs"][e, 0] = envs[e].reset(seed=seed + 1_000_003 * e + episodes)[0]
-        # the latest weights of our network (with --mode separate all envs of a process play one task, hence one
-        # network); their version came with them
-        model.load_state_dict(handles.shared_models[net_for_task(tasks[0], args)].state_dict())
-        version = int(model.version)
+        # the latest weights of our network and their version, one published state (with --mode separate all envs of
+        # a process play one task, hence one network)
+        version = read_weights(model, handles.shared_weights[net_for_task(tasks[0], args)])
         episodes += play_unroll(model, envs, tasks, new_half, args, handles.stats_queue)
 
         # PUBLISH the pairs: CLEAR App. A.1, insert the new unrolls (reservoir), then sample the replay halves
@@ -996,7 +903,7 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
     return episodes_ended
 
 
-def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_models, resume_step, stop, eval_queue):
+def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_weights, resume_step, stop, eval_queue):
     """A test actor (CLEAR App. A.5): plays its own task forever, sampling from pi of its task's latest weights; no
     buffer, never feeds the learner; reports each finished episode's return (Atari: the game's score)."""
     seed = actor_seed(args.seed + 1000 * (args.num_actors + test_id) + 17, args, resume_step)
@@ -1012,7 +919,7 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
             continue
         if steps % args.unroll_length == 0:
             # refresh the weights as often as a training actor does
-            model.load_state_dict(shared_models[net_for_task(task, args)].state_dict())
+            read_weights(model, shared_weights[net_for_task(task, args)])
         with torch.no_grad():
             logits, _ = model(torch.from_numpy(np.asarray(obs)).unsqueeze(0))
             action = int(torch.multinomial(F.softmax(logits, -1), 1).item())
@@ -1025,12 +932,237 @@ def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_mo
     env.close()
 
 
+# EVALUATION: the test episodes at the end of a run
+def summarize_test_episodes(eval_records: list, eval_queue, step: int, args: Args, run_dir) -> dict:
+    """The end of a run's test record: the test episodes still queued (they ended after the loop's last drain) join
+    `eval_records` at the step reached, the whole history is written to eval_records.json
+    (tests/benchmarks/clear_forgetting_table.py plots it), and the summary's test entries are computed from it:
+    per task the cumulative return over the steps reached (an interrupted run: its measured part), the mean of the
+    last 20 test returns and the number of test episodes."""
+    eval_records += [(step, task, episode_return) for task, episode_return, _ in drain(eval_queue)]
+    with open(os.path.join(run_dir, "eval_records.json"), "w") as f:
+        json.dump(eval_records, f)
+    cumulative = cumulative_returns(eval_records, len(args.env_ids), step)
+    returns = {
+        env_id: [episode_return for _, record_task, episode_return in eval_records if record_task == task]
+        for task, env_id in enumerate(args.env_ids)
+    }
+    return {
+        "final_cumulative_return": {env_id: cumulative[task] for task, env_id in enumerate(args.env_ids)},
+        "final_return_last20": {
+            env_id: float(np.mean(task_returns[-20:])) if task_returns else float("nan")
+            for env_id, task_returns in returns.items()
+        },
+        "num_eval_episodes": {env_id: len(task_returns) for env_id, task_returns in returns.items()},
+    }
+
+
+# RUN PLUMBING: the resume classes, validation, start-up probes and checks, default resolution
+# the flags a resumed run may not change (replay and tasks are per actor)
+FIXED_ON_RESUME = (
+    "env_ids",
+    "steps_per_task",
+    "mode",
+    "torso",
+    "num_actors",
+    "envs_per_actor",
+    "unroll_length",
+    "replay_ratio",
+    "buffer_frames",
+    "behavior_cloning",
+    "sticky_action_prob",
+    "max_episode_frames",
+    "minigrid_max_steps",
+    "bootstrap_truncation",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "num_cycles",
+    "num_test_actors",
+    "batch_size",
+    "policy_cloning_cost",
+    "value_cloning_cost",
+    "gamma",
+    "pg_cost",
+    "baseline_cost",
+    "entropy_cost",
+    "clip_rho_threshold",
+    "clip_pg_rho_threshold",
+    "learning_rate",
+    "rmsprop_alpha",
+    "rmsprop_eps",
+    "max_grad_norm",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "checkpoint_replay",
+    "test_actor_max_sps",
+    "log_every_seconds",
+)
+
+
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.steps_per_task >= 1, f"--steps-per-task must be >= 1, got {args.steps_per_task!r}")
+    require(args.num_cycles >= 1, f"--num-cycles must be >= 1, got {args.num_cycles!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.envs_per_actor >= 1, f"--envs-per-actor must be >= 1, got {args.envs_per_actor!r}")
+    require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
+    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
+    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
+    require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
+    require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
+    require(args.pg_cost >= 0, f"--pg-cost must be >= 0, got {args.pg_cost!r}")
+    require(args.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {args.baseline_cost!r}")
+    require(args.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {args.entropy_cost!r}")
+    require(args.clip_rho_threshold > 0, f"--clip-rho-threshold must be > 0, got {args.clip_rho_threshold!r}")
+    require(args.clip_pg_rho_threshold > 0, f"--clip-pg-rho-threshold must be > 0, got {args.clip_pg_rho_threshold!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(0 <= args.rmsprop_alpha <= 1, f"--rmsprop-alpha must be in [0, 1], got {args.rmsprop_alpha!r}")
+    require(args.rmsprop_eps >= 0, f"--rmsprop-eps must be >= 0, got {args.rmsprop_eps!r}")
+    require(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm!r}")
+    require(
+        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
+        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
+    )
+    require(args.max_episode_frames >= 1, f"--max-episode-frames must be >= 1, got {args.max_episode_frames!r}")
+    require(
+        args.minigrid_max_steps is None or args.minigrid_max_steps >= 1,
+        f"--minigrid-max-steps must be >= 1, got {args.minigrid_max_steps!r}",
+    )
+    require(args.test_actor_max_sps >= 0, f"--test-actor-max-sps must be >= 0, got {args.test_actor_max_sps!r}")
+    require(args.log_every_seconds >= 0, f"--log-every-seconds must be >= 0, got {args.log_every_seconds!r}")
+    require(len(args.env_ids) > 0, "--env-ids needs at least one task")
+    num_tasks = len(args.env_ids)
+    num_envs = args.num_actors * args.envs_per_actor
+    if args.mode == "separate":
+        require(
+            (args.num_actors // num_tasks) * args.envs_per_actor >= args.batch_size,
+            f"--mode separate needs (--num-actors // tasks) x --envs-per-actor >= --batch-size ({args.batch_size}): "
+            "each network's batch comes from its own task's envs, one pair each",
+        )
+        require(
+            args.num_actors % num_tasks == 0,
+            f"--mode separate needs --num-actors a multiple of the task count ({num_tasks})",
+        )
+    else:
+        require(
+            num_envs >= args.batch_size,
+            f"--num-actors x --envs-per-actor ({num_envs}) must be >= --batch-size ({args.batch_size}): "
+            "each env contributes at most one pair to a batch (CLEAR App. A.1)",
+        )
+    if args.mode == "simultaneous":
+        require(
+            num_envs % num_tasks == 0,
+            f"--mode simultaneous needs --num-actors x --envs-per-actor a multiple of the number of tasks ({num_tasks}): "
+            f"env i plays task i mod {num_tasks}, so any other count unbalances the tasks",
+        )
+    require(
+        not (args.buffer_frames == 0 and args.replay_ratio > 0),
+        "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0",
+    )
+    require(
+        not 0 < args.buffer_frames < args.num_actors * args.unroll_length,
+        f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
+        f"({args.num_actors} actors x {args.unroll_length} steps)",
+    )
+
+
+def probe_envs(args: Args) -> tuple[tuple[int, ...], int, str]:
+    """Build every task once: one env family, observation shape and action count, a torso that reads them; else exit.
+    Also resolves the per-family default of --bootstrap-truncation (see the flag)."""
+    shapes = set()
+    actions = set()
+    kinds = set()
+    for env_id in args.env_ids:
+        try:
+            if args.capture_video:
+                check_video_support()
+            kinds.add(env_kind(env_id))
+            env = make_env(env_id, args.seed, args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        shapes.add(tuple(env.observation_space.shape))
+        actions.add(int(env.action_space.n))
+        env.close()
+    if len(kinds) > 1:
+        raise SystemExit(f"error: --env-ids mixes env families ({', '.join(sorted(kinds))}); one network reads one kind")
+    if len(shapes) > 1 or len(actions) > 1:
+        raise SystemExit(f"error: tasks differ in observation shape {shapes} or action count {actions} (one network)")
+    obs_shape = shapes.pop()
+    num_actions = actions.pop()
+    kind = kinds.pop()
+    torso = resolve_torso(args, obs_shape)
+    if torso not in {"atari": ("nature", "resnet"), "minatar": ("minatar",), "minigrid": ("minigrid",)}[kind]:
+        raise SystemExit(f"error: --torso {torso} does not read {kind} observations (use --torso auto)")
+    if args.capture_video and kind == "minatar":
+        raise SystemExit("error: --capture-video is not supported on MinAtar (its adapter renders no frames)")
+    if args.bootstrap_truncation is None:
+        # MiniGrid's step limit is part of the task: reaching it ends the episode
+        args.bootstrap_truncation = kind != "minigrid"
+    return obs_shape, num_actions, kind
+
+
 def resolve_torso(args: Args, obs_shape) -> str:
     if args.torso != "auto":
         return args.torso
     if tuple(obs_shape[-2:]) == (10, 10):
         return "minatar"
     return "minigrid" if len(obs_shape) == 3 and obs_shape[-1] == 3 else "nature"
+
+
+# what --resume restores from a checkpoint of this script (save_run_checkpoint's entries and the loop's)
+CHECKPOINT_ENTRIES = ("global_step", "rng", "models", "optimizers", "learner_steps", "eval_records", "pair_rng")
+
+
+def check_checkpoint_fits(checkpoint: dict, network: Agent, num_nets: int, path: str) -> None:
+    """Refuse, in one `error: --resume: ...` line, a checkpoint this script cannot restore exactly: an entry missing,
+    another number of networks, or a network state whose names or shapes differ from `network`'s (e.g. one written
+    before the weights carried their version)."""
+    missing = [key for key in CHECKPOINT_ENTRIES if key not in checkpoint]
+    require(not missing, f"--resume: {path} has no {', '.join(missing)}: it was written by another clear_impala.py")
+    counts = {len(checkpoint[key]) for key in ("models", "optimizers", "learner_steps")}
+    require(counts == {num_nets}, f"--resume: {path} holds {sorted(counts)} networks where this run trains {num_nets}")
+    expected = {name: tuple(tensor.shape) for name, tensor in network.state_dict().items()}
+    for net, state in enumerate(checkpoint["models"]):
+        found = {name: tuple(tensor.shape) for name, tensor in state.items()}
+        differences = []
+        if expected.keys() - found.keys():
+            differences.append(f"lacks {sorted(expected.keys() - found.keys())}")
+        if found.keys() - expected.keys():
+            differences.append(f"has no place for {sorted(found.keys() - expected.keys())}")
+        reshaped = sorted(name for name in expected.keys() & found.keys() if expected[name] != found[name])
+        if reshaped:
+            differences.append(f"has other shapes for {reshaped}")
+        require(
+            not differences,
+            f"--resume: network {net} of {path} {', '.join(differences)}: it does not fit this clear_impala.py "
+            "(a checkpoint written before the weights carried their version resumes with the script that wrote it)",
+        )
+
+
+def check_restored_buffers(args: Args, capacity: int) -> None:
+    """Refuse, in one line, a resume whose actors would restore a buffer (--checkpoint-replay) into a larger capacity
+    after it has dropped unrolls (ReservoirBuffer.load): with --buffer-frames -1 the capacity is half of the run's
+    frames, so a higher --num-cycles grows it. Refused, not resized: no refill makes such a buffer a uniform sample
+    of all unrolls offered again (the larger sample would hold some of those it dropped)."""
+    if not (args.checkpoint_replay and capacity):
+        return
+    checkpoint_dir = os.path.dirname(args.resume)
+    for i in range(args.num_actors):
+        path = os.path.join(checkpoint_dir, f"replay_actor{i}.npz")
+        if not os.path.exists(path):
+            continue
+        held, offered = ReservoirBuffer.saved_counts(path)
+        require(
+            capacity <= held or held == offered,
+            f"--resume: actor {i}'s buffer holds {held} of the {offered} unrolls it was offered and would grow to "
+            f"{capacity} (--buffer-frames -1: half of the run's {total_steps(args):,} frames), which no refill keeps a "
+            "uniform sample of them all: keep --num-cycles, or resume with --no-checkpoint-replay (empty buffers)",
+        )
 
 
 def drain(q, limit=10_000):
@@ -1058,6 +1190,9 @@ if __name__ == "__main__":
     num_envs = args.num_actors * args.envs_per_actor
     num_nets = num_tasks if args.mode == "separate" else 1
     end_step = total_steps(args)
+    if checkpoint:
+        # a checkpoint this script cannot restore exactly: refused before the run's folder is opened
+        check_checkpoint_fits(checkpoint, Agent(obs_shape, num_actions, torso), num_nets, args.resume)
     if checkpoint and checkpoint["global_step"] >= end_step:
         raise SystemExit(
             f"error: --resume: the checkpoint is at step {checkpoint['global_step']:,}, the run ends at {end_step:,} "
@@ -1066,6 +1201,9 @@ if __name__ == "__main__":
 
     # MEMORY: bytes per stored frame, refuse what cannot fit
     capacity = buffer_capacity_per_actor(args)
+    if checkpoint:
+        # replay buffers the actors cannot restore as uniform samples: refused before the run's folder is opened
+        check_restored_buffers(args, capacity)
     bytes_per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
     print(
         f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
@@ -1088,7 +1226,8 @@ if __name__ == "__main__":
     # SETUP: networks (one per task if separate), shared CPU copies, optimizers (the lr of each batch:
     # annealed_learning_rate, set by learner_step)
     models = [Agent(obs_shape, num_actions, torso).to(device) for _ in range(num_nets)]
-    shared_models = [Agent(obs_shape, num_actions, torso) for _ in range(num_nets)]
+    # the actors' copies: CPU, shared memory (built before the RNG states are restored: their init draws from them)
+    shared_weights = [SharedWeights.share(Agent(obs_shape, num_actions, torso)) for _ in range(num_nets)]
     # momentum 0 (IMPALA Table G.1)
     optimizers = [
         torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
@@ -1121,10 +1260,9 @@ if __name__ == "__main__":
             f"{', '.join(overridden) or 'none'}; runs to step {end_step:,}",
             flush=True,
         )
-    # the actors' copies: CPU, shared memory
-    for model, shared_model in zip(models, shared_models):
-        shared_model.load_state_dict(model.state_dict())
-        shared_model.share_memory()
+    # the actors' copies hold the learner's weights from now on
+    for model, shared in zip(models, shared_weights):
+        publish_weights(model, shared)
 
     # SETUP: shared-memory slots, one (new, replay) pair per env; only slot ids travel through queues
     ctx = torch.multiprocessing.get_context(args.start_method)
@@ -1141,7 +1279,7 @@ if __name__ == "__main__":
     slot_free = [ctx.Semaphore(1) for _ in range(num_envs)]
     processes = ProcessGroup(ctx)
     handles = ActorHandles(
-        shared_models=shared_models,
+        shared_weights=shared_weights,
         slots=slots,
         slot_info=slot_info,
         full_queues=[ctx.SimpleQueue() for _ in range(num_nets)],
@@ -1176,7 +1314,7 @@ if __name__ == "__main__":
                     args,
                     obs_shape,
                     num_actions,
-                    shared_models,
+                    shared_weights,
                     handles.resume_step,
                     processes.stop_event,
                     eval_queue,
@@ -1220,7 +1358,7 @@ if __name__ == "__main__":
 
             # LEARN
             parts, grad_norm, logits_all, values_all, device_batch = learner_step(
-                models[net], optimizers[net], shared_models[net], batch, halves, learning_rate, args, device
+                models[net], optimizers[net], shared_weights[net], batch, halves, learning_rate, args, device
             )
             # updates between the weights that acted and the weights that learn from it
             policy_lag = learner_steps[net] - batch_info.policy_version.float().mean()
@@ -1321,27 +1459,15 @@ if __name__ == "__main__":
         # actors with a buffer to save for the last checkpoint get time for it (a large .npz takes seconds)
         processes.stop(timeout=120.0 if args.checkpoint_replay and handles.checkpoint_request.value else 5.0)
 
-    # SAVE + SUMMARY: returns averaged over the steps reached (an interrupted run: its measured part)
-    eval_records += [(global_step.value, task, episode_return) for task, episode_return, _ in drain(eval_queue)]
-    # tests/benchmarks/clear_forgetting_table.py plots them
-    (logger.dir / "eval_records.json").write_text(json.dumps(eval_records))
-    cumulative = cumulative_returns(eval_records, num_tasks, global_step.value)
-    returns = {
-        env_id: [ret for _, record_task, ret in eval_records if record_task == task]
-        for task, env_id in enumerate(args.env_ids)
-    }
+    # SAVE + SUMMARY: the test returns averaged over the steps reached, the last test episodes included
+    test_summary = summarize_test_episodes(eval_records, eval_queue, global_step.value, args, logger.dir)
     summary = {
         "global_step": global_step.value,
         "mode": args.mode,
         "replay_ratio": args.replay_ratio,
         "behavior_cloning": args.behavior_cloning,
         "env_ids": args.env_ids,
-        "final_cumulative_return": {env_id: cumulative[task] for task, env_id in enumerate(args.env_ids)},
-        "final_return_last20": {
-            env_id: float(np.mean(task_returns[-20:])) if task_returns else float("nan")
-            for env_id, task_returns in returns.items()
-        },
-        "num_eval_episodes": {env_id: len(task_returns) for env_id, task_returns in returns.items()},
+        **test_summary,
         "task_mismatch": task_mismatch,
     }
     print(json.dumps({key: summary[key] for key in ("global_step", "final_cumulative_return", "task_mismatch")}))

@@ -2,6 +2,7 @@
 loop run in threads with the test as its learner, a stand-in for the ALE that records what the emulator did, the
 textbook cumulative return, and the subprocess runs (with a spy on the resumed learner)."""
 
+import json
 import math
 import os
 import queue
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 import clear_impala as ci
@@ -51,9 +54,9 @@ def unroll_with_id(i, T=3, obs_shape=(2, 2), A=2):
     return {k: np.full(shape, i % 100, dtype=dtype) for k, (shape, dtype) in ci.unroll_specs(obs_shape, A, T).items()}
 
 
-def chi2_upper(df, z=3.29):
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.9995)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+def chi2_upper(df, p=0.9995):
+    """The chi-square quantile a goodness-of-fit statistic with `df` degrees of freedom exceeds with probability 1 - p."""
+    return float(scipy.stats.chi2.ppf(p, df))
 
 
 def act_like_an_actor(model, T, B, obs_shape, seed=0):
@@ -188,7 +191,7 @@ def run_actor_loops(
     args,
     obs_shape,
     num_actions,
-    shared_models,
+    shared_weights,
     unrolls,
     tmp_path,
     start_step=0,
@@ -213,11 +216,11 @@ def run_actor_loops(
         for k, (shape, dtype) in ci.unroll_specs(obs_shape, num_actions, T).items()
     }
     slot_info = ci.SlotInfo.zeros(N)
-    full_queues = [queue.SimpleQueue() for _ in shared_models]
+    full_queues = [queue.SimpleQueue() for _ in shared_weights]
     slot_free = [threading.Semaphore(1) for _ in range(N)]
     stop = threading.Event()
     handles = ci.ActorHandles(
-        shared_models=shared_models,
+        shared_weights=shared_weights,
         slots=slots,
         slot_info=slot_info,
         full_queues=full_queues,
@@ -369,6 +372,48 @@ def run_script(tmp_path, *flags, timeout=120):
     )
 
 
+# Runs clear_impala.py once per entry of a JSON list [cwd, stdout file, stderr file, flags], each in a child forked from
+# this process once torch, gymnasium and minigrid are imported: a child is `python clear_impala.py FLAGS` run in `cwd`
+# (as __main__, its SystemExit or traceback handled by the interpreter as at the command line) whose imports were
+# already done. Prints the children's exit codes as a JSON list.
+PRELOADED_RUNS = r"""
+import json, os, runpy, sys
+import gymnasium, minigrid, numpy, torch
+
+script = sys.argv[1]
+children = []
+for cwd, out_path, err_path, flags in json.loads(sys.argv[2]):
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv = [script, *flags]
+        runpy.run_path(script, run_name="__main__")
+        sys.exit(0)
+    children.append(pid)
+print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]))
+"""
+
+
+def run_script_starts(runs, timeout=180):
+    """clear_impala.py once per (folder, flags) of `runs`, each as `run_script(folder, *flags)` would but sharing one
+    import of torch (PRELOADED_RUNS), for runs that stop at start-up; returns per run its returncode, stdout, stderr."""
+    entries = [[str(folder), str(folder / "run.out"), str(folder / "run.err"), list(flags)] for folder, flags in runs]
+    r = subprocess.run(
+        [sys.executable, "-c", PRELOADED_RUNS, SCRIPT, json.dumps(entries)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [
+        SimpleNamespace(returncode=code, stdout=Path(out).read_text(), stderr=Path(err).read_text())
+        for code, (_, out, err, _) in zip(json.loads(r.stdout), entries)
+    ]
+
+
 # a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock logging could
 # skip task 0 and a test actor could finish no 100-step episode before the end; num_actors x envs_per_actor = B, so
 # every batch holds one pair of every env (the lag bound of clause W2)
@@ -386,7 +431,7 @@ TINY = (
 # state, the pair-selection stream at its first draw and the global step at the first take_batch; then it saves
 # them to the file named by its first argument and removes the hook.
 RESUME_SPY = r"""
-import copy, random, runpy, sys
+import copy, os, random, runpy, sys
 import numpy as np
 import torch
 
@@ -426,7 +471,9 @@ def spy(frame, event, arg):
             {k: v for k, v in group.items() if k != "params"} for group in frame.f_locals["optimizer"].param_groups
         ]
         sys.setprofile(None)
-        torch.save(seen, out_path)
+        # whole or absent: the test stops the run as soon as the file exists
+        torch.save(seen, out_path + ".tmp")
+        os.replace(out_path + ".tmp", out_path)
 
 
 real_init = torch.optim.RMSprop.__init__

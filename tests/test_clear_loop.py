@@ -9,6 +9,9 @@ W. The weights the actors act with
   W2. [runs] With one pair per env in each batch (envs = B per network), every batch lags the learner by at most
       one update: a slot is freed by the batch that took its pair, and the network's next batch needs every env's
       next pair. So the versions rise within every task, per network in separate mode.
+  W3. An actor's copy of a network is one published state, whole, and the version it records is that state's: the
+      learner publishes under a seqlock (publish_weights) and an actor retries a copy the learner wrote into during
+      it (read_weights); training and test actors read through it.
 L. One learner step (learner_step)
   L1. The gradient of this batch's loss alone, clipped to a global norm of --max-grad-norm, one RMSProp step in
       torchbeast's form with the lr of annealed_learning_rate (lr_0 (1 - frames before the batch / the run's
@@ -29,7 +32,8 @@ T. The test actors
 F. The forgetting statistics
   F1. [oracles, runs] cumulative_returns is the time average of the binned test returns over [0, the steps the run
       reached] (CLEAR App. C); summary.json's final_cumulative_return equals it recomputed from eval_records.json,
-      also for a run stopped early.
+      also for a run stopped early; the test episodes still queued when the loop stops join that history and the
+      summary (summarize_test_episodes).
 E. What the network sees, per env family [wiring]
   E1. Atari through common/atari_env.py: 4 x 84 x 84 uint8 frames, the full 18 actions, sticky probability 0
       unless given; a lost life ends the learning episode (terminated) but not the game; rewards clipped to their
@@ -47,6 +51,12 @@ R. Replay persistence and resume
       pair-selection stream and every global RNG state; its lr continues the schedule from the restored step.
   R4. [runs] Every flag of APPLIED_ON_RESUME given a new value on --resume is the value in effect at the resumed
       run's first learner step (a probe per flag; the probe table is the class).
+  R5. [oracles, runs] A resume this script cannot continue exactly is refused in one `error: --resume: ...` line
+      before any run folder is opened: a checkpoint of another form (an entry missing, another number of
+      networks, other parameter names or shapes, e.g. weights written before they carried their version;
+      check_checkpoint_fits), or --checkpoint-replay buffers that have dropped unrolls and would grow to a larger
+      capacity (check_restored_buffers; ReservoirBuffer.load refuses them too). A buffer that dropped none grows and
+      continues as a buffer of the larger capacity would.
 """
 
 import copy
@@ -95,12 +105,12 @@ def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, 
     obs_shape, num_actions, _ = ci.probe_envs(args)
     unrolls = 6
     networks = [versioned_networks(obs_shape, num_actions, "minigrid", unrolls * E + 1, seed=10 * net) for net in range(2)]
-    shared = [copy.deepcopy(networks[net][0]) for net in range(num_nets)]
+    shared = [ci.SharedWeights.share(copy.deepcopy(networks[net][0])) for net in range(num_nets)]
     published = [0] * num_nets
 
     def publish(net, slot, handles):
         published[net] += 1
-        shared[net].load_state_dict(networks[net][published[net]].state_dict())
+        ci.publish_weights(networks[net][published[net]], shared[net])
 
     pairs, _, _ = run_actor_loops(
         args, obs_shape, num_actions, shared, unrolls, tmp_path, on_pair=publish, count_frames=mode == "sequential"
@@ -120,6 +130,82 @@ def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, 
             torch.testing.assert_close(pair["baseline"][0, 1:], values)
     expected_tasks = {"sequential": {(0, 0), (0, 1)}, "simultaneous": {(0, 0), (0, 1)}, "separate": {(0, 0), (1, 1)}}
     assert tasks_played == expected_tasks[mode]
+
+
+def fill_state(network, value):
+    """Every entry of `network`'s state (weights, biases, version) set to `value`: the state published as version
+    `value`, recognisable in any copy."""
+    with torch.no_grad():
+        for tensor in network.state_dict().values():
+            tensor.fill_(value)
+
+
+def assert_whole_state(network, version):
+    """`network`'s state is exactly the published state of `version` (fill_state), entry by entry."""
+    for name, tensor in network.state_dict().items():
+        assert (tensor == version).all(), (name, version, tensor.flatten()[:3])
+
+
+def test_an_actor_retries_a_copy_the_learner_published_into(monkeypatch):
+    """Clause W3, with the interleaving forced: the learner stand-in publishes versions 1 and 2 (publish_weights)
+    while the actor's read_weights is half-way through copying (a pre-hook on the reader's value head: the version
+    and the torso are copied, the head not yet). The copy read_weights returns is whole and its version is the one
+    published last; a reader that kept the first attempt would hold version 0's torso with version 2's head."""
+    learner = ci.Agent((7, 7, 3), 7, "minigrid")
+    fill_state(learner, 0)
+    shared = ci.SharedWeights.share(copy.deepcopy(learner))
+    reader = ci.Agent((7, 7, 3), 7, "minigrid")
+    published = []
+
+    def publish_during_the_copy(*_):
+        if len(published) < 2:
+            published.append(len(published) + 1)
+            fill_state(learner, published[-1])
+            ci.publish_weights(learner, shared)
+
+    reader.baseline.register_load_state_dict_pre_hook(publish_during_the_copy)
+    version = ci.read_weights(reader, shared)
+    assert published == [1, 2] and version == 2
+    assert_whole_state(reader, version)
+
+
+def test_every_copy_read_while_the_learner_publishes_in_a_tight_loop_is_one_published_version():
+    """Clause W3, concurrently: a learner stand-in thread publishes versions 1..300 as fast as it can (publish_weights;
+    torch copies release the GIL, so the two threads interleave within copies) while the actor stand-in reads
+    (read_weights) until the last one is out; every copy it accepts equals exactly the published state of the
+    version it records, and the versions it records never go back."""
+    learner = ci.Agent((7, 7, 3), 7, "minigrid")
+    fill_state(learner, 0)
+    shared = ci.SharedWeights.share(copy.deepcopy(learner))
+    reader = ci.Agent((7, 7, 3), 7, "minigrid")
+    last = 300
+    errors = []
+    stop = threading.Event()
+
+    def learn():
+        try:
+            for version in range(1, last + 1):
+                if stop.is_set():
+                    return
+                fill_state(learner, version)
+                ci.publish_weights(learner, shared)
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=learn, daemon=True)
+    thread.start()
+    versions = [0]
+    try:
+        while versions[-1] < last and not errors:
+            version = ci.read_weights(reader, shared)
+            assert_whole_state(reader, version)
+            assert version >= versions[-1]
+            versions.append(version)
+    finally:
+        # a failed assertion stops the learner before the test ends
+        stop.set()
+        thread.join(timeout=30)
+    assert not errors and not thread.is_alive()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,7 +253,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
     actor = ci.Agent(obs_shape, 7, "minigrid")
     model = ci.Agent(obs_shape, 7, "minigrid")
     oracle = copy.deepcopy(model)
-    shared = ci.Agent(obs_shape, 7, "minigrid")
+    shared = ci.SharedWeights.share(ci.Agent(obs_shape, 7, "minigrid"))
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1.0, alpha=0.5, eps=1.0)
     halves = torch.tensor([1, 0, 1])
     cpu = torch.device("cpu")
@@ -195,7 +281,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
         assert max(float((unclipped[n] - params[n]).abs().max()) for n in params) > 1e-4
         assert int(model.version) == k + 1
         for key, value in model.state_dict().items():
-            assert torch.equal(shared.state_dict()[key], value), key
+            assert torch.equal(shared.model.state_dict()[key], value), key
         with torch.no_grad():
             for name, p in oracle.named_parameters():
                 p.copy_(params[name])
@@ -270,13 +356,16 @@ def fixed_policy(probabilities):
 
 def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     """Clause T1 on the real test actor loop (--mode separate, the test actor of task 1; a stand-in task with a fixed
-    observation): it builds task 1's env; its first 2,000 actions follow pi of network 1 (a chi-square test against
-    that pi, not the other network's uniform one); network 1 is then replaced by one that always plays action 5,
-    and every action from T steps later on is 5 (reloaded within T steps); each reported episode return is the
-    task's own (its actions' sum here), reported as task 1."""
+    observation): it builds task 1's env; its actions follow pi of network 1 (a chi-square test against that pi, not
+    the other network's uniform one; this pi never plays action 5); after its 2,001st action network 1 is replaced by
+    one that always plays 5: the actions up to its next reload (step 2,004, the next multiple of T = 4) still follow
+    the old weights (no 5) and every action from that reload on is 5. 2,001 is a multiple of no reload period, so a
+    reload every 2 T or 10 T steps, or at every step, fails. Each reported episode return is the task's own (its
+    actions' sum here), reported as task 1."""
     T = 4
-    switch_at = 2000
-    total = switch_at + T + 500
+    switch_at = 2001
+    next_reload = (switch_at // T + 1) * T
+    total = next_reload + 500
     args = ci.Args(
         env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"],
         mode="separate",
@@ -284,17 +373,17 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
         batch_size=1,
         unroll_length=T,
     )
-    first = np.array([0.3, 0.05, 0.2, 0.1, 0.15, 0.05, 0.15])
+    first = np.array([0.3, 0.1, 0.2, 0.1, 0.15, 1e-12, 0.15])
     always_five = np.full(7, 1e-12)
     always_five[5] = 1.0
-    shared = [fixed_policy(np.full(7, 1 / 7)), fixed_policy(first)]
+    shared = [ci.SharedWeights.share(fixed_policy(np.full(7, 1 / 7))), ci.SharedWeights.share(fixed_policy(first))]
     next_network = fixed_policy(always_five)
     stop = threading.Event()
     built = []
 
     def on_step(n):
         if n == switch_at:
-            shared[1].load_state_dict(next_network.state_dict())
+            ci.publish_weights(next_network, shared[1])
         if n == total:
             stop.set()
 
@@ -307,14 +396,17 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     ci.test_actor_loop(0, 1, args, (7, 7, 3), 7, shared, 0, stop, eval_queue)
     (task,) = built
     assert task.env_id == "MiniGrid-LavaGapS5-v0" and len(task.actions) == total
-    counts = np.bincount(task.actions[:switch_at], minlength=7)
-    expected = switch_at * first
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < chi2_upper(6), (counts, chi2)
-    greedy = np.zeros(7)
-    greedy[0] = switch_at
-    assert float(((greedy - expected) ** 2 / expected).sum()) > chi2_upper(6)
-    assert set(task.actions[switch_at + T :]) == {5}
+    # the old weights: pi of network 1 over the actions it plays (df 5), and never action 5
+    played = [0, 1, 2, 3, 4, 6]
+    counts = np.bincount(task.actions[:next_reload], minlength=7)
+    assert counts[5] == 0, counts
+    expected = next_reload * first[played] / first[played].sum()
+    chi2 = float(((counts[played] - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_upper(len(played) - 1), (counts, chi2)
+    uniform = np.full(len(played), next_reload / len(played))
+    assert float(((uniform - expected) ** 2 / expected).sum()) > chi2_upper(len(played) - 1)
+    # the new weights from the next reload on
+    assert set(task.actions[next_reload:]) == {5}
     assert [report[0] for report in eval_queue.reports] == [1] * len(task.episode_returns)
     assert [report[1] for report in eval_queue.reports] == task.episode_returns
 
@@ -325,7 +417,7 @@ def test_a_test_actor_reports_an_atari_games_score_not_a_lifes(monkeypatch):
     recorders = recording_make_env(monkeypatch)
     args = ci.Args(env_ids=["ALE/SpaceInvaders-v5"], num_actors=1, batch_size=1)
     torch.manual_seed(0)
-    shared = [ci.Agent((4, 84, 84), 18, "nature")]
+    shared = [ci.SharedWeights.share(ci.Agent((4, 84, 84), 18, "nature"))]
     stop = threading.Event()
     eval_queue = StopAfter(2, stop)
     ci.test_actor_loop(0, 0, args, (4, 84, 84), 18, shared, 0, stop, eval_queue)
@@ -370,7 +462,7 @@ def test_an_actor_saves_its_buffer_at_each_checkpoint_the_last_one_after_the_sto
     out (all 4 unrolls of a 2-unroll run)."""
     args = ci.Args(**REPLAY_ARGS)
     obs_shape, num_actions, _ = ci.probe_envs(args)
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     path = "replay_actor0.npz"
     received = []
 
@@ -406,7 +498,7 @@ def test_a_resumed_actor_restores_its_buffer_and_continues_its_stream(tmp_path):
     (tmp_path / "first_run").mkdir()
     saved.save(str(tmp_path / "first_run" / "replay_actor0.npz"))
     args.resume = str(tmp_path / "first_run" / "checkpoint.pt")
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     pairs, _, _ = run_actor_loops(args, obs_shape, num_actions, shared, 4, tmp_path, start_step=480, resume_step=480)
     twin = ci.ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(0))
     twin.load(str(tmp_path / "first_run" / "replay_actor0.npz"))
@@ -428,7 +520,7 @@ def test_actor_streams_depend_on_the_resume_not_on_the_step_an_actor_starts_at(t
     )
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
-    shared = [ci.Agent(obs_shape, num_actions, "minigrid")]
+    shared = [ci.SharedWeights.share(ci.Agent(obs_shape, num_actions, "minigrid"))]
     resumed = ci.Args(**{**vars(args), "resume": str(tmp_path / "checkpoint.pt")})
     first_unrolls = []
     starts = ((args, 0, 0), (args, 480, 0), (resumed, 480, 480), (resumed, 720, 480), (resumed, 960, 960))

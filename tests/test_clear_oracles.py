@@ -4,7 +4,9 @@ inclusion, whole unrolls, restore), pair selection (--replay-ratio), the behavio
 actor per mode, the buffer's size, and the forgetting statistics (CLEAR App. C). The loop's contract is in
 tests/test_clear_loop.py."""
 
+import json
 import math
+import queue
 
 import numpy as np
 import pytest
@@ -253,6 +255,42 @@ def test_reservoir_load_keeps_the_largest_keys_and_continues_its_stream(tmp_path
     assert np.array_equal(np.sort(same.keys), np.sort(original.keys))
 
 
+def test_a_restored_buffer_grows_only_while_it_has_dropped_nothing(tmp_path):
+    """Clause R5, ReservoirBuffer.load: a buffer loaded into a larger capacity (a resume whose --buffer-frames -1
+    follows a higher --num-cycles) stays a uniform sample only if it never dropped an unroll: the larger sample of
+    everything offered would hold some it no longer has. One that has dropped none (6 rows of 6 offered) grows and
+    continues exactly as an uninterrupted buffer of the larger capacity fed the same stream; one that has (6 of 9)
+    is refused by load, and by saved_counts' numbers at start-up (tests/test_clear_runs.py)."""
+    T = 2
+    obs_shape = (2, 2)
+    unrolls = [unroll_with_id(i, T, obs_shape) for i in range(30)]
+    path = str(tmp_path / "replay.npz")
+    full = ci.ReservoirBuffer(6, obs_shape, 2, T, np.random.default_rng(5))
+    for i in range(6):
+        full.add(unrolls[i], task=0)
+    full.save(path)
+    assert ci.ReservoirBuffer.saved_counts(path) == (6, 6)
+    grown = ci.ReservoirBuffer(10, obs_shape, 2, T, np.random.default_rng(99))
+    assert grown.load(path) == 6
+    uninterrupted = ci.ReservoirBuffer(10, obs_shape, 2, T, np.random.default_rng(5))
+    for i in range(6):
+        uninterrupted.add(unrolls[i], task=0)
+    for i in range(6, 30):
+        assert (grown.add(unrolls[i], 0) >= 0) == (uninterrupted.add(unrolls[i], 0) >= 0), i
+    # the same unrolls under the same keys (in other rows: a loaded buffer's rows are in key order)
+    grown_order = np.argsort(grown.keys)
+    uninterrupted_order = np.argsort(uninterrupted.keys)
+    assert np.array_equal(grown.keys[grown_order], uninterrupted.keys[uninterrupted_order])
+    assert np.array_equal(grown.data["obs"][grown_order], uninterrupted.data["obs"][uninterrupted_order])
+    for i in range(6, 9):
+        full.add(unrolls[i], task=0)
+    full.save(path)
+    assert ci.ReservoirBuffer.saved_counts(path) == (6, 9)
+    with pytest.raises(ValueError, match="holds 6 of the 9 unrolls"):
+        ci.ReservoirBuffer(10, obs_shape, 2, T, np.random.default_rng(99)).load(path)
+    assert ci.ReservoirBuffer(6, obs_shape, 2, T, np.random.default_rng(99)).load(path) == 6
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pair selection (--replay-ratio)
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,6 +442,30 @@ def test_cumulative_returns_are_time_averages():
     # a run stopped at step 60 is averaged over what it measured (total = the steps reached), not filled to the end
     cut = [r for r in recs if r[0] <= 60]
     assert ci.cumulative_returns(cut, 1, total=60, num_bins=6)[0] == pytest.approx(1 / 6)
+
+
+def test_the_summary_counts_the_test_episodes_still_queued_at_the_end(tmp_path):
+    """Clause F1, the end of a run (summarize_test_episodes): the test episodes still in the queue when the loop stops
+    (they ended after its last drain) join the history at the step reached, eval_records.json holds them all, and
+    the summary's final_cumulative_return, final_return_last20 and num_eval_episodes are computed from that whole
+    history (textbook_cumulative_return over [0, the step reached]). The late returns differ from the earlier ones,
+    so a summary computed before the last drain differs."""
+    args = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0", "MiniGrid-LavaGapS5-v0"])
+    eval_records = [(40, 0, 0.0), (120, 0, 1.0), (200, 1, 0.5)]
+    late = queue.SimpleQueue()
+    for task, episode_return in ((0, 9.0), (1, 4.0), (0, 7.0)):
+        late.put((task, episode_return, 8))
+    step = 240
+    summary = ci.summarize_test_episodes(eval_records, late, step, args, tmp_path)
+    written = [tuple(r) for r in json.loads((tmp_path / "eval_records.json").read_text())]
+    assert written == [(40, 0, 0.0), (120, 0, 1.0), (200, 1, 0.5), (240, 0, 9.0), (240, 1, 4.0), (240, 0, 7.0)]
+    assert eval_records == written
+    for task, env_id in enumerate(args.env_ids):
+        expected = textbook_cumulative_return(written, task, step)
+        assert summary["final_cumulative_return"][env_id] == pytest.approx(expected, rel=1e-12), env_id
+        assert expected != pytest.approx(textbook_cumulative_return(written[:3], task, step)), env_id
+    assert summary["final_return_last20"] == {"MiniGrid-Empty-5x5-v0": 17 / 4, "MiniGrid-LavaGapS5-v0": 2.25}
+    assert summary["num_eval_episodes"] == {"MiniGrid-Empty-5x5-v0": 4, "MiniGrid-LavaGapS5-v0": 2}
 
 
 @pytest.mark.parametrize("total", [480, 1000, 4_321])

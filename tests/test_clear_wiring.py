@@ -2,7 +2,7 @@
 equals a slow implementation (values and gradients); the slot hand-off; the task and network of each actor per mode;
 what the network sees per env family (clause E of tests/test_clear_loop.py: Atari through common/atari_env.py with
 life loss, clipped rewards and per-game returns; MinAtar's sticky actions; each torso's input scaling); start-up
-checks and one-line errors."""
+checks and one-line errors (a replay memory that cannot fit: tests/test_clear_runs.py, with the other refusals)."""
 
 from types import SimpleNamespace
 
@@ -16,7 +16,6 @@ from clear_helpers import (
     gradients,
     recording_make_env,
     run_actor_loops,
-    run_script,
     slow_clear_loss,
 )
 
@@ -55,24 +54,6 @@ def test_bad_env_id_and_mixed_tasks_fail_with_one_line():
     # MinAtar games: channels padded to 10, the full 6-action set, MinAtar's network
     args = ci.Args(env_ids=["MinAtar/Breakout-v0", "MinAtar/SpaceInvaders-v0", "MinAtar/Asterix-v0"])
     assert ci.probe_envs(args) == ((10, 10, 10), 6, "minatar") and ci.resolve_torso(args, (10, 10, 10)) == "minatar"
-
-
-def test_buffer_that_cannot_fit_is_refused_at_start_up(tmp_path):
-    r = run_script(
-        tmp_path,
-        *"--env-ids MiniGrid-Empty-5x5-v0 --num-actors 2 --batch-size 2 --buffer-frames".split(),
-        str(10**13),
-        "--no-progress",
-        timeout=60,
-    )
-    assert r.returncode != 0
-    assert "B per stored frame (frame 147 B" in r.stdout  # the start-up memory report
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the replay memory needs") and "--buffer-frames" in last and "Traceback" not in r.stderr
-    assert not (tmp_path / "runs").exists()
-
-
-# a log record per learner step and episodes of <= 8 steps: the run lasts about a second, so wall-clock logging could
 
 
 def test_probe_envs_resolves_bootstrap_truncation_per_env_family():
@@ -116,7 +97,9 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         # mostly "forward" (p 0.55): the agent walks into the lava (terminated) unless the gap is in its row (then the
         # 6-step limit truncates), so both ends occur whatever the threads' shared torch stream draws
         shared.policy.bias[2] += 2.0
-    pairs, slots, _ = run_actor_loops(args, obs_shape, num_actions, [shared], unrolls=4, tmp_path=tmp_path)
+    pairs, slots, _ = run_actor_loops(
+        args, obs_shape, num_actions, [ci.SharedWeights.share(shared)], unrolls=4, tmp_path=tmp_path
+    )
     T = args.unroll_length
     ends = {"terminated": 0, "truncated": 0}
     earlier = {p: [] for p in range(args.num_actors)}  # new halves of each process: its reservoir's content
@@ -268,7 +251,7 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
     obs_shape, num_actions, _ = ci.probe_envs(args)
     torch.manual_seed(0)
     networks = [ci.Agent(obs_shape, num_actions, "minigrid") for _ in range(K)]
-    shared = networks if mode == "separate" else networks[:1]
+    shared = [ci.SharedWeights.share(network) for network in (networks if mode == "separate" else networks[:1])]
     pairs, _, _ = run_actor_loops(args, obs_shape, num_actions, shared, unrolls=2, tmp_path=tmp_path)
     tasks_seen = set()
     for i, published in pairs.items():

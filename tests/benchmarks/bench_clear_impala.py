@@ -55,7 +55,7 @@ def bench_learner(cfg, B, T, iters, device, threads):
     slots["obs"].random_(0, 255)
     slots["action"].random_(0, A)
     model = ci.Agent(obs_shape, A, cfg["torso"]).to(device)
-    shared = ci.Agent(obs_shape, A, cfg["torso"]).share_memory()
+    shared = ci.SharedWeights.share(ci.Agent(obs_shape, A, cfg["torso"]))
     opt = torch.optim.RMSprop(model.parameters(), lr=6e-4, alpha=0.99, eps=0.01)
     buffer = ci.ReservoirBuffer(2000, obs_shape, A, T, rng)  # one actor's memory (capacity does not change the cost)
     new = {k: slots[k][0, 0].numpy() for k in ci.UNROLL_FIELDS}
