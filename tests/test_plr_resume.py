@@ -197,6 +197,29 @@ def test_every_applied_flag_takes_effect_on_resume(minigrid_runs):
         assert not holds(resumed, FIRST[flag]), f"{flag_name(flag)}: the checkpoint's {FIRST[flag]} is still in effect"
 
 
+def test_a_restored_return_normaliser_discounts_with_the_resumed_runs_gamma():
+    """Clause 6, --gamma applied on resume: a return normaliser saved by a run at gamma 0.99 and restored into the
+    resumed run's (gamma 0.9) keeps the saved running statistics and discounts from then on with 0.9: its returns and
+    normalised rewards are the textbook's (gym's NormalizeReward: the statistics of all returns seen, Chan's pooled
+    mean and variance) from the saved statistics on."""
+    saved = plr_ppo.ReturnNormalizer(2, gamma=0.99)
+    for rewards in ([1.0, 0.0], [0.5, 2.0], [0.0, 1.0]):
+        saved(np.array(rewards), np.array([False, False]))
+    state = saved.state_dict()
+    restored = plr_ppo.ReturnNormalizer(2, gamma=0.9)
+    restored.load_state_dict(state)
+    restored.restart_episodes()
+    first, second = np.array([1.0, 2.0]), np.array([3.0, -1.0])
+    restored(first, np.array([False, False]))
+    normalized = restored(second, np.array([False, False]))
+    returns = np.concatenate([first, 0.9 * first + second])
+    count = state["count"] + returns.size
+    mean = (state["count"] * state["mean"] + returns.sum()) / count
+    var = (state["count"] * (state["var"] + (state["mean"] - mean) ** 2) + ((returns - mean) ** 2).sum()) / count
+    np.testing.assert_allclose(restored.ret, 0.9 * first + second)
+    np.testing.assert_allclose(normalized, np.clip(second / np.sqrt(var + 1e-8), -10, 10), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A resume bit for bit, on the deterministic fake env
 # ---------------------------------------------------------------------------------------------------------------
