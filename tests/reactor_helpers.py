@@ -237,6 +237,8 @@ def probed_main(out_path, episode_limit=None):
 
     import torch.multiprocessing
 
+    from common import processes
+
     get_context = torch.multiprocessing.get_context
     spies = []
 
@@ -250,11 +252,25 @@ def probed_main(out_path, episode_limit=None):
                 spies[0].g["actor_loop"] = functools.partial(actor_loop_with_episode_limit, episode_limit)
         return get_context(method)
 
+    saved = []
+
+    def save_records():
+        if spies and not saved:
+            spies[0].records["end"] = spies[0].state()
+            torch.save(spies[0].records, out_path)
+            saved.append(True)
+
+    # a run's end leaves the process in common.processes.exit_now (os._exit, no return to here): the records first
+    real_exit_now = processes.exit_now
+
+    def exit_after_saving(code):
+        save_records()
+        real_exit_now(code)
+
+    processes.exit_now = exit_after_saving
     torch.multiprocessing.get_context = get_context_spy
     sys.argv = [str(SCRIPT), *sys.argv[1:]]
     try:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     finally:
-        if spies:
-            spies[0].records["end"] = spies[0].state()
-            torch.save(spies[0].records, out_path)
+        save_records()

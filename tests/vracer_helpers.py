@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import vracer_refer as vr
+from common import processes
 from common.checkpoint import rng_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +287,22 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
     vr.EpisodeReplay.sample_per = sample_per
     vr.ProcessGroup.start = start
     vr.EpisodeReplay.state_stats = state_stats
+    saved = []
+
+    def save_records():
+        if not saved:
+            torch.save(records, probe_dir / "records.pt")
+            saved.append(True)
+
+    # a run's end leaves the process in common.processes.exit_now (os._exit, no return to here): the records first
+    real_exit_now = processes.exit_now
+
+    def exit_after_saving(code):
+        save_records()
+        real_exit_now(code)
+
+    processes.exit_now = exit_after_saving
     try:
         exec(main_block(SCRIPT), vr.__dict__)
     finally:
-        torch.save(records, probe_dir / "records.pt")
+        save_records()
