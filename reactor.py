@@ -162,122 +162,6 @@ class Args(CommonArgs):
     """refuse a replay needing more than this fraction of the available RAM"""
 
 
-# the flags a resumed run may not change (environment, seed, network, method; the replay is per actor)
-FIXED_ON_RESUME = (
-    "env_id",
-    "sticky_action_prob",
-    "noop_max",
-    "torso",
-    "lstm_size",
-    "crelu",
-    "policy_uniform_eps",
-    "distributional",
-    "num_atoms",
-    "v_min",
-    "v_max",
-    "gamma",
-    "policy_gradient",
-    "prioritized",
-    "num_actors",
-    "replay_size",
-    "sequence_length",
-)
-# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
-APPLIED_ON_RESUME = (
-    "total_timesteps",
-    "learning_starts",
-    "batch_size",
-    "replay_ratio",
-    "ratio_slack",
-    "learning_rate",
-    "adam_beta1",
-    "max_grad_norm",
-    "target_update_period",
-    "retrace_lambda",
-    "beta_loo_c",
-    "tislr_c",
-    "entropy_coef",
-    "replay_uniform_eps",
-    "priority_exponent",
-    "actor_sync_every",
-    "eval_episodes",
-)
-# how the run is executed and reported, never what it learns
-RUN_ONLY_ON_RESUME = (
-    "actor_chunk",
-    "log_every",
-    "checkpoint_replay",
-    "memory_fraction",
-)
-
-
-def validate_args(args: Args) -> None:
-    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
-    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
-    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
-    require(args.learning_starts >= 0, f"--learning-starts must be >= 0, got {args.learning_starts!r}")
-    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
-    require(args.sequence_length >= 1, f"--sequence-length must be >= 1, got {args.sequence_length!r}")
-    require(args.replay_ratio > 0, f"--replay-ratio must be > 0, got {args.replay_ratio!r}")
-    require(args.ratio_slack >= 0, f"--ratio-slack must be >= 0, got {args.ratio_slack!r}")
-    require(args.actor_chunk >= 1, f"--actor-chunk must be >= 1, got {args.actor_chunk!r}")
-    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
-    require(0 <= args.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {args.adam_beta1!r}")
-    require(args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {args.max_grad_norm!r}")
-    require(args.target_update_period >= 1, f"--target-update-period must be >= 1, got {args.target_update_period!r}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
-    require(0 <= args.retrace_lambda <= 1, f"--retrace-lambda must be in [0, 1], got {args.retrace_lambda!r}")
-    require(args.num_atoms >= 2, f"--num-atoms must be >= 2, got {args.num_atoms!r}")
-    require(args.beta_loo_c >= 1, f"--beta-loo-c must be >= 1, got {args.beta_loo_c!r}")
-    require(args.tislr_c > 0, f"--tislr-c must be > 0, got {args.tislr_c!r}")
-    require(args.entropy_coef >= 0, f"--entropy-coef must be >= 0, got {args.entropy_coef!r}")
-    require(0 <= args.policy_uniform_eps < 1, f"--policy-uniform-eps must be in [0, 1), got {args.policy_uniform_eps!r}")
-    require(args.lstm_size >= 1, f"--lstm-size must be >= 1, got {args.lstm_size!r}")
-    require(0 <= args.replay_uniform_eps <= 1, f"--replay-uniform-eps must be in [0, 1], got {args.replay_uniform_eps!r}")
-    require(args.priority_exponent >= 0, f"--priority-exponent must be >= 0, got {args.priority_exponent!r}")
-    require(
-        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
-        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
-    )
-    require(args.noop_max >= 0, f"--noop-max must be >= 0, got {args.noop_max!r}")
-    require(args.actor_sync_every >= 1, f"--actor-sync-every must be >= 1, got {args.actor_sync_every!r}")
-    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
-    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
-    require(0 < args.memory_fraction <= 1, f"--memory-fraction must be in (0, 1], got {args.memory_fraction!r}")
-    # the checks between flags
-    minatar = args.env_id in MINATAR_ENV_IDS
-    require(
-        args.env_id in ATARI_ENV_IDS or minatar,
-        f"reactor.py is for Atari and MinAtar (discrete actions, image frames): {args.env_id!r} is neither a registered "
-        "ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)",
-    )
-    require(
-        not (minatar and args.torso == "paper"),
-        "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)",
-    )
-    require(not (minatar and args.capture_video), "--capture-video needs an Atari game (MinAtar envs render no frames here)")
-    require(
-        args.total_timesteps > args.learning_starts,
-        f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})",
-    )
-    require(args.v_max > args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
-    require(
-        not (args.policy_gradient == "tislr" and args.policy_uniform_eps == 0),
-        "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions",
-    )
-    slots_per_actor = 2 * (args.sequence_length + 1) + args.actor_chunk + 2
-    require(
-        args.replay_size // args.num_actors >= slots_per_actor,
-        f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots_per_actor} "
-        "slots",
-    )
-    if args.capture_video:
-        try:
-            check_video_support()
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-
-
 def make_env(env_id: str, seed: int, args: Args, *, evaluation: bool = False, video_folder: str | None = None):
     """Atari: (1, 84, 84) uint8, rewards clipped and life loss = episode end for learning only. MinAtar: (C, 10, 10) as is."""
     sticky = args.sticky_action_prob
@@ -1315,7 +1199,123 @@ def evaluate(net, args: Args, episodes: int, device, seed: int, greedy: bool = F
     return returns
 
 
-# RUN PLUMBING: a resume's checks and what it restores (the flags' classes on --resume: after Args)
+# RUN PLUMBING: the resume classes, validation, a resume's checks and what it restores
+# the flags a resumed run may not change (environment, seed, network, method; the replay is per actor)
+FIXED_ON_RESUME = (
+    "env_id",
+    "sticky_action_prob",
+    "noop_max",
+    "torso",
+    "lstm_size",
+    "crelu",
+    "policy_uniform_eps",
+    "distributional",
+    "num_atoms",
+    "v_min",
+    "v_max",
+    "gamma",
+    "policy_gradient",
+    "prioritized",
+    "num_actors",
+    "replay_size",
+    "sequence_length",
+)
+# flags a resumed run applies from its resumed step on (each is changed and read back by a resume test)
+APPLIED_ON_RESUME = (
+    "total_timesteps",
+    "learning_starts",
+    "batch_size",
+    "replay_ratio",
+    "ratio_slack",
+    "learning_rate",
+    "adam_beta1",
+    "max_grad_norm",
+    "target_update_period",
+    "retrace_lambda",
+    "beta_loo_c",
+    "tislr_c",
+    "entropy_coef",
+    "replay_uniform_eps",
+    "priority_exponent",
+    "actor_sync_every",
+    "eval_episodes",
+)
+# how the run is executed and reported, never what it learns
+RUN_ONLY_ON_RESUME = (
+    "actor_chunk",
+    "log_every",
+    "checkpoint_replay",
+    "memory_fraction",
+)
+
+
+def validate_args(args: Args) -> None:
+    """Each flag's range, then the checks between flags; the first violation stops the script with one line `error: ...`."""
+    require(args.total_timesteps > 0, f"--total-timesteps must be > 0, got {args.total_timesteps!r}")
+    require(args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors!r}")
+    require(args.learning_starts >= 0, f"--learning-starts must be >= 0, got {args.learning_starts!r}")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
+    require(args.sequence_length >= 1, f"--sequence-length must be >= 1, got {args.sequence_length!r}")
+    require(args.replay_ratio > 0, f"--replay-ratio must be > 0, got {args.replay_ratio!r}")
+    require(args.ratio_slack >= 0, f"--ratio-slack must be >= 0, got {args.ratio_slack!r}")
+    require(args.actor_chunk >= 1, f"--actor-chunk must be >= 1, got {args.actor_chunk!r}")
+    require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
+    require(0 <= args.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {args.adam_beta1!r}")
+    require(args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {args.max_grad_norm!r}")
+    require(args.target_update_period >= 1, f"--target-update-period must be >= 1, got {args.target_update_period!r}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
+    require(0 <= args.retrace_lambda <= 1, f"--retrace-lambda must be in [0, 1], got {args.retrace_lambda!r}")
+    require(args.num_atoms >= 2, f"--num-atoms must be >= 2, got {args.num_atoms!r}")
+    require(args.beta_loo_c >= 1, f"--beta-loo-c must be >= 1, got {args.beta_loo_c!r}")
+    require(args.tislr_c > 0, f"--tislr-c must be > 0, got {args.tislr_c!r}")
+    require(args.entropy_coef >= 0, f"--entropy-coef must be >= 0, got {args.entropy_coef!r}")
+    require(0 <= args.policy_uniform_eps < 1, f"--policy-uniform-eps must be in [0, 1), got {args.policy_uniform_eps!r}")
+    require(args.lstm_size >= 1, f"--lstm-size must be >= 1, got {args.lstm_size!r}")
+    require(0 <= args.replay_uniform_eps <= 1, f"--replay-uniform-eps must be in [0, 1], got {args.replay_uniform_eps!r}")
+    require(args.priority_exponent >= 0, f"--priority-exponent must be >= 0, got {args.priority_exponent!r}")
+    require(
+        args.sticky_action_prob is None or 0 <= args.sticky_action_prob <= 1,
+        f"--sticky-action-prob must be in [0, 1], got {args.sticky_action_prob!r}",
+    )
+    require(args.noop_max >= 0, f"--noop-max must be >= 0, got {args.noop_max!r}")
+    require(args.actor_sync_every >= 1, f"--actor-sync-every must be >= 1, got {args.actor_sync_every!r}")
+    require(args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes!r}")
+    require(args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every!r}")
+    require(0 < args.memory_fraction <= 1, f"--memory-fraction must be in (0, 1], got {args.memory_fraction!r}")
+    # the checks between flags
+    minatar = args.env_id in MINATAR_ENV_IDS
+    require(
+        args.env_id in ATARI_ENV_IDS or minatar,
+        f"reactor.py is for Atari and MinAtar (discrete actions, image frames): {args.env_id!r} is neither a registered "
+        "ALE id (ALE/Pong-v5) nor a MinAtar id (MinAtar/Breakout-v0)",
+    )
+    require(
+        not (minatar and args.torso == "paper"),
+        "--torso paper needs 84x84 Atari frames: MinAtar takes --torso minatar (or auto)",
+    )
+    require(not (minatar and args.capture_video), "--capture-video needs an Atari game (MinAtar envs render no frames here)")
+    require(
+        args.total_timesteps > args.learning_starts,
+        f"--total-timesteps ({args.total_timesteps:,}) must be > --learning-starts ({args.learning_starts:,})",
+    )
+    require(args.v_max > args.v_min, f"--v-max ({args.v_max}) must be > --v-min ({args.v_min})")
+    require(
+        not (args.policy_gradient == "tislr" and args.policy_uniform_eps == 0),
+        "tislr needs --policy-uniform-eps > 0 so that mu(a) > 0 for all actions",
+    )
+    slots_per_actor = 2 * (args.sequence_length + 1) + args.actor_chunk + 2
+    require(
+        args.replay_size // args.num_actors >= slots_per_actor,
+        f"--replay-size {args.replay_size} is too small: each of the {args.num_actors} actors needs >= {slots_per_actor} "
+        "slots",
+    )
+    if args.capture_video:
+        try:
+            check_video_support()
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+
+
 def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
     """Where a resumed run's acting:learning ratio counts from. Without its replay: after learning_starts steps that
     refill it. With it: the checkpoint's base, so that the run goes on exactly, except that a new --learning-starts
