@@ -1355,10 +1355,15 @@ if __name__ == "__main__":
                 replay.update_reward_scale()
                 replay.recount_far(refer_cmax(state["k"], args.C, args.A))
                 started = True
-                # a resumed run's k continues at once
-                t0 = global_step - int(state["k"] * args.F)
+                # the F clock starts from every step the actors have taken, stored or still in their rings (a resumed
+                # run's k continues at once); the gate stays closed there until allow_steps opens it to t0 + F k + slack
+                steps_written = int(shared.written.sum())
+                shared.steps_allowed[0] = steps_written
+                t0 = base_step + steps_written - int(state["k"] * args.F)
                 publish()
-                print(f"learning starts at env step {global_step} (replay holds {replay.size} samples)", flush=True)
+                print(
+                    f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True
+                )
 
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             grad_steps = 0
