@@ -424,18 +424,28 @@ TINY = (
 ).split()
 
 
+# a test episode (task, return, length) no MiniGrid task can produce (its returns lie in [0, 1]), queued by RESUME_SPY
+# once the loop has stopped
+QUEUED_AT_STOP = (1, 4242.5, 7)
+
 # Runs clear_impala.py as __main__ (runpy: actor processes import it by its path, as in a plain run) with a profile
 # hook installed once the optimizers exist. At the first learner step it records what the learner holds and uses:
 # the arguments of learner_step and of the functions it calls (clear_loss, impala_losses, clip_grad_norm_), the
 # optimizer before and after the step, the loop's counters and history (the __main__ namespace), every global RNG
 # state, the pair-selection stream at its first draw and the global step at the first take_batch; then it saves
-# them to the file named by its first argument and removes the hook.
+# them to the file named by its first argument and removes the hook. When the loop's ProcessGroup.stop (called from
+# __main__) has stopped every process, it puts the test episode given as its second argument on __main__'s
+# eval_queue from a forked child that exits before stop returns (a process's queue data is in the pipe once it has
+# exited), so that the episode is queued, whatever the scheduling, when the loop moves on to its summary.
 RESUME_SPY = r"""
-import copy, os, random, runpy, sys
+import copy, json, multiprocessing, os, random, runpy, sys
 import numpy as np
 import torch
 
+from common.processes import ProcessGroup
+
 out_path = sys.argv.pop(1)
+queued_at_stop = tuple(json.loads(sys.argv.pop(1)))
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 seen = {}
@@ -484,17 +494,40 @@ def init_then_spy(self, *a, **kw):
     sys.setprofile(spy)
 
 
+def put_and_flush(q, item):
+    q.put(item)
+    q.close()
+    q.join_thread()
+
+
+real_stop = ProcessGroup.stop
+queued = []
+
+
+def stop_then_queue_an_episode(self, *a, **kw):
+    real_stop(self, *a, **kw)
+    loop = sys._getframe(1).f_globals
+    if loop.get("__name__") == "__main__" and "eval_queue" in loop and not queued:
+        queued.append(queued_at_stop)
+        fork = multiprocessing.get_context("fork")
+        child = fork.Process(target=put_and_flush, args=(loop["eval_queue"], queued_at_stop))
+        child.start()
+        child.join()
+
+
 torch.optim.RMSprop.__init__ = init_then_spy
+ProcessGroup.stop = stop_then_queue_an_episode
 runpy.run_path(script, run_name="__main__")
 """
 
 
 def start_spied_run(tmp_path, spy_out, *flags):
-    """clear_impala.py with `flags` under RESUME_SPY (its records go to `spy_out`), in its own session, output to files."""
+    """clear_impala.py with `flags` under RESUME_SPY (its records go to `spy_out`; it queues QUEUED_AT_STOP once the
+    loop has stopped), in its own session, output to files."""
     stdout = open(tmp_path / "spied.out", "w")
     stderr = open(tmp_path / "spied.err", "w")
     return subprocess.Popen(
-        [sys.executable, "-c", RESUME_SPY, str(spy_out), SCRIPT, *flags],
+        [sys.executable, "-c", RESUME_SPY, str(spy_out), json.dumps(QUEUED_AT_STOP), SCRIPT, *flags],
         cwd=tmp_path,
         env=environment(),
         stdout=stdout,

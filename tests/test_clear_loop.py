@@ -208,6 +208,66 @@ def test_every_copy_read_while_the_learner_publishes_in_a_tight_loop_is_one_publ
     assert not errors and not thread.is_alive()
 
 
+class SequenceOfAWriteUnderWay:
+    """A stand-in for a SharedWeights' sequence, read while the learner's write of `whole` into `shared_model` is under
+    way: the sequence is odd (1) at the reader's first two looks, the write then completes (`whole`'s state copied in)
+    and the sequence is even (2) from the third look on. Until then `shared_model` holds what the test put there."""
+
+    def __init__(self, shared_model, whole):
+        self.shared_model = shared_model
+        self.whole = whole
+        self.looks = 0
+
+    def __int__(self):
+        self.looks += 1
+        if self.looks <= 2:
+            return 1
+        if self.looks == 3:
+            self.shared_model.load_state_dict(self.whole.state_dict())
+        return 2
+
+
+def torn_copy(old, new):
+    """What a write of `new` over `old` leaves half-way: `new`'s version and torso, `old`'s policy and value heads."""
+    torn = copy.deepcopy(old)
+    with torch.no_grad():
+        torn.version.copy_(new.version)
+        for name, tensor in new.torso.state_dict().items():
+            torn.torso.state_dict()[name].copy_(tensor)
+    return torn
+
+
+def test_a_training_actor_never_acts_with_a_copy_the_learner_is_writing(tmp_path):
+    """Clause W3 on the real actor loop, with no timing: when the actor reloads its network's weights for its first
+    unroll, the learner's write of version 1 over version 0 is under way (SequenceOfAWriteUnderWay: the shared copy
+    holds version 1's version and torso with version 0's heads, the sequence odd for two looks). The unroll's stored
+    mu and V_mu are those of version 1 whole and it records version 1: an actor that copied the shared module
+    without the seqlock, acted with it directly, or kept a copy taken while the sequence was odd, acts with the torn
+    state (its heads are version 0's)."""
+    args = ci.Args(
+        env_ids=["MiniGrid-Empty-5x5-v0"],
+        minigrid_max_steps=6,
+        num_actors=1,
+        envs_per_actor=1,
+        batch_size=1,
+        unroll_length=5,
+        seed=4,
+    )
+    obs_shape, num_actions, _ = ci.probe_envs(args)
+    old, new = versioned_networks(obs_shape, num_actions, "minigrid", 2, seed=3)
+    shared_model = torn_copy(old, new)
+    shared = ci.SharedWeights(shared_model, SequenceOfAWriteUnderWay(shared_model, new))
+    pairs, _, _ = run_actor_loops(args, obs_shape, num_actions, [shared], 1, tmp_path)
+    (pair,) = pairs[0]
+    assert pair["info"]["policy_version"] == 1
+    with torch.no_grad():
+        logits, values = new(pair["obs"][0, : args.unroll_length])
+        torn_logits, _ = torn_copy(old, new)(pair["obs"][0, : args.unroll_length])
+    assert not torch.allclose(torn_logits, logits)
+    torch.testing.assert_close(pair["logits"][0, 1:], logits)
+    torch.testing.assert_close(pair["baseline"][0, 1:], values)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # L. One learner step
 # ----------------------------------------------------------------------------------------------------------------
@@ -409,6 +469,40 @@ def test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights(monkeypatch):
     assert set(task.actions[next_reload:]) == {5}
     assert [report[0] for report in eval_queue.reports] == [1] * len(task.episode_returns)
     assert [report[1] for report in eval_queue.reports] == task.episode_returns
+
+
+def test_a_test_actor_never_acts_with_a_copy_the_learner_is_writing(monkeypatch):
+    """Clause W3 on the real test actor loop, with no timing: at its first reload the learner's write of a network
+    that always plays action 5 over one that never does is under way (SequenceOfAWriteUnderWay: the shared copy
+    holds the new version and torso with the old heads). Its first T actions, played before its next reload, are
+    all 5: a test actor that copied the shared module without the seqlock, acted with it directly, or kept a copy
+    taken while the sequence was odd, plays the old heads' pi (never 5)."""
+    T = 4
+    args = ci.Args(env_ids=["MiniGrid-Empty-5x5-v0"], num_actors=1, batch_size=1, unroll_length=T)
+    never_five = np.full(7, 1 / 6)
+    never_five[5] = 1e-12
+    always_five = np.full(7, 1e-12)
+    always_five[5] = 1.0
+    old = fixed_policy(never_five)
+    new = fixed_policy(always_five)
+    new.version.fill_(1)
+    shared_model = torn_copy(old, new)
+    shared = ci.SharedWeights(shared_model, SequenceOfAWriteUnderWay(shared_model, new))
+    stop = threading.Event()
+    built = []
+
+    def on_step(n):
+        if n == T:
+            stop.set()
+
+    def make_env(env_id, seed, args, *rest):
+        built.append(FixedObservationTask(env_id, seed, on_step=on_step))
+        return built[-1]
+
+    monkeypatch.setattr(ci, "make_env", make_env)
+    ci.test_actor_loop(0, 0, args, (7, 7, 3), 7, [shared], 0, stop, StopAfter(10**9, stop))
+    (task,) = built
+    assert task.actions == [5] * T
 
 
 def test_a_test_actor_reports_an_atari_games_score_not_a_lifes(monkeypatch):

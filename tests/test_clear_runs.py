@@ -3,8 +3,8 @@ shared by the tests (module-scoped fixtures, each read once):
 - a sequential two-task MiniGrid run with one pair per env in every batch (tests/clear_helpers.py TINY), checkpoints,
   --save-model and --checkpoint-replay;
 - its resume with a new value for every flag of APPLIED_ON_RESUME, under a spy that records what the learner holds
-  and uses at its first step (RESUME_SPY), stopped by SIGTERM once both actors have restored their buffers and the
-  test actors of both tasks have reported;
+  and uses at its first step and queues a test episode once the loop has stopped (RESUME_SPY), stopped by SIGTERM
+  once both actors have restored their buffers and the test actors of both tasks have reported;
 - a --mode separate run (two networks, one pair per env of each network in its batches);
 and start-ups refused in one line (two resumes of the sequential run's checkpoint, clause R5, and a replay memory
 that cannot fit), sharing one import.
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from clear_helpers import TINY, run_script, run_script_starts, start_spied_run, textbook_cumulative_return
+from clear_helpers import QUEUED_AT_STOP, TINY, run_script, run_script_starts, start_spied_run, textbook_cumulative_return
 
 import clear_impala as ci
 from common.logger import read_metrics
@@ -286,6 +286,23 @@ def test_a_run_stopped_early_reports_cumulative_returns_over_the_steps_it_reache
         planned = textbook_cumulative_return(run.eval_records, task, end_step)
         planned_differs |= abs(planned - expected) > 1e-6
     assert planned_differs
+
+
+def test_a_test_episode_still_queued_when_the_loop_stops_joins_the_record_and_the_summary(resumed_run):
+    """Clause F1 on the real loop: RESUME_SPY puts a test episode no MiniGrid task can produce (QUEUED_AT_STOP, return
+    4242.5) on the resumed run's eval queue once the loop's ProcessGroup.stop has stopped every process, and it is
+    in the queue before the loop moves on. eval_records.json holds it once, at the step reached, after every
+    episode the learner drained itself; the summary counts it (num_eval_episodes of its task is the number of that
+    task's records) and final_return_last20 is the mean of that task's last 20 returns, it included."""
+    task, episode_return, _ = QUEUED_AT_STOP
+    env_id = ENV_IDS[task]
+    reached = resumed_run.summary["global_step"]
+    records = resumed_run.eval_records
+    assert [record for record in records if record[2] == episode_return] == [(reached, task, episode_return)]
+    assert records[-1] == (reached, task, episode_return)
+    task_returns = [record_return for _, record_task, record_return in records if record_task == task]
+    assert resumed_run.summary["num_eval_episodes"][env_id] == len(task_returns)
+    assert resumed_run.summary["final_return_last20"][env_id] == pytest.approx(np.mean(task_returns[-20:]), rel=1e-9)
 
 
 def test_the_test_actors_of_every_task_report_during_a_run(resumed_run):
