@@ -743,8 +743,8 @@ def test_stop_handling_at_the_edges_of_a_run(tmp_path, case, ignore_sighup, expe
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def preexec():
-        if ignore_sighup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # the probe's inherited SIGHUP disposition, whatever this test process inherited (pytest under nohup)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_sighup else signal.SIG_DFL)
 
     read_end, write_end = os.pipe()
     # the probe's stdin is the read end of its own stdout: once it closes fd 0, no reader is left
