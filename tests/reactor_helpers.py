@@ -232,12 +232,11 @@ def probed_main(out_path, episode_limit=None):
     process's command line, and `LoopSpies` installed when the script asks torch for its process context (after the
     set-up and the restoration, before any actor starts); with `episode_limit`, its actors start as
     `actor_loop_with_episode_limit`. The records go to `out_path` however the run ends."""
+    import atexit
     import functools
     import runpy
 
     import torch.multiprocessing
-
-    from common import processes
 
     get_context = torch.multiprocessing.get_context
     spies = []
@@ -260,14 +259,8 @@ def probed_main(out_path, episode_limit=None):
             torch.save(spies[0].records, out_path)
             saved.append(True)
 
-    # a run's end leaves the process in common.processes.exit_now (os._exit, no return to here): the records first
-    real_exit_now = processes.exit_now
-
-    def exit_after_saving(code):
-        save_records()
-        real_exit_now(code)
-
-    processes.exit_now = exit_after_saving
+    # a run's end leaves the process in common.processes.exit_now, never returning here; it runs the atexit functions
+    atexit.register(save_records)
     torch.multiprocessing.get_context = get_context_spy
     sys.argv = [str(SCRIPT), *sys.argv[1:]]
     try:

@@ -3,6 +3,7 @@ episodes, a CPU learner, and the probe that runs the real `__main__` of vracer_r
 what its loop hands the learner step, the actors, the checkpoints and the evaluation."""
 
 import ast
+import atexit
 import copy
 import os
 import shutil
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 
 import vracer_refer as vr
-from common import processes
 from common.checkpoint import rng_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,14 +294,8 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             torch.save(records, probe_dir / "records.pt")
             saved.append(True)
 
-    # a run's end leaves the process in common.processes.exit_now (os._exit, no return to here): the records first
-    real_exit_now = processes.exit_now
-
-    def exit_after_saving(code):
-        save_records()
-        real_exit_now(code)
-
-    processes.exit_now = exit_after_saving
+    # a run's end leaves the process in common.processes.exit_now, never returning here; it runs the atexit functions
+    atexit.register(save_records)
     try:
         exec(main_block(SCRIPT), vr.__dict__)
     finally:
