@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.args import CommonArgs, parse_run_args, require
-from common.checkpoint import save_run_checkpoint, seed_everything, select_device, set_rng_state
+from common.checkpoint import resumed_seed, save_run_checkpoint, seed_everything, select_device, set_rng_state
 from common.logger import start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
 from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads
@@ -753,7 +753,7 @@ def actor_seed(base_seed: int, args: Args, resume_step: int) -> int:
     streams are not repeated (a restored buffer brings back its own keep/drop stream)."""
     if not args.resume:
         return base_seed
-    return int(np.random.SeedSequence([base_seed, resume_step]).generate_state(1)[0]) % 2**31
+    return resumed_seed(base_seed, resume_step)
 
 
 class ActorHandles(NamedTuple):

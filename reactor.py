@@ -60,6 +60,7 @@ from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import (
     load_state_dicts,
     next_checkpoint_step,
+    resumed_seed,
     save_run_checkpoint,
     seed_everything,
     select_device,
@@ -1038,7 +1039,7 @@ def actor_seed(seed: int, actor_id: int, start_step: int) -> int:
     actor_seed = seed + 1000 * actor_id
     if start_step == 0:
         return actor_seed
-    return int(np.random.SeedSequence([actor_seed, start_step]).generate_state(1)[0]) % 2**31
+    return resumed_seed(actor_seed, start_step)
 
 
 def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, ratio_base: RatioBase, start_step: int):

@@ -1,6 +1,7 @@
 """Seeding, device choice and atomic checkpoints shared by the four scripts.
 
 - `seed_everything(seed, torch_deterministic)`: python, numpy and torch (CleanRL's seeding block).
+- `resumed_seed(seed, resume_step)`: the seed of an actor's streams in a run resumed at `resume_step`.
 - `rng_state()` / `set_rng_state(state)`: capture and restore every global RNG, for `--resume`.
 - `save_checkpoint(path, obj)`: `torch.save` to a temporary file in the same folder, fsync, then `os.replace`, so a
   crash mid-write never leaves a truncated checkpoint (the old one stays valid until the rename).
@@ -33,6 +34,13 @@ def seed_everything(seed: int, torch_deterministic: bool = True) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def resumed_seed(seed: int, resume_step: int) -> int:
+    """The seed of a stream (an actor's actions, env resets, replay draws) in a run resumed at `resume_step`: drawn
+    from (seed, resume_step) by numpy's SeedSequence, so that a resumed run's actors never replay the first run's
+    streams; an int in [0, 2**31), as env seeds need."""
+    return int(np.random.SeedSequence([seed, resume_step]).generate_state(1)[0]) % 2**31
 
 
 def select_device(cuda: bool) -> torch.device:
