@@ -2,9 +2,12 @@
 
 - `CommonArgs`: the flags every script has (seed, cuda, track, save_model, checkpoint_every, resume, ...); each
   script's `@dataclass class Args(CommonArgs)` adds its own. Choices are `Literal` types, checked by tyro.
-- `parse_run_args(Args, script, fixed, applied, run_only)`: the start of every script: `cli`, the common flags'
-  checks (`--track` needs wandb installed: checked here, before any folder), then, with `--resume`, the checkpoint
-  (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+- `parse_run_args(Args, script, fixed, applied, run_only, renamed)`: the start of every script: `cli`, the common
+  flags' checks (`--track` needs wandb installed: checked here, before any folder), then, with `--resume`, the
+  checkpoint (`load_run_checkpoint`) and the resume rule; returns (args, checkpoint or None, overridden flag names).
+  `renamed` ({old field name: new field name}, each script's `RENAMED_FLAGS`): a checkpoint written before a flag
+  was renamed resumes with its value under the new name; a checkpoint flag the script has under no name is refused
+  in one line (its value would otherwise be dropped without a word).
 - `resume_classes(Args, fixed, applied, run_only)`: every flag of a script in exactly one class on `--resume`
   (below); a flag in none, or in two, stops every start of the script (a programming error, so a new flag is
   classified the day it is added).
@@ -189,12 +192,35 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
     return dataclasses.replace(args, **restored), sorted(given)
 
 
+def checkpoint_flags(ckpt_args: dict, args_class: type, renamed: dict[str, str], path: str) -> dict:
+    """The checkpoint's flags under this script's names: an old name in `renamed` becomes its new name; a flag the
+    script has under no name stops the resume with one `error:` line."""
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    bad = [f"{old} -> {new}" for old, new in renamed.items() if old in fields or new not in fields]
+    if bad:
+        raise TypeError(f"{args_class.__module__}.RENAMED_FLAGS: not an old name -> a flag: {', '.join(bad)}")
+    flags = {renamed.get(name, name): value for name, value in ckpt_args.items()}
+    unknown = sorted(set(flags) - fields)
+    require(
+        not unknown,
+        f"--resume: {path} was written with {', '.join(flag(name) for name in unknown)}, which this script no longer "
+        f"has; resume it with the version of the script that wrote it",
+    )
+    return flags
+
+
 def parse_run_args(
-    args_class: type, script: str, fixed: Iterable[str], applied: Iterable[str], run_only: Iterable[str]
+    args_class: type,
+    script: str,
+    fixed: Iterable[str],
+    applied: Iterable[str],
+    run_only: Iterable[str],
+    renamed: dict[str, str] | None = None,
 ) -> tuple[Any, dict | None, list[str]]:
     """(args, checkpoint or None, the flags this command line overrides): the command line parsed by `cli`, and with
     `--resume PATH` the checkpoint of `script` loaded and `resume_args` applied (`fixed`, `applied`, `run_only`: the
-    script's classes of its own flags, checked by `resume_classes`)."""
+    script's classes of its own flags, checked by `resume_classes`; `renamed`: {old name: new name} of its renamed
+    flags, `checkpoint_flags`)."""
     classes = resume_classes(args_class, fixed, applied, run_only)
     args = cli(args_class)
     args.exp_name = args.exp_name or script[: -len(".py")]
@@ -209,6 +235,7 @@ def parse_run_args(
     if not args.resume:
         return args, None, []
     ckpt = load_run_checkpoint(args.resume, script)
+    ckpt["args"] = checkpoint_flags(ckpt["args"], args_class, renamed or {}, args.resume)
     fixed_flags = [name for name, kind in classes.items() if kind == "fixed"]
     args, overridden = resume_args(args, sys.argv[1:], ckpt["args"], fixed_flags)
     return args, ckpt, overridden

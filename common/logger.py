@@ -17,6 +17,8 @@ disk) stops `start_run` with one `error:` line (a new run's half-made folder is 
 are dropped, so that the run's end (`finish_run`) still writes what the disk allows.
 It also prints a compact progress line (`progress()`, switched off with `progress=False`) and mirrors everything to
 Weights & Biases when `track=True` (imported lazily, so wandb is not a dependency).
+`MetricAverager`: the means of a loop's per-step metrics since the last log line, summed where they are made (the
+learner's device), read with one transfer per log line; the four main loops use it for their learner metrics.
 
 Metric names follow CleanRL: `charts/episodic_return`, `charts/episodic_length`, `charts/SPS`,
 `charts/learning_rate`, `losses/<name>`, `eval/<name>`; the x-axis is `global_step` in environment steps.
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from common.processes import RunFolderFailed, disk_error, run_started
@@ -123,6 +126,47 @@ def make_new_folder(root: Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"{root / name} and 998 suffixed folders exist")
+
+
+class MetricAverager:
+    """The means of a loop's metrics since the last log line. Tensors are summed where they are (on the learner's
+    device, no sync per step); `means()` reads every sum with one transfer and starts over:
+
+        averager.add({"losses/value_loss": value_loss, "charts/policy_lag": 3.0})  # every learner step
+        logger.log(global_step, averager.means() | {"charts/SPS": sps})  # every log line
+
+    Values: 0-d tensors (detached here) or numbers; a name's mean is its sum over the steps that added it, divided
+    by their number (in float64)."""
+
+    def __init__(self):
+        self.sums: dict[str, Any] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        """Add one step's value of each metric in `metrics`."""
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            # 0 + value: a new sum, never the caller's tensor
+            self.sums[name] = self.sums.get(name, 0) + value
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __len__(self) -> int:
+        """The number of steps added since the last `means()` (the most any metric has)."""
+        return max(self.counts.values(), default=0)
+
+    def means(self) -> dict[str, float]:
+        """{name: mean since the last call} (one device-to-host transfer for all tensor sums), then start over."""
+        tensor_names = [name for name, total in self.sums.items() if isinstance(total, torch.Tensor)]
+        totals = {name: float(total) for name, total in self.sums.items() if name not in tensor_names}
+        if tensor_names:
+            device = self.sums[tensor_names[0]].device
+            stacked = torch.stack([self.sums[name].to(device=device, dtype=torch.float64) for name in tensor_names])
+            totals |= dict(zip(tensor_names, stacked.tolist()))
+        means = {name: totals[name] / self.counts[name] for name in self.sums}
+        self.sums = {}
+        self.counts = {}
+        return means
 
 
 class RunLogger:

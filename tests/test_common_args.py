@@ -178,3 +178,53 @@ def test_parse_run_args_refuses_a_changed_fixed_flag_and_applies_the_others(tmp_
     monkeypatch.setattr(sys, "argv", ["x.py", "--resume", str(path), "--seed", "8"])
     with pytest.raises(SystemExit, match="error: --resume: --seed 8 differs from the checkpoint's 7"):
         parse_run_args(ScriptArgs, "x.py", *classes)
+
+
+def test_parse_run_args_resumes_a_renamed_flag_under_its_new_name_and_refuses_a_flag_it_no_longer_has(tmp_path, monkeypatch):
+    """A checkpoint written before `learning_rate` was renamed (its args say `lr`): the value comes back under the
+    new name, and a fixed flag's old value is still compared; a flag the script has under no name: one error line."""
+    import torch
+
+    from common.args import parse_run_args
+
+    saved = dataclasses.asdict(ScriptArgs(exp_name="x", learning_rate=5e-4, env_id="Old"))
+    saved["lr"] = saved.pop("learning_rate")
+    saved["id_of_env"] = saved.pop("env_id")
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"script": "x.py", "args": saved, "global_step": 10, "run_name": "r"}, path)
+    classes = (("env_id", "env_ids", "mode"), ("gamma", "learning_rate", "total_timesteps"), ())
+    renamed = {"lr": "learning_rate", "id_of_env": "env_id"}
+    monkeypatch.setattr(sys, "argv", ["x.py", "--resume", str(path)])
+    args, ckpt, given = parse_run_args(ScriptArgs, "x.py", *classes, renamed=renamed)
+    assert (args.learning_rate, args.env_id, given) == (5e-4, "Old", [])
+    assert "learning_rate" in ckpt["args"] and "lr" not in ckpt["args"]
+    monkeypatch.setattr(sys, "argv", ["x.py", "--resume", str(path), "--env-id", "New"])
+    with pytest.raises(SystemExit, match="error: --resume: --env-id 'New' differs from the checkpoint's 'Old'"):
+        parse_run_args(ScriptArgs, "x.py", *classes, renamed=renamed)
+    monkeypatch.setattr(sys, "argv", ["x.py", "--resume", str(path)])
+    with pytest.raises(SystemExit) as e:
+        parse_run_args(ScriptArgs, "x.py", *classes, renamed={"lr": "learning_rate"})
+    assert str(e.value) == (
+        f"error: --resume: {path} was written with --id-of-env, which this script no longer has; resume it with "
+        "the version of the script that wrote it"
+    )
+    with pytest.raises(TypeError, match="RENAMED_FLAGS"):
+        parse_run_args(ScriptArgs, "x.py", *classes, renamed={"lr": "no_such_flag", "id_of_env": "env_id"})
+
+
+def test_metric_averager_means_each_name_over_the_steps_that_added_it_and_starts_over():
+    import torch
+
+    from common.logger import MetricAverager
+
+    averager = MetricAverager()
+    first = torch.tensor(1.0, requires_grad=True) * 1
+    averager.add({"losses/a": first, "charts/b": 2})
+    averager.add({"losses/a": torch.tensor(3.0), "charts/b": 4.0, "losses/c": torch.tensor(5.0, dtype=torch.float64)})
+    assert len(averager) == 2
+    # the caller's tensor is not the sum
+    assert float(first) == 1.0
+    assert averager.means() == {"losses/a": 2.0, "charts/b": 3.0, "losses/c": 5.0}
+    assert len(averager) == 0 and averager.means() == {}
+    averager.add({"losses/a": torch.tensor(0.1)})
+    assert averager.means()["losses/a"] == float(torch.tensor(0.1))
