@@ -524,6 +524,19 @@ def test_readme_commands_parse_and_pass_each_scripts_checks(monkeypatch):
         module.validate_args(args)
 
 
+def test_ci_runs_exactly_readmes_test_command():
+    """.ci/run's command is README Quickstart's command 2, line for line (one step per line in both)."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    quickstart = open(os.path.join(root, "README.md")).read().split("## Quickstart", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", quickstart, flags=re.S).group(1)
+    readme_command = block.split("# 2.", 1)[1].split("\n", 1)[1].strip()
+    ci_command = open(os.path.join(root, ".ci", "run")).read().split("(keep the two identical):\n", 1)[1].strip()
+    assert ci_command == readme_command
+    assert readme_command.endswith("python -m pytest tests -q")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The run folder, the disk and the signals at the edges (issue 48). start_run and install_stop_handling change this
 # process (signal handlers, sys.stdout, sys.excepthook, the run of the process): `process_state` puts them back.
