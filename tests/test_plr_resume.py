@@ -220,9 +220,8 @@ def test_a_restored_return_normaliser_discounts_with_the_resumed_runs_gamma():
     np.testing.assert_allclose(normalized, np.clip(second / np.sqrt(var + 1e-8), -10, 10), rtol=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # A resume bit for bit, on the deterministic fake env
-# ---------------------------------------------------------------------------------------------------------------
 METRICS_OF_TIME = {"time", "charts/SPS", "charts/collect_seconds", "charts/plr_seconds"}
 
 
