@@ -465,23 +465,18 @@ class SamplerConfig:
 
 
 class LevelSampler:
-    """PLR's level sampler (Algorithm 4): scores S, staleness c - C, the seen set Λ_seen, each actor's partial score S~.
+    """PLR's level sampler (Algorithm 4), the core both modes share: scores S, staleness c - C, the seen set Λ_seen,
+    each actor's partial score S~. Per update: `sample` (inside env.step, at each episode end), `update_with_rollouts`,
+    the PPO update, `after_update`. The level space is the mode's: `BoundedLevelSampler` (a fixed Λ_train, one slot per
+    training level) or `UnboundedLevelSampler` (the full distribution, a top-M level buffer: App. B.3); each says where
+    a new level comes from (P_new), the uniform baseline's level, whether Λ_train is exhausted and which slot a level's
+    first score goes to."""
 
-    Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
-    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1), staged until their first episode is scored.
-    Per update: `sample` (inside env.step, at each episode end), `update_with_rollouts`, the PPO update, `after_update`.
-    """
-
-    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+    def __init__(self, seeds, num_actors, config=SamplerConfig(), seed=0):
         self.config = config
-        self.unbounded = levels is None
-        if self.unbounded:
-            # -1: an empty buffer slot
-            self.seeds = np.full(config.buffer_size, -1, np.int64)
-            self.slot_of = {}
-        else:
-            self.seeds = np.asarray(levels, np.int64).copy()
-            self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds)}
+        # the level in each slot (-1: an empty buffer slot), and the slot of each level
+        self.seeds = seeds
+        self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds) if level >= 0}
         num_slots = len(self.seeds)
         self.scores = np.zeros(num_slots)  # S_i
         self.staleness = np.zeros(num_slots)  # c - C_i
@@ -511,7 +506,7 @@ class LevelSampler:
         seen_fraction = self.num_seen / len(self.seeds)
         if self.num_seen == 0 or seen_fraction < self.config.min_fill:
             return 0.0
-        if not self.unbounded and seen_fraction == 1.0:
+        if self._all_levels_seen():
             # Algorithm 2: no unseen level is left
             return 1.0
         if self.config.replay_schedule == "proportionate":
@@ -523,9 +518,7 @@ class LevelSampler:
         """The level (seed) of actor `actor`'s next episode."""
         if self.config.strategy == "random":
             # the uniform baseline: P_train = Uniform(Λ_train)
-            if self.unbounded:
-                return int(self.rng.integers(MAX_SEED))
-            return int(self.seeds[self.rng.integers(len(self.seeds))])
+            return self._sample_uniform_level()
         self.num_samples += 1  # c <- c + 1
         self.staleness += 1.0
         # d ~ P_D: replay a seen level, or play a new one
@@ -549,22 +542,13 @@ class LevelSampler:
         slot = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return min(slot, len(cdf) - 1)
 
-    def _sample_unseen_level(self) -> int:
-        """P_new: uniform over Λ_train \\ Λ_seen (bounded), or a random seed that is not in the buffer (unbounded).
-        A new level joins Λ_seen at its first committed score (authors' code), not when sampled (Algorithm 2)."""
-        if not self.unbounded:
-            return int(self.rng.choice(np.flatnonzero(~self.seen)))
-        while True:
-            level = int(self.rng.integers(MAX_SEED))
-            if level not in self.slot_of and level not in self.staged:
-                return level
-
     # --- scores ---
     def _commit_score(self, level: int, score: float) -> None:
         """S_i <- (1 - α) S_i + α score (α = 1: the paper's overwrite); the level's first score adds it to Λ_seen."""
         slot = self.slot_of.get(level)
         if slot is None:
-            slot = self._insert_into_buffer(level, score)
+            # unbounded: a level outside the buffer
+            slot = self._admit_new_level(level, score)
             if slot is None:
                 return
         elif not self.seen[slot]:
@@ -576,25 +560,6 @@ class LevelSampler:
             # the first score: the level joins Λ_seen and becomes replayable
             self.scores[slot] = score
             self.seen[slot] = True
-
-    def _insert_into_buffer(self, level: int, score: float) -> int | None:
-        """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
-        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out."""
-        sampled_at = self.staged.pop(level, self.num_samples)
-        if self.num_seen < len(self.seeds):
-            slot = self.num_seen
-            self.num_seen += 1
-        else:
-            slot = int(np.argmin(self.replay_probs()))
-            if not self.scores[slot] < score:
-                return None
-            del self.slot_of[int(self.seeds[slot])]
-        self.seeds[slot] = level
-        self.slot_of[level] = slot
-        # the slot now holds a level without a score yet (its score is set by the caller)
-        self.seen[slot] = False
-        self.staleness[slot] = self.num_samples - sampled_at
-        return slot
 
     def update_with_rollouts(self, scores, dones, levels) -> int:
         """Algorithm 4's scoring of a rollout. scores, dones, levels: (T, N) numpy arrays of the per-step scores, the
@@ -688,6 +653,75 @@ class LevelSampler:
         return out
 
 
+class BoundedLevelSampler(LevelSampler):
+    """PLR on a fixed set of training levels Λ_train (the paper's main setting): one slot per training level."""
+
+    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+        super().__init__(np.asarray(levels, np.int64).copy(), num_actors, config, seed)
+
+    def _all_levels_seen(self) -> bool:
+        return self.num_seen == len(self.seeds)
+
+    def _sample_uniform_level(self) -> int:
+        """P_train = Uniform(Λ_train)."""
+        return int(self.seeds[self.rng.integers(len(self.seeds))])
+
+    def _sample_unseen_level(self) -> int:
+        """P_new: uniform over Λ_train \\ Λ_seen. A new level joins Λ_seen at its first committed score (authors' code),
+        not when sampled (Algorithm 2)."""
+        return int(self.rng.choice(np.flatnonzero(~self.seen)))
+
+    def _admit_new_level(self, level: int, score: float) -> None:
+        """Every training level has its slot: a score for any other level is an error."""
+        raise ValueError(f"level {level} is not a training level")
+
+
+class UnboundedLevelSampler(LevelSampler):
+    """PLR on the full level distribution (App. B.3): M slots holding the top-M levels; new levels are random seeds in
+    [0, 2^31-1), staged until their first episode is scored. `levels` must be None (the signature of
+    BoundedLevelSampler's, so that both modes are built alike)."""
+
+    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+        if levels is not None:
+            raise ValueError("UnboundedLevelSampler plays the full distribution: levels must be None")
+        # -1: an empty buffer slot
+        super().__init__(np.full(config.buffer_size, -1, np.int64), num_actors, config, seed)
+
+    def _all_levels_seen(self) -> bool:
+        # the full distribution is never exhausted
+        return False
+
+    def _sample_uniform_level(self) -> int:
+        """The uniform baseline over the full distribution: any seed."""
+        return int(self.rng.integers(MAX_SEED))
+
+    def _sample_unseen_level(self) -> int:
+        """P_new: a random seed that is not in the buffer and not staged."""
+        while True:
+            level = int(self.rng.integers(MAX_SEED))
+            if level not in self.slot_of and level not in self.staged:
+                return level
+
+    def _admit_new_level(self, level: int, score: float) -> int | None:
+        """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
+        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out."""
+        sampled_at = self.staged.pop(level, self.num_samples)
+        if self.num_seen < len(self.seeds):
+            slot = self.num_seen
+            self.num_seen += 1
+        else:
+            slot = int(np.argmin(self.replay_probs()))
+            if not self.scores[slot] < score:
+                return None
+            del self.slot_of[int(self.seeds[slot])]
+        self.seeds[slot] = level
+        self.slot_of[level] = slot
+        # the slot now holds a level without a score yet (its score is set by the caller)
+        self.seen[slot] = False
+        self.staleness[slot] = self.num_samples - sampled_at
+        return slot
+
+
 def make_sampler(args: Args, seed: int) -> LevelSampler:
     """The LevelSampler of the --plr-* flags."""
     if args.num_train_levels == 0:
@@ -706,7 +740,9 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
         commit=args.plr_commit,
         buffer_size=args.plr_buffer_size,
     )
-    return LevelSampler(levels, args.num_envs, config, seed=seed)
+    if levels is None:
+        return UnboundedLevelSampler(None, args.num_envs, config, seed=seed)
+    return BoundedLevelSampler(levels, args.num_envs, config, seed=seed)
 
 
 # ROLLOUT STORAGE

@@ -14,7 +14,7 @@ from plr_helpers import textbook_gae
 import plr_ppo
 from plr_ppo import (
     Args,
-    LevelSampler,
+    BoundedLevelSampler,
     SamplerConfig,
     compute_gae,
     replay_distribution,
@@ -141,7 +141,7 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
     np.testing.assert_allclose(delta[:, 0], [1.0, -1.0, 0.0, 2.0])
     np.testing.assert_allclose(adv[:, 0], [0.75, -1.0, 0.5, 2.0])
     levels = np.array([[3], [3], [5], [5]])
-    s = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="value_l1"))
+    s = BoundedLevelSampler(np.arange(10), 1, SamplerConfig(strategy="value_l1"))
     s.update_with_rollouts(step_scores("value_l1", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert s.scores[3] == pytest.approx((0.75 + 1.0) / 2)  # finished episode, Eq. (2)
     assert s.partial_steps[0] == 2 and s.partial_score[0] == pytest.approx((0.5 + 2.0) / 2)  # S~ of level 5
@@ -150,10 +150,10 @@ def test_gae_and_td_scores_hand_computed_with_stitching():
     assert s.scores[5] == pytest.approx((0.5 + 2.0 + 0.5 + 0.25) / 4)  # stitched over the whole episode
     assert s.partial_steps[0] == 0
     # signed GAE and one-step TD
-    t = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="one_step_td"))
+    t = BoundedLevelSampler(np.arange(10), 1, SamplerConfig(strategy="one_step_td"))
     t.update_with_rollouts(step_scores("one_step_td", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert t.scores[3] == pytest.approx(1.0)
-    g = LevelSampler(np.arange(10), 1, SamplerConfig(strategy="gae"))
+    g = BoundedLevelSampler(np.arange(10), 1, SamplerConfig(strategy="gae"))
     g.update_with_rollouts(step_scores("gae", adv.numpy(), delta.numpy()), dones.numpy(), levels)
     assert g.scores[3] == pytest.approx((0.75 - 1.0) / 2)
     # time-limit truncation at t = 1 bootstraps from V(final obs) = 4: δ_1 = .5*4 - 1 = 1, A_0 = 1 + .25 = 1.25

@@ -1,14 +1,21 @@
 """plr_ppo.py's level sampler (Algorithm 4, App. B.3): the committed scores against a slow textbook Algorithm 4
 (tests/plr_helpers.py), --plr-commit update and --resume's restart, the replay decision P_D, P_new and P_replay's
-frequencies, staleness, the unbounded top-M buffer and the state round trip."""
+frequencies, staleness, the unbounded top-M buffer, the state round trip, and both modes (BoundedLevelSampler,
+UnboundedLevelSampler) against the sampler as it was before they were split, from its saved states
+(tests/plr_sampler_golden.json)."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from plr_helpers import random_rollouts, textbook_scores
 
 from plr_ppo import (
+    BoundedLevelSampler,
     LevelSampler,
     SamplerConfig,
+    UnboundedLevelSampler,
     replay_distribution,
 )
 
@@ -16,14 +23,14 @@ from plr_ppo import (
 # ----------------------------------------------------------------------------------------------------------------
 # Committed scores: Algorithm 4's stitching, --plr-commit update, --resume's restart
 def test_commit_after_update_mode_flushes_partials():
-    s = LevelSampler(np.arange(10), 1, SamplerConfig(commit="update"))
+    s = BoundedLevelSampler(np.arange(10), 1, SamplerConfig(commit="update"))
     s.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
     assert not s.seen[4]
     s.after_update()  # authors' code: the partial score becomes the level's score
     assert s.seen[4] and s.scores[4] == pytest.approx(2.0) and s.partial_steps[0] == 0
     s.update_with_rollouts(np.array([[5.0], [7.0]]), np.array([[True], [False]]), np.array([[4], [8]]))
     assert s.scores[4] == pytest.approx(5.0)  # only the tail after the flush
-    e = LevelSampler(np.arange(10), 1, SamplerConfig(commit="episode"))
+    e = BoundedLevelSampler(np.arange(10), 1, SamplerConfig(commit="episode"))
     e.update_with_rollouts(np.array([[1.0], [3.0]]), np.array([[False], [False]]), np.array([[4], [4]]))
     e.after_update()
     assert not e.seen[4]
@@ -31,7 +38,7 @@ def test_commit_after_update_mode_flushes_partials():
 
 def test_restart_episodes_drops_partial_scores():
     """`--resume` restarts each env's level from its first frame: the restarted episode is scored on its own steps."""
-    s = LevelSampler(np.arange(10), 2)
+    s = BoundedLevelSampler(np.arange(10), 2)
     s.update_with_rollouts(np.array([[1.0, 2.0], [3.0, 4.0]]), np.zeros((2, 2), bool), np.array([[4, 6], [4, 6]]))
     assert s.partial_steps.tolist() == [2, 2]
     s.restart_episodes()
@@ -51,7 +58,9 @@ def test_sampler_scores_match_textbook_algorithm4(alpha, flush):
         N = int(rng.integers(1, 6))
         per = 4
         rollouts = random_rollouts(rng, int(rng.integers(1, 6)), T, N, per, p_done=float(rng.choice([0.05, 0.2, 0.6])))
-        s = LevelSampler(np.arange(N * per), N, SamplerConfig(score_alpha=alpha, commit="update" if flush else "episode"))
+        s = BoundedLevelSampler(
+            np.arange(N * per), N, SamplerConfig(score_alpha=alpha, commit="update" if flush else "episode")
+        )
         for scores, dones, levels in rollouts:
             s.update_with_rollouts(scores, dones, levels)
             s.after_update()
@@ -67,7 +76,7 @@ def _binomial_ok(k, n, p, z=5.0):
 
 
 def test_replay_decision_frequencies_and_unseen_uniform():
-    s = LevelSampler(np.arange(100), 1, seed=1)
+    s = BoundedLevelSampler(np.arange(100), 1, seed=1)
     n = 10000
     replays = 0
     new_counts = np.zeros(100, int)
@@ -88,7 +97,7 @@ def test_replay_decision_frequencies_and_unseen_uniform():
     for k in new_counts[30:]:  # P_new uniform over the 70 unseen levels
         assert _binomial_ok(k, m, 1 / 70)
     # fixed schedule and min fill
-    f = LevelSampler(np.arange(100), 1, SamplerConfig(replay_schedule="fixed", replay_prob=0.8, min_fill=0.2))
+    f = BoundedLevelSampler(np.arange(100), 1, SamplerConfig(replay_schedule="fixed", replay_prob=0.8, min_fill=0.2))
     f.seen[:10] = True
     f.num_seen = 10
     assert f.replay_decision_prob() == 0.0
@@ -102,7 +111,7 @@ def test_replay_decision_frequencies_and_unseen_uniform():
 
 def test_replay_sampling_follows_replay_distribution():
     rng = np.random.default_rng(4)
-    s = LevelSampler(np.arange(8), 1, SamplerConfig(transform="power", temperature=1.0, staleness_coef=0.0), seed=5)
+    s = BoundedLevelSampler(np.arange(8), 1, SamplerConfig(transform="power", temperature=1.0, staleness_coef=0.0), seed=5)
     s.seen[:] = True
     s.num_seen = 8
     s.scores[:] = rng.random(8)
@@ -114,7 +123,7 @@ def test_replay_sampling_follows_replay_distribution():
 
 
 def test_staleness_is_episode_count_minus_timestamp():
-    s = LevelSampler(np.arange(20), 3, SamplerConfig(staleness_coef=0.5), seed=2)
+    s = BoundedLevelSampler(np.arange(20), 3, SamplerConfig(staleness_coef=0.5), seed=2)
     C = np.zeros(20)
     rng = np.random.default_rng(2)
     for c in range(1, 200):
@@ -133,7 +142,7 @@ def test_staleness_is_episode_count_minus_timestamp():
 def test_no_replay_until_scored_then_only_scored_levels():
     """Authors' code: a sampled level is not in Λ_seen until its first score is committed, so early samples are all
     new levels (P_D = 0) and replays only ever go to scored levels (no zero-score rank ties at the start)."""
-    s = LevelSampler(np.arange(1000), 64, seed=3)
+    s = BoundedLevelSampler(np.arange(1000), 64, seed=3)
     first = [s.sample(i) for i in range(64)]  # the initial levels of 64 actors, as in the training loop
     first += [s.sample(i % 64) for i in range(64)]  # and 64 more before anything is scored
     assert s.num_seen == 0 and s.num_replays == 0 and s.replay_decision_prob() == 0.0
@@ -150,7 +159,7 @@ def test_no_replay_until_scored_then_only_scored_levels():
 
 
 def test_unbounded_top_m_buffer():
-    s = LevelSampler(None, 2, SamplerConfig(buffer_size=3, replay_schedule="fixed", replay_prob=0.5), seed=0)
+    s = UnboundedLevelSampler(None, 2, SamplerConfig(buffer_size=3, replay_schedule="fixed", replay_prob=0.5), seed=0)
     assert s.replay_decision_prob() == 0.0
     lv = [s.sample(0), s.sample(1)]
     assert all(x not in s.slot_of for x in lv) and len(s.staged) == 2  # staged, not yet in the buffer
@@ -175,12 +184,12 @@ def test_unbounded_top_m_buffer():
 
 def test_sampler_state_round_trip_continues_identically():
     rng = np.random.default_rng(7)
-    a = LevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=11)
+    a = BoundedLevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=11)
     for scores, dones, levels in random_rollouts(rng, 3, 16, 4, 12):
         for i in range(4):
             a.sample(i)
         a.update_with_rollouts(scores, dones, levels)
-    b = LevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=999)
+    b = BoundedLevelSampler(np.arange(50), 4, SamplerConfig(staleness_coef=0.3), seed=999)
     b.load_state_dict(a.state_dict())
     more = random_rollouts(rng, 2, 16, 4, 12)
     for sampler in (a, b):
@@ -193,6 +202,101 @@ def test_sampler_state_round_trip_continues_identically():
 
 
 def test_random_strategy_is_uniform_over_train_levels():
-    s = LevelSampler(np.arange(5, 10), 1, SamplerConfig(strategy="random"), seed=0)
+    s = BoundedLevelSampler(np.arange(5, 10), 1, SamplerConfig(strategy="random"), seed=0)
     counts = np.bincount([s.sample(0) for _ in range(5000)], minlength=10)
     assert counts[:5].sum() == 0 and all(_binomial_ok(k, 5000, 0.2) for k in counts[5:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Both modes against the sampler before its split (its saved states: an old checkpoint's)
+# the saved scenarios: name -> (levels, None in unbounded mode; num_actors; SamplerConfig fields; seed)
+GOLDEN_SCENARIOS = {
+    "bounded_proportionate": (list(range(50)), 4, dict(staleness_coef=0.3), 11),
+    "bounded_power_commit_update": (
+        list(range(30)),
+        3,
+        dict(transform="power", temperature=0.5, commit="update", score_alpha=0.5, min_fill=0.1),
+        12,
+    ),
+    "bounded_fixed_greedy": (list(range(20)), 2, dict(transform="greedy", replay_schedule="fixed", replay_prob=0.7), 13),
+    "unbounded_fixed": (None, 3, dict(buffer_size=6, replay_schedule="fixed", replay_prob=0.5, staleness_coef=0.3), 14),
+    "random_bounded": (list(range(10, 20)), 2, dict(strategy="random"), 15),
+    "random_unbounded": (None, 2, dict(strategy="random", buffer_size=4, replay_schedule="fixed"), 16),
+}
+
+
+def drive_sampler(sampler, rng, num_rollouts, num_steps, levels_now=None):
+    """A rollout driver as the training loop: each actor plays its level, an episode end (probability 0.2 per step)
+    draws the actor's next level from the sampler inside the step; after each rollout, update_with_rollouts with
+    random per-step scores, then after_update. Returns (every level drawn, the actors' current levels)."""
+    num_actors = len(sampler.partial_score)
+    drawn = []
+    if levels_now is None:
+        levels_now = [sampler.sample(actor) for actor in range(num_actors)]
+        drawn += levels_now
+    levels_now = list(levels_now)
+    for _ in range(num_rollouts):
+        scores = rng.normal(size=(num_steps, num_actors))
+        dones = rng.random((num_steps, num_actors)) < 0.2
+        levels = np.zeros((num_steps, num_actors), np.int64)
+        for t in range(num_steps):
+            for actor in range(num_actors):
+                levels[t, actor] = levels_now[actor]
+                if dones[t, actor]:
+                    levels_now[actor] = sampler.sample(actor)
+                    drawn.append(levels_now[actor])
+        sampler.update_with_rollouts(scores, dones, levels)
+        sampler.after_update()
+    return drawn, levels_now
+
+
+def encode_state(state):
+    """A sampler state_dict as JSON (arrays with their dtypes, the staged levels as pairs, the RNG state)."""
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, np.ndarray):
+            out[name] = {"dtype": str(value.dtype), "values": value.tolist()}
+        elif name == "staged":
+            out[name] = [[int(level), int(count)] for level, count in value.items()]
+        else:
+            out[name] = value
+    return out
+
+
+def decode_state(encoded):
+    state = {}
+    for name, value in encoded.items():
+        if isinstance(value, dict) and "dtype" in value:
+            state[name] = np.array(value["values"], dtype=value["dtype"])
+        elif name == "staged":
+            state[name] = {level: count for level, count in value}
+        else:
+            state[name] = value
+    return state
+
+
+GOLDEN = Path(__file__).parent / "plr_sampler_golden.json"
+
+
+@pytest.mark.parametrize("name", list(GOLDEN_SCENARIOS))
+def test_both_modes_draw_and_save_as_the_sampler_before_its_split(name):
+    """tests/plr_sampler_golden.json holds, for each scenario, what the one-class LevelSampler (before the two modes
+    were BoundedLevelSampler and UnboundedLevelSampler) drew and saved while `drive_sampler` ran it for 4 rollouts
+    (its state_dict then: an old checkpoint's "sampler"), and what it drew over 4 more rollouts and its state at the
+    end. Today's mode class makes the same draws from the same seed and saves the same state; loaded from the old
+    state into a sampler of another seed, it continues with the same draws, the same RNG state and the same stats."""
+    levels, num_actors, config, seed = GOLDEN_SCENARIOS[name]
+    golden = json.loads(GOLDEN.read_text())[name]
+    sampler_class = UnboundedLevelSampler if levels is None else BoundedLevelSampler
+    levels = None if levels is None else np.array(levels)
+    sampler = sampler_class(levels, num_actors, SamplerConfig(**config), seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    drawn, levels_now = drive_sampler(sampler, rng, 4, 12)
+    assert drawn == golden["warmup_drawn"] and levels_now == golden["levels_now"]
+    assert json.loads(json.dumps(encode_state(sampler.state_dict()))) == golden["state"]
+    resumed = sampler_class(levels, num_actors, SamplerConfig(**config), seed=seed + 999)
+    resumed.load_state_dict(decode_state(golden["state"]))
+    drawn, _ = drive_sampler(resumed, rng, 4, 12, golden["levels_now"])
+    assert drawn == golden["drawn"]
+    assert json.loads(json.dumps(encode_state(resumed.state_dict()))) == golden["final_state"]
+    assert resumed.stats() == golden["stats"]
