@@ -19,8 +19,9 @@ Paper parts implemented here (Procgen and MiniGrid)
 
 Defaults (Table 3, Sec. 4, App. A.2): Procgen 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5,
 γ 0.999, λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid lr 7e-4, 4 epochs, 4000 / 3000 /
-6000 levels. PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid), P_D proportionate (Sec. 3); unbounded mode
-fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad clip 0.5, clipped value loss, batch advantage normalization.
+6000 levels (those that differ by domain: `DOMAIN_DEFAULTS`). PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3
+(MiniGrid), P_D proportionate (Sec. 3); unbounded mode fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad
+clip 0.5, clipped value loss, batch advantage normalization.
 
 Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
@@ -71,7 +72,34 @@ from common.processes import StopRun, check_stop, finish_run, set_learner_thread
 
 MAX_SEED = 2**31 - 1
 
-# |Λ_train| per MiniGrid env (paper App. A.2: about 1000 levels per difficulty)
+# The defaults that depend on the domain: a flag left at None takes its domain's value here (`resolve_defaults`).
+DOMAIN_DEFAULTS = {
+    "procgen": {
+        # App. A: N_train = 200 levels of Procgen easy (Cobbe et al. 2020's protocol)
+        "num_train_levels": 200,
+        # Table 3 (CleanRL ppo_procgen: 3)
+        "update_epochs": 3,
+        # Table 3 (CleanRL ppo_procgen: 5e-4)
+        "learning_rate": 5e-4,
+        # Table 3: ρ
+        "plr_staleness_coef": 0.1,
+        # this script: Procgen's time limit is not part of the game, so a timeout bootstraps from V(final obs)
+        "bootstrap_truncation": True,
+    },
+    "minigrid": {
+        # Sec. 4: about 1000 levels of each difficulty (the paper's MiniGrid envs: MINIGRID_TRAIN_LEVELS)
+        "num_train_levels": 1000,
+        # Table 3
+        "update_epochs": 4,
+        # Table 3
+        "learning_rate": 7e-4,
+        # Table 3: ρ (Sec. 4: the best test performance on MiniGrid)
+        "plr_staleness_coef": 0.3,
+        # authors' code: MiniGrid's time limit is part of the task (a termination)
+        "bootstrap_truncation": False,
+    },
+}
+# |Λ_train| of the paper's MiniGrid envs (App. A.2: about 1000 training levels per difficulty)
 MINIGRID_TRAIN_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
 
 
@@ -85,9 +113,10 @@ class Args(CommonArgs):
     """total environment steps (paper: 25M Procgen)"""
     distribution_mode: str = "easy"
     """Procgen distribution mode (paper: easy)"""
-    num_train_levels: int = -1
-    """|Λ_train| (seeds start_level, ...); -1 = the paper's (App. A: 200 Procgen, 4000 / 3000 / 6000 MultiRoom-N4-Random /
-    ObstructedMazeGamut-Easy / -Medium, else 1000); 0 = the full distribution with a top-M buffer (App. B.3)"""
+    num_train_levels: int | None = None
+    """|Λ_train| (seeds start_level, ...); 0 = the full distribution with a top-M buffer (App. B.3). Default: per domain:
+    Procgen 200 (App. A), MiniGrid 1000 (Sec. 4), MultiRoom-N4-Random 4000, ObstructedMazeGamut-Easy 3000,
+    ObstructedMazeGamut-Medium 6000 (App. A.2)"""
     start_level: int = 0
     """first training level seed"""
     num_envs: int = 64
@@ -96,10 +125,10 @@ class Args(CommonArgs):
     """T, rollout length per environment (Table 3)"""
     num_minibatches: int = 8
     """PPO minibatches per epoch (Table 3)"""
-    update_epochs: int = -1
-    """PPO epochs; -1 = Table 3 (3 Procgen, 4 MiniGrid)"""
-    learning_rate: float = -1.0
-    """Adam learning rate; -1 = Table 3 (5e-4 Procgen, 7e-4 MiniGrid)"""
+    update_epochs: int | None = None
+    """PPO epochs. Default: per domain: Procgen 3 (Table 3), MiniGrid 4 (Table 3)"""
+    learning_rate: float | None = None
+    """Adam learning rate. Default: per domain: Procgen 5e-4 (Table 3), MiniGrid 7e-4 (Table 3)"""
     adam_eps: float = 1e-5
     """Adam epsilon (Table 3)"""
     gamma: float = 0.999
@@ -123,8 +152,8 @@ class Args(CommonArgs):
     num_workers: int = 0
     """MiniGrid worker processes (0 = one per available CPU core)"""
     bootstrap_truncation: bool | None = None
-    """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False); None =
-    per domain: False on MiniGrid (authors' code: the limit is part of the task), True on Procgen"""
+    """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False). Default:
+    per domain: Procgen True (this script), MiniGrid False (authors' code: the limit is part of the task)"""
     eval_every: int = 50
     """evaluate on train and test levels every this many updates (0 = only at the end)"""
     eval_episodes: int = 10
@@ -144,8 +173,8 @@ class Args(CommonArgs):
     """prioritization h of Eq. (3): rank (h = 1/rank) | power (h = S, 'proportional') | greedy (argmax)"""
     plr_temperature: float = 0.1
     """β, temperature of Eq. (3) (Table 3)"""
-    plr_staleness_coef: float = -1.0
-    """ρ, staleness mixing of Eq. (1) in [0, 1]; -1 = Table 3 (0.1 Procgen, 0.3 MiniGrid)"""
+    plr_staleness_coef: float | None = None
+    """ρ, staleness mixing of Eq. (1) in [0, 1]. Default: per domain: Procgen 0.1 (Table 3), MiniGrid 0.3 (Table 3)"""
     plr_replay_schedule: Literal["proportionate", "fixed"] = "proportionate"
     """P_D: proportionate (P_D(replay) = |Λ_seen|/|Λ_train|, Sec. 3) | fixed (P_D(replay) = --plr-replay-prob)"""
     plr_replay_prob: float = 0.95
@@ -865,18 +894,20 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
 
 
 # RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
+def domain_defaults(env_id: str) -> dict:
+    """The per-domain defaults of `env_id` (DOMAIN_DEFAULTS), with |Λ_train| of the paper's MiniGrid envs."""
+    if is_procgen(env_id):
+        return dict(DOMAIN_DEFAULTS["procgen"])
+    defaults = dict(DOMAIN_DEFAULTS["minigrid"])
+    if env_id in MINIGRID_TRAIN_LEVELS:
+        defaults["num_train_levels"] = MINIGRID_TRAIN_LEVELS[env_id]
+    return defaults
+
+
 def resolve_defaults(args: Args) -> Args:
-    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
-    procgen = is_procgen(args.env_id)
-    paper = {
-        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
-        "update_epochs": 3 if procgen else 4,
-        "learning_rate": 5e-4 if procgen else 7e-4,
-        "plr_staleness_coef": 0.1 if procgen else 0.3,
-        "bootstrap_truncation": procgen,
-    }
-    for name, value in paper.items():
-        if getattr(args, name) is None or getattr(args, name) == -1:
+    """Each per-domain flag left at None takes its domain's default (`domain_defaults`); a given value is kept."""
+    for name, value in domain_defaults(args.env_id).items():
+        if getattr(args, name) is None:
             setattr(args, name, value)
     return args
 

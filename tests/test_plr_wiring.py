@@ -1,5 +1,5 @@
 """plr_ppo.py's wiring: the MiniGrid network against the authors' MinigridPolicy, the per-domain defaults
-level plumbing through the vector adapters and the CLI's one-line errors."""
+(DOMAIN_DEFAULTS), level plumbing through the vector adapters and the CLI's one-line errors."""
 
 import numpy as np
 import pytest
@@ -100,6 +100,95 @@ def test_resolved_defaults_per_domain(env_id, num_levels, epochs, lr, rho, boots
     )
     args = resolve_defaults(Args(env_id=env_id, **given))
     assert {k: getattr(args, k) for k in given} == given
+
+
+# |Λ_train| of the paper's MiniGrid envs (App. A.2), as the sentinel rule had them
+MINIGRID_PAPER_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
+
+
+def sentinel_resolve_defaults(args):
+    """resolve_defaults as it was before DOMAIN_DEFAULTS (the reference the table must reproduce): the flags' -1 / None
+    sentinels filled with the paper's per-domain values."""
+    procgen = plr_ppo.is_procgen(args.env_id)
+    paper = {
+        "num_train_levels": 200 if procgen else MINIGRID_PAPER_LEVELS.get(args.env_id, 1000),
+        "update_epochs": 3 if procgen else 4,
+        "learning_rate": 5e-4 if procgen else 7e-4,
+        "plr_staleness_coef": 0.1 if procgen else 0.3,
+        "bootstrap_truncation": procgen,
+    }
+    for name, value in paper.items():
+        if getattr(args, name) is None or getattr(args, name) == -1:
+            setattr(args, name, value)
+    return args
+
+
+# the sentinel defaults of the per-domain flags before DOMAIN_DEFAULTS
+SENTINELS = dict(num_train_levels=-1, update_epochs=-1, learning_rate=-1.0, plr_staleness_coef=-1.0, bootstrap_truncation=None)
+
+
+def every_accepted_env_id():
+    """Each env family the script accepts: every Procgen game, the paper's MiniGrid envs, and every registered MiniGrid
+    id, with and without its `MiniGrid-` prefix."""
+    import gymnasium as gym
+
+    from common.procgen_env import PROCGEN_GAMES
+
+    registered = sorted(name for name in gym.registry if name.startswith("MiniGrid-"))
+    short = [name[len("MiniGrid-") :] for name in registered]
+    return [*PROCGEN_GAMES, *plr_ppo.MINIGRID_TRAIN_LEVELS, *registered, *short]
+
+
+def test_the_domain_table_resolves_to_the_sentinel_rules_values():
+    """For every accepted env id, the per-domain flags left out resolve to exactly the values (and types) the sentinel
+    rule gave, and every other flag is untouched; flags given (0 and False included) are kept by both."""
+    env_ids = every_accepted_env_id()
+    assert len(env_ids) > 40
+    for env_id in env_ids:
+        plr_ppo.validate_args(resolve_defaults(Args(env_id=env_id)))
+        resolved = vars(resolve_defaults(Args(env_id=env_id)))
+        want = vars(sentinel_resolve_defaults(Args(env_id=env_id, **SENTINELS)))
+        assert resolved == want, env_id
+        assert [type(value) for value in resolved.values()] == [type(value) for value in want.values()], env_id
+        given = dict(
+            num_train_levels=0, update_epochs=7, learning_rate=1e-3, plr_staleness_coef=0.0, bootstrap_truncation=False
+        )
+        assert vars(resolve_defaults(Args(env_id=env_id, **given))) == vars(
+            sentinel_resolve_defaults(Args(env_id=env_id, **given))
+        )
+
+
+def field_docstrings(cls):
+    """{field: the docstring under it} of a dataclass in plr_ppo.py, read from the source (what --help shows)."""
+    import ast
+    import inspect
+
+    (node,) = ast.parse(inspect.getsource(cls)).body
+    docs = {}
+    for field, doc in zip(node.body, node.body[1:]):
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def test_each_per_domain_flag_defaults_to_none_and_its_help_shows_the_table():
+    """Every flag of DOMAIN_DEFAULTS defaults to None and its help text says `Default: per domain: Procgen V (...),
+    MiniGrid V (...)` with the table's values (the paper's MiniGrid envs' |Λ_train| too), so that --help and the file
+    show the real values, not a sentinel."""
+    docs = field_docstrings(Args)
+    procgen = plr_ppo.DOMAIN_DEFAULTS["procgen"]
+    minigrid = plr_ppo.DOMAIN_DEFAULTS["minigrid"]
+    assert set(procgen) == set(minigrid)
+    for name in procgen:
+        assert getattr(Args(), name) is None, name
+        doc = docs[name]
+        assert "Default: per domain: Procgen " in doc, name
+        for domain, value in (("Procgen", procgen[name]), ("MiniGrid", minigrid[name])):
+            shown = doc.split(f"{domain} ", 1)[1].split(" ", 1)[0].rstrip(",")
+            parsed = shown == "True" if isinstance(value, bool) else type(value)(float(shown))
+            assert parsed == value, (name, domain, shown)
+    for env_id, num_levels in plr_ppo.MINIGRID_TRAIN_LEVELS.items():
+        assert f"{env_id} {num_levels}" in docs["num_train_levels"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
