@@ -40,6 +40,8 @@ Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying 
 common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """
 
+import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -834,8 +836,9 @@ def draw_eval_level(kind: str, args: Args, sampler: LevelSampler, rng: np.random
 
 
 def eval_level_sets(args: Args, sampler: LevelSampler, rng: np.random.Generator) -> dict:
-    """The level sets of `evaluate`: {"train": fn, "test": fn}, each fn returning the next episode's level."""
-    return {kind: lambda kind=kind: draw_eval_level(kind, args, sampler, rng) for kind in ("train", "test")}
+    """The level sets of `evaluate`: {"train": fn, "test": fn}, each fn returning the next episode's level
+    (`draw_eval_level` of its kind)."""
+    return {kind: functools.partial(draw_eval_level, kind, args, sampler, rng) for kind in ("train", "test")}
 
 
 def make_eval_rng(args: Args) -> np.random.Generator:
@@ -891,6 +894,148 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
             metrics[f"eval/{kind}_success"] = float((returns > 0).mean())
     metrics["eval/generalization_gap"] = metrics["eval/train_return"] - metrics["eval/test_return"]
     return metrics
+
+
+class Evaluator:
+    """The run's evaluations (periodic and final): the agent in eval mode on `eval_level_sets`' training and held-out
+    levels. Its evaluation envs (one worker, for both level sets) are created at the first call; `close` closes them."""
+
+    def __init__(self, args: Args, agent: nn.Module, sampler: LevelSampler, rng: np.random.Generator, device):
+        self.args = args
+        self.agent = agent
+        self.sampler = sampler
+        self.rng = rng
+        self.device = device
+        self.envs = None
+
+    def __call__(self, num_episodes: int) -> dict:
+        """eval/* metrics of `num_episodes` episodes per level set (`evaluate`)."""
+        if self.envs is None:
+            self.envs = make_eval_envs(self.args)
+        self.agent.eval()
+        level_sets = eval_level_sets(self.args, self.sampler, self.rng)
+        metrics = evaluate(self.agent, self.envs, level_sets, num_episodes, self.args, self.device)
+        self.agent.train()
+        return metrics
+
+    def final(self, logger, global_step: int) -> dict:
+        """The final evaluation (--final-eval-episodes), logged as eval/final_*; returns it as summary.json's final_*."""
+        final = self(self.args.final_eval_episodes)
+        logger.log(global_step, {name.replace("eval/", "eval/final_"): value for name, value in final.items()})
+        return {name.replace("eval/", "final_"): value for name, value in final.items()}
+
+    def close(self) -> None:
+        if self.envs is not None:
+            self.envs.close()
+
+
+# LOGGING: one update's metrics
+class UpdateClock:
+    """The clock metrics of each update: charts/SPS (the steps of this process's updates over their seconds),
+    charts/collect_seconds (the rollout) and charts/plr_seconds (the sampler's share: the scores,
+    `update_with_rollouts`, `after_update`)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.seconds = 0.0
+
+    def start_update(self) -> None:
+        self.update_start = time.time()
+        self.plr_seconds = 0.0
+
+    def end_collect(self) -> None:
+        self.collect_seconds = time.time() - self.update_start
+
+    @contextlib.contextmanager
+    def plr_phase(self):
+        """Times the sampler's work inside the `with` block (added to charts/plr_seconds)."""
+        start = time.time()
+        yield
+        self.plr_seconds += time.time() - start
+
+    def end_update(self, num_steps: int) -> dict:
+        """charts/SPS, charts/collect_seconds and charts/plr_seconds of the update that ends now."""
+        self.steps += num_steps
+        self.seconds += time.time() - self.update_start
+        return {
+            "charts/SPS": int(self.steps / max(self.seconds, 1e-9)),
+            "charts/collect_seconds": self.collect_seconds,
+            "charts/plr_seconds": self.plr_seconds,
+        }
+
+
+class EpisodeStats:
+    """The training episodes finished since the last log line: `add` the infos of every env step, `means` once per
+    log line (charts/episodic_return, charts/episodic_length; raw rewards, as the env reports them)."""
+
+    def __init__(self):
+        self.episodes = []  # (return, length)
+
+    def add(self, info: dict) -> None:
+        ended = np.flatnonzero(info["_episode"])
+        self.episodes += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
+
+    def means(self) -> dict:
+        """The means since the last call (nothing if no episode finished), then start over."""
+        metrics = {}
+        if self.episodes:
+            mean_return, mean_length = np.mean(self.episodes, axis=0).tolist()
+            metrics["charts/episodic_return"] = mean_return
+            metrics["charts/episodic_length"] = mean_length
+        self.episodes = []
+        return metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over the batch (CleanRL's losses/explained_variance); NaN if the returns do not vary."""
+    y_pred = values.cpu().numpy()
+    y_true = returns.cpu().numpy()
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+def ppo_metrics(terms: PPOLoss, clipfracs: list[torch.Tensor], explained_var: float) -> dict:
+    """losses/*, as CleanRL's ppo logs them: the loss terms of the update's last minibatch, the mean clip fraction
+    over all its minibatches and the explained variance of the rollout's values."""
+    return {
+        "losses/value_loss": terms.value_loss.item(),
+        "losses/policy_loss": terms.policy_loss.item(),
+        "losses/entropy": terms.entropy.item(),
+        "losses/approx_kl": terms.approx_kl.item(),
+        "losses/clipfrac": torch.stack(clipfracs).mean().item(),
+        "losses/explained_variance": explained_var,
+    }
+
+
+def replay_mass_by_difficulty(sampler: LevelSampler, difficulties: np.ndarray) -> dict:
+    """Figure 4: plr/mass_<label>, the P_replay mass of the training levels of each difficulty."""
+    replay_probs = sampler.replay_probs()
+    return {f"plr/mass_{label}": float(replay_probs[difficulties == label].sum()) for label in np.unique(difficulties)}
+
+
+def plr_metrics(sampler: LevelSampler, counts_before: tuple[int, int], difficulties: np.ndarray | None) -> dict:
+    """plr/*: the sampler's state (`LevelSampler.stats`), the fraction of this update's levels that were replays
+    (`counts_before`: `sampler.num_samples` and `sampler.num_replays` at the update's start) and Figure 4's masses."""
+    samples_before, replays_before = counts_before
+    num_new_samples = sampler.num_samples - samples_before
+    metrics = sampler.stats()
+    metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / max(num_new_samples, 1)
+    if difficulties is not None and sampler.num_seen:
+        metrics |= replay_mass_by_difficulty(sampler, difficulties)
+    return metrics
+
+
+def log_update(logger, global_step: int, metrics: dict, sampler: LevelSampler, args: Args) -> None:
+    """One update's log line: every metric to TensorBoard / metrics.jsonl, and the progress line."""
+    logger.log(global_step, metrics)
+    logger.progress(
+        global_step,
+        metrics["charts/SPS"],
+        episodic_return=metrics.get("charts/episodic_return"),
+        loss_name="value_loss",
+        loss=metrics["losses/value_loss"],
+        extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
+    )
 
 
 # RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
@@ -1064,6 +1209,20 @@ def training_level_difficulties(args: Args) -> np.ndarray | None:
     return np.array(labels)
 
 
+class CheckpointSchedule:
+    """--checkpoint-every: `due(step)` is True once per checkpoint step reached (never with 0)."""
+
+    def __init__(self, global_step: int, checkpoint_every: int):
+        self.checkpoint_every = checkpoint_every
+        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
+
+    def due(self, global_step: int) -> bool:
+        if self.next_step is None or global_step < self.next_step:
+            return False
+        self.next_step += self.checkpoint_every
+        return True
+
+
 def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None:
     """Adam's settings from the flags. On --resume, `load_state_dict` restores the checkpoint's lr and eps with the
     moments; --learning-rate and --adam-eps are applied flags (APPLIED_ON_RESUME), so this run's values go back in."""
@@ -1111,8 +1270,6 @@ if __name__ == "__main__":
     env_workers = envs.num_workers if isinstance(envs, MiniGridVecEnv) else 0
     learn_threads = set_learner_threads(env_workers)
     torch.set_num_threads(1)
-    # one evaluation env (one worker) for train and test levels, created at the first evaluation
-    eval_envs = None
     obs_shape = envs.single_observation_space.shape
     num_actions = int(envs.single_action_space.n)
     agent = make_agent(args, obs_shape, num_actions).to(device)
@@ -1144,19 +1301,9 @@ if __name__ == "__main__":
         next_obs = envs.reset([sampler.sample(i) for i in range(args.num_envs)])
 
     rollout = make_rollout(args.num_steps, args.num_envs, obs_shape, num_actions, device)
-    # (return, length) of the episodes finished since the last log line
-    recent_episodes = []
-    sps_steps = 0
-    sps_seconds = 0.0
-
-    def run_eval(num_episodes):
-        global eval_envs
-        if eval_envs is None:
-            eval_envs = make_eval_envs(args)
-        agent.eval()
-        metrics = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
-        agent.train()
-        return metrics
+    evaluator = Evaluator(args, agent, sampler, eval_rng, device)
+    clock = UpdateClock()
+    episode_stats = EpisodeStats()
 
     def make_checkpoint():
         save_run_checkpoint(
@@ -1170,15 +1317,14 @@ if __name__ == "__main__":
             **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
         )
 
-    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
+    checkpoints = CheckpointSchedule(global_step, args.checkpoint_every)
     error = None
     try:
         # Figure 4's difficulty labels (seconds of start-up: a stop signal ends it here)
         difficulties = training_level_difficulties(args)
         while global_step < end_step:
-            update_start = time.time()
-            replays_before = sampler.num_replays
-            samples_before = sampler.num_samples
+            clock.start_update()
+            sampler_counts = (sampler.num_samples, sampler.num_replays)
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(args.num_steps):
                 # a stop signal (recorded by its handler) stops the run here, between env steps
@@ -1212,10 +1358,9 @@ if __name__ == "__main__":
                     with torch.no_grad():
                         final_values = agent(final_obs)[1]
                     rollout.final_values[step, torch.as_tensor(truncated_envs, device=device)] = final_values
-                ended = np.flatnonzero(info["_episode"])
-                recent_episodes += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
+                episode_stats.add(info)
             global_step += batch_size
-            collect_seconds = time.time() - update_start
+            clock.end_collect()
 
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
@@ -1231,14 +1376,13 @@ if __name__ == "__main__":
                 args.gae_lambda,
             )
             returns = advantages + rollout.values
-            plr_start = time.time()
-            if args.plr_strategy != "random":
-                # Algorithm 4: episode scores, stitched across rollouts
-                scores = step_scores(
-                    args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), rollout.logits.cpu().numpy()
-                )
-                sampler.update_with_rollouts(scores, rollout.dones.cpu().numpy(), rollout.levels)
-            plr_seconds = time.time() - plr_start
+            with clock.plr_phase():
+                if args.plr_strategy != "random":
+                    # Algorithm 4: episode scores, stitched across rollouts
+                    scores = step_scores(
+                        args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), rollout.logits.cpu().numpy()
+                    )
+                    sampler.update_with_rollouts(scores, rollout.dones.cpu().numpy(), rollout.levels)
 
             b_obs = rollout.obs.reshape(-1, *obs_shape)
             b_actions = rollout.actions.reshape(-1)
@@ -1263,60 +1407,23 @@ if __name__ == "__main__":
                     optimizer.step()
                     clipfracs.append(terms.clipfrac)
             torch.set_num_threads(1)
-            plr_start = time.time()
-            sampler.after_update()
-            plr_seconds += time.time() - plr_start
+            with clock.plr_phase():
+                sampler.after_update()
             update += 1
 
             # LOG
-            sps_steps += batch_size
-            sps_seconds += time.time() - update_start
-            sps = int(sps_steps / max(sps_seconds, 1e-9))
-            y_pred = b_values.cpu().numpy()
-            y_true = b_returns.cpu().numpy()
-            var_y = np.var(y_true)
-            metrics = {
-                "charts/SPS": sps,
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/collect_seconds": collect_seconds,
-                "charts/plr_seconds": plr_seconds,
-                "losses/value_loss": terms.value_loss.item(),
-                "losses/policy_loss": terms.policy_loss.item(),
-                "losses/entropy": terms.entropy.item(),
-                "losses/approx_kl": terms.approx_kl.item(),
-                "losses/clipfrac": torch.stack(clipfracs).mean().item(),
-                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
-            }
-            if recent_episodes:
-                mean_return, mean_length = np.mean(recent_episodes, axis=0).tolist()
-                metrics["charts/episodic_return"] = mean_return
-                metrics["charts/episodic_length"] = mean_length
+            metrics = clock.end_update(batch_size) | {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            metrics |= ppo_metrics(terms, clipfracs, explained_variance(b_values, b_returns))
+            metrics |= episode_stats.means()
             if args.plr_strategy != "random":
-                num_new_samples = sampler.num_samples - samples_before
-                metrics |= sampler.stats()
-                metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / max(num_new_samples, 1)
-                if difficulties is not None and sampler.num_seen:
-                    # Figure 4: the P_replay mass of each difficulty
-                    replay_probs = sampler.replay_probs()
-                    for label in np.unique(difficulties):
-                        metrics[f"plr/mass_{label}"] = float(replay_probs[difficulties == label].sum())
+                metrics |= plr_metrics(sampler, sampler_counts, difficulties)
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
-                metrics |= run_eval(args.eval_episodes)
-            logger.log(global_step, metrics)
-            logger.progress(
-                global_step,
-                sps,
-                episodic_return=metrics.get("charts/episodic_return"),
-                loss_name="value_loss",
-                loss=metrics["losses/value_loss"],
-                extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
-            )
-            recent_episodes = []
+                metrics |= evaluator(args.eval_episodes)
+            log_update(logger, global_step, metrics, sampler, args)
 
             # CHECKPOINT
-            if next_checkpoint is not None and global_step >= next_checkpoint:
+            if checkpoints.due(global_step):
                 make_checkpoint()
-                next_checkpoint += args.checkpoint_every
     except (KeyboardInterrupt, StopRun) as e:
         # StopRun: a dead MiniGrid env worker or an unwritable checkpoint
         error = e
@@ -1326,19 +1433,12 @@ if __name__ == "__main__":
     if error is None and args.checkpoint_every:
         make_checkpoint()
 
-    def final_eval() -> dict:
-        final = run_eval(args.final_eval_episodes)
-        logger.log(global_step, {name.replace("eval/", "eval/final_"): value for name, value in final.items()})
-        return {name.replace("eval/", "final_"): value for name, value in final.items()}
-
     summary = {"global_step": global_step, "updates": update}
     if args.plr_strategy != "random":
         summary |= {name.replace("plr/", "plr_"): value for name, value in sampler.stats().items()}
     model_file = {"model": agent.state_dict(), "args": vars(args)}
+    final_eval = functools.partial(evaluator.final, logger, global_step) if args.final_eval_episodes else None
     try:
-        finish_run(
-            logger, error, summary, model_file if args.save_model else None, final_eval if args.final_eval_episodes else None
-        )
+        finish_run(logger, error, summary, model_file if args.save_model else None, final_eval)
     finally:
-        if eval_envs is not None:
-            eval_envs.close()
+        evaluator.close()
