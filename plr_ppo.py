@@ -11,7 +11,8 @@ Paper parts implemented here (Procgen and MiniGrid)
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
 - Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed;
-  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
+  the two level spaces: a fixed Λ_train `BoundedLevelSampler`, the unbounded level distribution with a top-M level
+  buffer (App. B.3) `UnboundedLevelSampler`.
 - Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
   committed after every update as the authors' code (`--plr-commit update`, `after_update`).
 - PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `ReturnNormalizer`;
@@ -267,7 +268,8 @@ class MiniGridAgent(nn.Module):
     """The authors' MinigridPolicy (level_replay/model.py; PLR App. A.2): conv 2x2 16, max-pool 2x2, conv 2x2 32,
     conv 2x2 32 (64 for ObstructedMazeGamut), then separate 64-unit tanh actor and critic layers. Inputs are
     MiniGrid's integer cell encodings as floats (unscaled, as theirs). Init as theirs: Xavier-uniform convs,
-    orthogonal linears (gain sqrt 2; policy head 0.01, value head 1), zero biases."""
+    orthogonal linears (gain sqrt 2; policy head 0.01, value head 1), zero biases.
+    Oracle: tests/test_plr_wiring.py::test_minigrid_network_matches_the_authors_forward"""
 
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
@@ -311,7 +313,8 @@ def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
 class ReturnNormalizer:
     """Return normalization (Table 3), as gym's NormalizeReward: each env's reward is divided by the running standard
     deviation of the discounted returns, then clipped to ±clip. Call it once per vector-env step with that step's
-    rewards and episode ends."""
+    rewards and episode ends.
+    Oracle: tests/test_plr_oracles.py::test_return_normalizer_and_cobbe_normalization"""
 
     def __init__(self, num_envs, gamma, clip=10.0, eps=1e-8):
         self.gamma = gamma
@@ -357,7 +360,9 @@ def compute_gae(rewards, values, next_value, terminated, dones, final_values, ga
     terminated[t]: true termination (no bootstrap); final_values[t]: V(s_final) of an episode truncated at t (ignored
     elsewhere); next_value: V(s_T) after the rollout. Returns (advantages, deltas) with
     δ_t = r_t + γ V(s_{t+1}) (1 - terminal_t) - V(s_t) (PLR Sec. 3.1) and A_t = Σ_k (γλ)^{k-t} δ_k within the episode
-    (Eq. (2) without the absolute value)."""
+    (Eq. (2) without the absolute value).
+    Oracles: tests/test_plr_oracles.py::test_compute_gae_matches_textbook,
+    tests/test_plr_oracles.py::test_gae_and_td_scores_hand_computed_with_stitching"""
     next_values = torch.cat([values[1:], next_value[None]], 0)
     # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
     bootstrap = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
@@ -381,7 +386,8 @@ class PPOLoss(NamedTuple):
 
 
 def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args: Args) -> PPOLoss:
-    """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017)."""
+    """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017).
+    Oracle: tests/test_plr_oracles.py::test_ppo_loss_hand_computed"""
     logits, values = agent(obs)
     dist = Categorical(logits=logits)
     logratio = dist.log_prob(actions) - old_logprobs
@@ -404,7 +410,9 @@ def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values,
 # ALGORITHM PIECES: PLR
 def step_scores(strategy, advantages, deltas, logits=None):
     """Per-step quantity whose episode mean is score(τ, π) (Table 1); numpy (T, N) out.
-    advantages, deltas: (T, N) GAE and one-step TD errors; logits: (T, N, |A|) of the behaviour policy."""
+    advantages, deltas: (T, N) GAE and one-step TD errors; logits: (T, N, |A|) of the behaviour policy.
+    Oracles: tests/test_plr_oracles.py::test_policy_scores_uniform_onehot_and_handworked,
+    tests/test_plr_oracles.py::test_gae_and_td_scores_hand_computed_with_stitching"""
     if strategy == "value_l1":
         return np.abs(advantages)  # Eq. (2): |Σ_k (γλ)^{k-t} δ_k|
     if strategy == "gae":
@@ -430,7 +438,9 @@ def score_distribution(scores, seen, transform="rank", temperature=0.1):
 
     rank: h = 1/rank(S_i), the rank among seen levels in descending order (1 = highest; ties by index); power:
     h = max(S_i, 0) (the paper's "proportional"); greedy: all mass on the highest score. The weights are computed in
-    log space so that a small β stays finite; if every weight is 0, P_S is uniform over the seen levels."""
+    log space so that a small β stays finite; if every weight is 0, P_S is uniform over the seen levels.
+    Oracles: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook,
+    tests/test_plr_oracles.py::test_replay_distribution_properties"""
     seen = np.asarray(seen, dtype=bool)
     probs = np.zeros(len(seen))
     seen_slots = np.flatnonzero(seen)
@@ -460,7 +470,8 @@ def score_distribution(scores, seen, transform="rank", temperature=0.1):
 
 
 def staleness_distribution(staleness, seen):
-    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over the seen levels; uniform over them if all are 0."""
+    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over the seen levels; uniform over them if all are 0.
+    Oracle: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook"""
     seen = np.asarray(seen, dtype=bool)
     seen_staleness = np.where(seen, np.asarray(staleness, dtype=np.float64), 0.0)
     total = seen_staleness.sum()
@@ -472,7 +483,9 @@ def staleness_distribution(staleness, seen):
 
 def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
     """Eq. (1): P_replay = (1 - ρ) P_S + ρ P_C over all levels (0 for unseen; all 0 if nothing is seen).
-    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ."""
+    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ.
+    Oracles: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook,
+    tests/test_plr_oracles.py::test_replay_distribution_properties"""
     score_probs = score_distribution(scores, seen, transform, temperature)
     if staleness_coef == 0.0:
         return score_probs
@@ -533,7 +546,8 @@ class LevelSampler:
         )
 
     def replay_decision_prob(self) -> float:
-        """P_D(d = 1), the probability that the next level is a replay."""
+        """P_D(d = 1), the probability that the next level is a replay.
+        Oracle: tests/test_plr_sampler.py::test_replay_decision_frequencies_and_unseen_uniform"""
         seen_fraction = self.num_seen / len(self.seeds)
         if self.num_seen == 0 or seen_fraction < self.config.min_fill:
             return 0.0
@@ -546,7 +560,10 @@ class LevelSampler:
 
     # --- sampleNextLevel (Algorithm 4) ---
     def sample(self, actor: int) -> int:
-        """The level (seed) of actor `actor`'s next episode."""
+        """The level (seed) of actor `actor`'s next episode: c and the staleness c - C_i advance, d ~ P_D, then a
+        replay l ~ P_replay or a new level l ~ P_new.
+        Oracles: tests/test_plr_sampler.py::test_replay_decision_frequencies_and_unseen_uniform,
+        tests/test_plr_sampler.py::test_staleness_is_episode_count_minus_timestamp"""
         if self.config.strategy == "random":
             # the uniform baseline: P_train = Uniform(Λ_train)
             return self._sample_uniform_level()
@@ -568,7 +585,8 @@ class LevelSampler:
         return level
 
     def _sample_replay_slot(self) -> int:
-        """l ~ P_replay, by inverting its cumulative distribution (a slot of zero mass is never drawn)."""
+        """l ~ P_replay, by inverting its cumulative distribution (a slot of zero mass is never drawn).
+        Oracle: tests/test_plr_sampler.py::test_replay_sampling_follows_replay_distribution"""
         cdf = np.cumsum(self.replay_probs())
         slot = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return min(slot, len(cdf) - 1)
@@ -596,7 +614,8 @@ class LevelSampler:
         """Algorithm 4's scoring of a rollout. scores, dones, levels: (T, N) numpy arrays of the per-step scores, the
         episode ends and the level each step was played on. Each actor's rollout splits after every episode end; the
         first segment continues the actor's unfinished episode (its partial score S~), each finished episode commits
-        the mean score of its steps, and the trailing unfinished one becomes the new S~. Returns the number of commits."""
+        the mean score of its steps, and the trailing unfinished one becomes the new S~. Returns the number of commits.
+        Oracle: tests/test_plr_sampler.py::test_sampler_scores_match_textbook_algorithm4"""
         if self.config.strategy == "random":
             return 0
         scores = np.asarray(scores, np.float64)
@@ -735,7 +754,8 @@ class UnboundedLevelSampler(LevelSampler):
 
     def _admit_new_level(self, level: int, score: float) -> int | None:
         """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
-        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out."""
+        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out.
+        Oracle: tests/test_plr_sampler.py::test_unbounded_top_m_buffer"""
         sampled_at = self.staged.pop(level, self.num_samples)
         if self.num_seen < len(self.seeds):
             slot = self.num_seen
@@ -860,7 +880,9 @@ def episodes_per_env(num_episodes: int, num_envs: int) -> list[int]:
 
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
-    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted."""
+    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted.
+    Oracles: tests/test_plr_evaluation.py::test_evaluation_is_unbiased_when_short_episodes_are_better,
+    tests/test_plr_evaluation.py::test_evaluation_test_levels_are_held_out"""
     metrics = {}
     num_envs = envs.num_envs
     share = episodes_per_env(num_episodes, num_envs)
