@@ -719,7 +719,8 @@ class BoundedLevelSampler(LevelSampler):
     def _sample_unseen_level(self) -> int:
         """P_new: uniform over Λ_train \\ Λ_seen. A new level joins Λ_seen at its first committed score (authors' code),
         not when sampled (Algorithm 2)."""
-        return int(self.rng.choice(np.flatnonzero(~self.seen)))
+        unseen_slots = np.flatnonzero(~self.seen)
+        return int(self.seeds[self.rng.choice(unseen_slots)])
 
     def _admit_new_level(self, level: int, score: float) -> None:
         """Every training level has its slot: a score for any other level is an error."""

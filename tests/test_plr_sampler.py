@@ -300,3 +300,18 @@ def test_both_modes_draw_and_save_as_the_sampler_before_its_split(name):
     assert drawn == golden["drawn"]
     assert json.loads(json.dumps(encode_state(resumed.state_dict()))) == golden["final_state"]
     assert resumed.stats() == golden["stats"]
+
+
+def test_new_and_replayed_levels_are_training_levels_whatever_the_start_level():
+    """Λ_train = [start_level, start_level + n) (--start-level 5 here): P_new is uniform over its unseen levels (a level
+    seed, not a slot index), and once some are scored every level drawn, new or replayed, is still a training level."""
+    s = BoundedLevelSampler(np.arange(5, 35), 4, seed=0)
+    n = 6000
+    counts = np.bincount([s.sample(0) for _ in range(n)], minlength=35)
+    assert counts[:5].sum() == 0
+    assert all(_binomial_ok(k, n, 1 / 30) for k in counts[5:])
+    scored = [5, 9, 20, 34]
+    s.update_with_rollouts(np.ones((1, 4)), np.ones((1, 4), bool), np.array([scored]))
+    assert set(np.flatnonzero(s.seen)) == {level - 5 for level in scored} and s.num_seen == 4
+    drawn = [s.sample(0) for _ in range(2000)]
+    assert set(drawn) <= set(range(5, 35)) and s.num_replays > 0
