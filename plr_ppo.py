@@ -11,7 +11,8 @@ Paper parts implemented here (Procgen and MiniGrid)
 - P_S (Eq. (3); rank / power / greedy) `score_distribution`; P_C (Eq. (4)) `staleness_distribution`;
   P_replay = (1-ρ) P_S + ρ P_C (Eq. (1)) `replay_distribution`.
 - Replay decision P_D and P_new (Alg. 2 / 4) `LevelSampler.sample`: proportionate |Λ_seen|/|Λ_train| or fixed;
-  unbounded level distribution with a top-M level buffer (App. B.3) in `LevelSampler`.
+  the two level spaces: a fixed Λ_train `BoundedLevelSampler`, the unbounded level distribution with a top-M level
+  buffer (App. B.3) `UnboundedLevelSampler`.
 - Partial-episode scores stitched across rollouts (Alg. 3 / 4) `update_with_rollouts` (`--plr-commit episode`), or
   committed after every update as the authors' code (`--plr-commit update`, `after_update`).
 - PPO with GAE `compute_gae`, `ppo_loss`; return normalization (Table 3) `ReturnNormalizer`;
@@ -19,8 +20,9 @@ Paper parts implemented here (Procgen and MiniGrid)
 
 Defaults (Table 3, Sec. 4, App. A.2): Procgen 64 envs x 256 steps, 3 epochs, 8 minibatches, lr 5e-4, Adam eps 1e-5,
 γ 0.999, λ 0.95, clip 0.2, entropy 0.01, value 0.5, 25M steps, 200 easy levels; MiniGrid lr 7e-4, 4 epochs, 4000 / 3000 /
-6000 levels. PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3 (MiniGrid), P_D proportionate (Sec. 3); unbounded mode
-fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad clip 0.5, clipped value loss, batch advantage normalization.
+6000 levels (those that differ by domain: `DOMAIN_DEFAULTS`). PLR: value_l1, rank, β 0.1, ρ 0.1 (Procgen) / 0.3
+(MiniGrid), P_D proportionate (Sec. 3); unbounded mode fixed replay p 0.95 and M 4000 (App. B.3). Authors' code: grad
+clip 0.5, clipped value loss, batch advantage normalization.
 
 Differences from the paper (long form: README.md, section plr_ppo.py)
 - A level enters Λ_seen at its first committed score (authors' code), not when sampled (Alg. 2): no replay of an
@@ -39,6 +41,8 @@ Vector envs autoreset SAME_STEP (`next_level(i)`, `info["final_obs"]`). Copying 
 common/{procgen_env,minigrid_env,logger,checkpoint,args,processes}.py.
 """
 
+import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -71,7 +75,34 @@ from common.processes import StopRun, check_stop, finish_run, set_learner_thread
 
 MAX_SEED = 2**31 - 1
 
-# |Λ_train| per MiniGrid env (paper App. A.2: about 1000 levels per difficulty)
+# The defaults that depend on the domain: a flag left at None takes its domain's value here (`resolve_defaults`).
+DOMAIN_DEFAULTS = {
+    "procgen": {
+        # App. A: N_train = 200 levels of Procgen easy (Cobbe et al. 2020's protocol)
+        "num_train_levels": 200,
+        # Table 3 (CleanRL ppo_procgen: 3)
+        "update_epochs": 3,
+        # Table 3 (CleanRL ppo_procgen: 5e-4)
+        "learning_rate": 5e-4,
+        # Table 3: ρ
+        "plr_staleness_coef": 0.1,
+        # this script: Procgen's time limit is not part of the game, so a timeout bootstraps from V(final obs)
+        "bootstrap_truncation": True,
+    },
+    "minigrid": {
+        # Sec. 4: about 1000 levels of each difficulty (the paper's MiniGrid envs: MINIGRID_TRAIN_LEVELS)
+        "num_train_levels": 1000,
+        # Table 3
+        "update_epochs": 4,
+        # Table 3
+        "learning_rate": 7e-4,
+        # Table 3: ρ (Sec. 4: the best test performance on MiniGrid)
+        "plr_staleness_coef": 0.3,
+        # authors' code: MiniGrid's time limit is part of the task (a termination)
+        "bootstrap_truncation": False,
+    },
+}
+# |Λ_train| of the paper's MiniGrid envs (App. A.2: about 1000 training levels per difficulty)
 MINIGRID_TRAIN_LEVELS = {"MultiRoom-N4-Random": 4000, "ObstructedMazeGamut-Easy": 3000, "ObstructedMazeGamut-Medium": 6000}
 
 
@@ -85,9 +116,10 @@ class Args(CommonArgs):
     """total environment steps (paper: 25M Procgen)"""
     distribution_mode: str = "easy"
     """Procgen distribution mode (paper: easy)"""
-    num_train_levels: int = -1
-    """|Λ_train| (seeds start_level, ...); -1 = the paper's (App. A: 200 Procgen, 4000 / 3000 / 6000 MultiRoom-N4-Random /
-    ObstructedMazeGamut-Easy / -Medium, else 1000); 0 = the full distribution with a top-M buffer (App. B.3)"""
+    num_train_levels: int | None = None
+    """|Λ_train| (seeds start_level, ...); 0 = the full distribution with a top-M buffer (App. B.3). Default: per domain:
+    Procgen 200 (App. A), MiniGrid 1000 (Sec. 4), MultiRoom-N4-Random 4000, ObstructedMazeGamut-Easy 3000,
+    ObstructedMazeGamut-Medium 6000 (App. A.2)"""
     start_level: int = 0
     """first training level seed"""
     num_envs: int = 64
@@ -96,10 +128,10 @@ class Args(CommonArgs):
     """T, rollout length per environment (Table 3)"""
     num_minibatches: int = 8
     """PPO minibatches per epoch (Table 3)"""
-    update_epochs: int = -1
-    """PPO epochs; -1 = Table 3 (3 Procgen, 4 MiniGrid)"""
-    learning_rate: float = -1.0
-    """Adam learning rate; -1 = Table 3 (5e-4 Procgen, 7e-4 MiniGrid)"""
+    update_epochs: int | None = None
+    """PPO epochs. Default: per domain: Procgen 3 (Table 3), MiniGrid 4 (Table 3)"""
+    learning_rate: float | None = None
+    """Adam learning rate. Default: per domain: Procgen 5e-4 (Table 3), MiniGrid 7e-4 (Table 3)"""
     adam_eps: float = 1e-5
     """Adam epsilon (Table 3)"""
     gamma: float = 0.999
@@ -123,8 +155,8 @@ class Args(CommonArgs):
     num_workers: int = 0
     """MiniGrid worker processes (0 = one per available CPU core)"""
     bootstrap_truncation: bool | None = None
-    """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False); None =
-    per domain: False on MiniGrid (authors' code: the limit is part of the task), True on Procgen"""
+    """on a time-limit truncation, bootstrap from V(final obs) (True) or treat it as a termination (False). Default:
+    per domain: Procgen True (this script), MiniGrid False (authors' code: the limit is part of the task)"""
     eval_every: int = 50
     """evaluate on train and test levels every this many updates (0 = only at the end)"""
     eval_episodes: int = 10
@@ -144,8 +176,8 @@ class Args(CommonArgs):
     """prioritization h of Eq. (3): rank (h = 1/rank) | power (h = S, 'proportional') | greedy (argmax)"""
     plr_temperature: float = 0.1
     """β, temperature of Eq. (3) (Table 3)"""
-    plr_staleness_coef: float = -1.0
-    """ρ, staleness mixing of Eq. (1) in [0, 1]; -1 = Table 3 (0.1 Procgen, 0.3 MiniGrid)"""
+    plr_staleness_coef: float | None = None
+    """ρ, staleness mixing of Eq. (1) in [0, 1]. Default: per domain: Procgen 0.1 (Table 3), MiniGrid 0.3 (Table 3)"""
     plr_replay_schedule: Literal["proportionate", "fixed"] = "proportionate"
     """P_D: proportionate (P_D(replay) = |Λ_seen|/|Λ_train|, Sec. 3) | fixed (P_D(replay) = --plr-replay-prob)"""
     plr_replay_prob: float = 0.95
@@ -236,7 +268,8 @@ class MiniGridAgent(nn.Module):
     """The authors' MinigridPolicy (level_replay/model.py; PLR App. A.2): conv 2x2 16, max-pool 2x2, conv 2x2 32,
     conv 2x2 32 (64 for ObstructedMazeGamut), then separate 64-unit tanh actor and critic layers. Inputs are
     MiniGrid's integer cell encodings as floats (unscaled, as theirs). Init as theirs: Xavier-uniform convs,
-    orthogonal linears (gain sqrt 2; policy head 0.01, value head 1), zero biases."""
+    orthogonal linears (gain sqrt 2; policy head 0.01, value head 1), zero biases.
+    Oracle: tests/test_plr_wiring.py::test_minigrid_network_matches_the_authors_forward"""
 
     def __init__(self, obs_shape, num_actions, final_channels=32, hidden=64):
         super().__init__()
@@ -280,7 +313,8 @@ def make_agent(args: Args, obs_shape, num_actions) -> nn.Module:
 class ReturnNormalizer:
     """Return normalization (Table 3), as gym's NormalizeReward: each env's reward is divided by the running standard
     deviation of the discounted returns, then clipped to ±clip. Call it once per vector-env step with that step's
-    rewards and episode ends."""
+    rewards and episode ends.
+    Oracle: tests/test_plr_oracles.py::test_return_normalizer_and_cobbe_normalization"""
 
     def __init__(self, num_envs, gamma, clip=10.0, eps=1e-8):
         self.gamma = gamma
@@ -326,7 +360,9 @@ def compute_gae(rewards, values, next_value, terminated, dones, final_values, ga
     terminated[t]: true termination (no bootstrap); final_values[t]: V(s_final) of an episode truncated at t (ignored
     elsewhere); next_value: V(s_T) after the rollout. Returns (advantages, deltas) with
     δ_t = r_t + γ V(s_{t+1}) (1 - terminal_t) - V(s_t) (PLR Sec. 3.1) and A_t = Σ_k (γλ)^{k-t} δ_k within the episode
-    (Eq. (2) without the absolute value)."""
+    (Eq. (2) without the absolute value).
+    Oracles: tests/test_plr_oracles.py::test_compute_gae_matches_textbook,
+    tests/test_plr_oracles.py::test_gae_and_td_scores_hand_computed_with_stitching"""
     next_values = torch.cat([values[1:], next_value[None]], 0)
     # at an episode end the next obs belongs to a new episode: bootstrap from the true final obs (truncation) or 0
     bootstrap = torch.where(dones, final_values, next_values) * (1.0 - terminated.to(rewards.dtype))
@@ -350,7 +386,8 @@ class PPOLoss(NamedTuple):
 
 
 def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, args: Args) -> PPOLoss:
-    """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017)."""
+    """Clipped surrogate objective, (clipped) value loss and entropy bonus (Schulman et al. 2017).
+    Oracle: tests/test_plr_oracles.py::test_ppo_loss_hand_computed"""
     logits, values = agent(obs)
     dist = Categorical(logits=logits)
     logratio = dist.log_prob(actions) - old_logprobs
@@ -373,7 +410,9 @@ def ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values,
 # ALGORITHM PIECES: PLR
 def step_scores(strategy, advantages, deltas, logits=None):
     """Per-step quantity whose episode mean is score(τ, π) (Table 1); numpy (T, N) out.
-    advantages, deltas: (T, N) GAE and one-step TD errors; logits: (T, N, |A|) of the behaviour policy."""
+    advantages, deltas: (T, N) GAE and one-step TD errors; logits: (T, N, |A|) of the behaviour policy.
+    Oracles: tests/test_plr_oracles.py::test_policy_scores_uniform_onehot_and_handworked,
+    tests/test_plr_oracles.py::test_gae_and_td_scores_hand_computed_with_stitching"""
     if strategy == "value_l1":
         return np.abs(advantages)  # Eq. (2): |Σ_k (γλ)^{k-t} δ_k|
     if strategy == "gae":
@@ -399,7 +438,9 @@ def score_distribution(scores, seen, transform="rank", temperature=0.1):
 
     rank: h = 1/rank(S_i), the rank among seen levels in descending order (1 = highest; ties by index); power:
     h = max(S_i, 0) (the paper's "proportional"); greedy: all mass on the highest score. The weights are computed in
-    log space so that a small β stays finite; if every weight is 0, P_S is uniform over the seen levels."""
+    log space so that a small β stays finite; if every weight is 0, P_S is uniform over the seen levels.
+    Oracles: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook,
+    tests/test_plr_oracles.py::test_replay_distribution_properties"""
     seen = np.asarray(seen, dtype=bool)
     probs = np.zeros(len(seen))
     seen_slots = np.flatnonzero(seen)
@@ -429,7 +470,8 @@ def score_distribution(scores, seen, transform="rank", temperature=0.1):
 
 
 def staleness_distribution(staleness, seen):
-    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over the seen levels; uniform over them if all are 0."""
+    """Eq. (4): P_C(l_i) = (c - C_i) / Σ_j (c - C_j) over the seen levels; uniform over them if all are 0.
+    Oracle: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook"""
     seen = np.asarray(seen, dtype=bool)
     seen_staleness = np.where(seen, np.asarray(staleness, dtype=np.float64), 0.0)
     total = seen_staleness.sum()
@@ -441,7 +483,9 @@ def staleness_distribution(staleness, seen):
 
 def replay_distribution(scores, staleness, seen, transform="rank", temperature=0.1, staleness_coef=0.1):
     """Eq. (1): P_replay = (1 - ρ) P_S + ρ P_C over all levels (0 for unseen; all 0 if nothing is seen).
-    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ."""
+    scores S, staleness c - C, seen: arrays over levels; transform: rank | power | greedy; temperature: β; ρ.
+    Oracles: tests/test_plr_oracles.py::test_replay_distribution_matches_textbook,
+    tests/test_plr_oracles.py::test_replay_distribution_properties"""
     score_probs = score_distribution(scores, seen, transform, temperature)
     if staleness_coef == 0.0:
         return score_probs
@@ -465,23 +509,18 @@ class SamplerConfig:
 
 
 class LevelSampler:
-    """PLR's level sampler (Algorithm 4): scores S, staleness c - C, the seen set Λ_seen, each actor's partial score S~.
+    """PLR's level sampler (Algorithm 4), the core both modes share: scores S, staleness c - C, the seen set Λ_seen,
+    each actor's partial score S~. Per update: `sample` (inside env.step, at each episode end), `update_with_rollouts`,
+    the PPO update, `after_update`. The level space is the mode's: `BoundedLevelSampler` (a fixed Λ_train, one slot per
+    training level) or `UnboundedLevelSampler` (the full distribution, a top-M level buffer: App. B.3); each says where
+    a new level comes from (P_new), the uniform baseline's level, whether Λ_train is exhausted and which slot a level's
+    first score goes to."""
 
-    Bounded mode (`levels` given): one slot per training level. Unbounded mode (`levels=None`): M slots holding the
-    top-M levels (App. B.3); new levels are random seeds in [0, 2^31-1), staged until their first episode is scored.
-    Per update: `sample` (inside env.step, at each episode end), `update_with_rollouts`, the PPO update, `after_update`.
-    """
-
-    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+    def __init__(self, seeds, num_actors, config=SamplerConfig(), seed=0):
         self.config = config
-        self.unbounded = levels is None
-        if self.unbounded:
-            # -1: an empty buffer slot
-            self.seeds = np.full(config.buffer_size, -1, np.int64)
-            self.slot_of = {}
-        else:
-            self.seeds = np.asarray(levels, np.int64).copy()
-            self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds)}
+        # the level in each slot (-1: an empty buffer slot), and the slot of each level
+        self.seeds = seeds
+        self.slot_of = {int(level): slot for slot, level in enumerate(self.seeds) if level >= 0}
         num_slots = len(self.seeds)
         self.scores = np.zeros(num_slots)  # S_i
         self.staleness = np.zeros(num_slots)  # c - C_i
@@ -507,11 +546,12 @@ class LevelSampler:
         )
 
     def replay_decision_prob(self) -> float:
-        """P_D(d = 1), the probability that the next level is a replay."""
+        """P_D(d = 1), the probability that the next level is a replay.
+        Oracle: tests/test_plr_sampler.py::test_replay_decision_frequencies_and_unseen_uniform"""
         seen_fraction = self.num_seen / len(self.seeds)
         if self.num_seen == 0 or seen_fraction < self.config.min_fill:
             return 0.0
-        if not self.unbounded and seen_fraction == 1.0:
+        if self._all_levels_seen():
             # Algorithm 2: no unseen level is left
             return 1.0
         if self.config.replay_schedule == "proportionate":
@@ -520,12 +560,13 @@ class LevelSampler:
 
     # --- sampleNextLevel (Algorithm 4) ---
     def sample(self, actor: int) -> int:
-        """The level (seed) of actor `actor`'s next episode."""
+        """The level (seed) of actor `actor`'s next episode: c and the staleness c - C_i advance, d ~ P_D, then a
+        replay l ~ P_replay or a new level l ~ P_new.
+        Oracles: tests/test_plr_sampler.py::test_replay_decision_frequencies_and_unseen_uniform,
+        tests/test_plr_sampler.py::test_staleness_is_episode_count_minus_timestamp"""
         if self.config.strategy == "random":
             # the uniform baseline: P_train = Uniform(Λ_train)
-            if self.unbounded:
-                return int(self.rng.integers(MAX_SEED))
-            return int(self.seeds[self.rng.integers(len(self.seeds))])
+            return self._sample_uniform_level()
         self.num_samples += 1  # c <- c + 1
         self.staleness += 1.0
         # d ~ P_D: replay a seen level, or play a new one
@@ -544,27 +585,19 @@ class LevelSampler:
         return level
 
     def _sample_replay_slot(self) -> int:
-        """l ~ P_replay, by inverting its cumulative distribution (a slot of zero mass is never drawn)."""
+        """l ~ P_replay, by inverting its cumulative distribution (a slot of zero mass is never drawn).
+        Oracle: tests/test_plr_sampler.py::test_replay_sampling_follows_replay_distribution"""
         cdf = np.cumsum(self.replay_probs())
         slot = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return min(slot, len(cdf) - 1)
-
-    def _sample_unseen_level(self) -> int:
-        """P_new: uniform over Λ_train \\ Λ_seen (bounded), or a random seed that is not in the buffer (unbounded).
-        A new level joins Λ_seen at its first committed score (authors' code), not when sampled (Algorithm 2)."""
-        if not self.unbounded:
-            return int(self.rng.choice(np.flatnonzero(~self.seen)))
-        while True:
-            level = int(self.rng.integers(MAX_SEED))
-            if level not in self.slot_of and level not in self.staged:
-                return level
 
     # --- scores ---
     def _commit_score(self, level: int, score: float) -> None:
         """S_i <- (1 - α) S_i + α score (α = 1: the paper's overwrite); the level's first score adds it to Λ_seen."""
         slot = self.slot_of.get(level)
         if slot is None:
-            slot = self._insert_into_buffer(level, score)
+            # unbounded: a level outside the buffer
+            slot = self._admit_new_level(level, score)
             if slot is None:
                 return
         elif not self.seen[slot]:
@@ -577,30 +610,12 @@ class LevelSampler:
             self.scores[slot] = score
             self.seen[slot] = True
 
-    def _insert_into_buffer(self, level: int, score: float) -> int | None:
-        """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
-        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out."""
-        sampled_at = self.staged.pop(level, self.num_samples)
-        if self.num_seen < len(self.seeds):
-            slot = self.num_seen
-            self.num_seen += 1
-        else:
-            slot = int(np.argmin(self.replay_probs()))
-            if not self.scores[slot] < score:
-                return None
-            del self.slot_of[int(self.seeds[slot])]
-        self.seeds[slot] = level
-        self.slot_of[level] = slot
-        # the slot now holds a level without a score yet (its score is set by the caller)
-        self.seen[slot] = False
-        self.staleness[slot] = self.num_samples - sampled_at
-        return slot
-
     def update_with_rollouts(self, scores, dones, levels) -> int:
         """Algorithm 4's scoring of a rollout. scores, dones, levels: (T, N) numpy arrays of the per-step scores, the
         episode ends and the level each step was played on. Each actor's rollout splits after every episode end; the
         first segment continues the actor's unfinished episode (its partial score S~), each finished episode commits
-        the mean score of its steps, and the trailing unfinished one becomes the new S~. Returns the number of commits."""
+        the mean score of its steps, and the trailing unfinished one becomes the new S~. Returns the number of commits.
+        Oracle: tests/test_plr_sampler.py::test_sampler_scores_match_textbook_algorithm4"""
         if self.config.strategy == "random":
             return 0
         scores = np.asarray(scores, np.float64)
@@ -688,6 +703,77 @@ class LevelSampler:
         return out
 
 
+class BoundedLevelSampler(LevelSampler):
+    """PLR on a fixed set of training levels Λ_train (the paper's main setting): one slot per training level."""
+
+    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+        super().__init__(np.asarray(levels, np.int64).copy(), num_actors, config, seed)
+
+    def _all_levels_seen(self) -> bool:
+        return self.num_seen == len(self.seeds)
+
+    def _sample_uniform_level(self) -> int:
+        """P_train = Uniform(Λ_train)."""
+        return int(self.seeds[self.rng.integers(len(self.seeds))])
+
+    def _sample_unseen_level(self) -> int:
+        """P_new: uniform over Λ_train \\ Λ_seen. A new level joins Λ_seen at its first committed score (authors' code),
+        not when sampled (Algorithm 2)."""
+        unseen_slots = np.flatnonzero(~self.seen)
+        return int(self.seeds[self.rng.choice(unseen_slots)])
+
+    def _admit_new_level(self, level: int, score: float) -> None:
+        """Every training level has its slot: a score for any other level is an error."""
+        raise ValueError(f"level {level} is not a training level")
+
+
+class UnboundedLevelSampler(LevelSampler):
+    """PLR on the full level distribution (App. B.3): M slots holding the top-M levels; new levels are random seeds in
+    [0, 2^31-1), staged until their first episode is scored. `levels` must be None (the signature of
+    BoundedLevelSampler's, so that both modes are built alike)."""
+
+    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
+        if levels is not None:
+            raise ValueError("UnboundedLevelSampler plays the full distribution: levels must be None")
+        # -1: an empty buffer slot
+        super().__init__(np.full(config.buffer_size, -1, np.int64), num_actors, config, seed)
+
+    def _all_levels_seen(self) -> bool:
+        # the full distribution is never exhausted
+        return False
+
+    def _sample_uniform_level(self) -> int:
+        """The uniform baseline over the full distribution: any seed."""
+        return int(self.rng.integers(MAX_SEED))
+
+    def _sample_unseen_level(self) -> int:
+        """P_new: a random seed that is not in the buffer and not staged."""
+        while True:
+            level = int(self.rng.integers(MAX_SEED))
+            if level not in self.slot_of and level not in self.staged:
+                return level
+
+    def _admit_new_level(self, level: int, score: float) -> int | None:
+        """Unbounded mode (App. B.3): a level that is not in the top-M buffer takes a free slot, or the slot of
+        l_min = argmin P_replay if its score is higher than l_min's. Returns the slot, or None if the level stays out.
+        Oracle: tests/test_plr_sampler.py::test_unbounded_top_m_buffer"""
+        sampled_at = self.staged.pop(level, self.num_samples)
+        if self.num_seen < len(self.seeds):
+            slot = self.num_seen
+            self.num_seen += 1
+        else:
+            slot = int(np.argmin(self.replay_probs()))
+            if not self.scores[slot] < score:
+                return None
+            del self.slot_of[int(self.seeds[slot])]
+        self.seeds[slot] = level
+        self.slot_of[level] = slot
+        # the slot now holds a level without a score yet (its score is set by the caller)
+        self.seen[slot] = False
+        self.staleness[slot] = self.num_samples - sampled_at
+        return slot
+
+
 def make_sampler(args: Args, seed: int) -> LevelSampler:
     """The LevelSampler of the --plr-* flags."""
     if args.num_train_levels == 0:
@@ -706,7 +792,9 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
         commit=args.plr_commit,
         buffer_size=args.plr_buffer_size,
     )
-    return LevelSampler(levels, args.num_envs, config, seed=seed)
+    if levels is None:
+        return UnboundedLevelSampler(None, args.num_envs, config, seed=seed)
+    return BoundedLevelSampler(levels, args.num_envs, config, seed=seed)
 
 
 # ROLLOUT STORAGE
@@ -769,8 +857,9 @@ def draw_eval_level(kind: str, args: Args, sampler: LevelSampler, rng: np.random
 
 
 def eval_level_sets(args: Args, sampler: LevelSampler, rng: np.random.Generator) -> dict:
-    """The level sets of `evaluate`: {"train": fn, "test": fn}, each fn returning the next episode's level."""
-    return {kind: lambda kind=kind: draw_eval_level(kind, args, sampler, rng) for kind in ("train", "test")}
+    """The level sets of `evaluate`: {"train": fn, "test": fn}, each fn returning the next episode's level
+    (`draw_eval_level` of its kind)."""
+    return {kind: functools.partial(draw_eval_level, kind, args, sampler, rng) for kind in ("train", "test")}
 
 
 def make_eval_rng(args: Args) -> np.random.Generator:
@@ -792,7 +881,9 @@ def episodes_per_env(num_episodes: int, num_envs: int) -> list[int]:
 
 def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     """eval/* metrics over `num_episodes` stochastic-policy episodes per level set ({"train": next_level fn, "test":
-    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted."""
+    ...}): each env plays until it has finished its share (`episodes_per_env`), and its first episodes are counted.
+    Oracles: tests/test_plr_evaluation.py::test_evaluation_is_unbiased_when_short_episodes_are_better,
+    tests/test_plr_evaluation.py::test_evaluation_test_levels_are_held_out"""
     metrics = {}
     num_envs = envs.num_envs
     share = episodes_per_env(num_episodes, num_envs)
@@ -828,19 +919,163 @@ def evaluate(agent, envs, level_sets, num_episodes, args: Args, device) -> dict:
     return metrics
 
 
-# RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
-def resolve_defaults(args: Args) -> Args:
-    """Fill the -1 / None sentinels with the paper's per-domain values (Table 3, App. A.2)."""
-    procgen = is_procgen(args.env_id)
-    paper = {
-        "num_train_levels": 200 if procgen else MINIGRID_TRAIN_LEVELS.get(args.env_id, 1000),
-        "update_epochs": 3 if procgen else 4,
-        "learning_rate": 5e-4 if procgen else 7e-4,
-        "plr_staleness_coef": 0.1 if procgen else 0.3,
-        "bootstrap_truncation": procgen,
+class Evaluator:
+    """The run's evaluations (periodic and final): the agent in eval mode on `eval_level_sets`' training and held-out
+    levels. Its evaluation envs (one worker, for both level sets) are created at the first call; `close` closes them."""
+
+    def __init__(self, args: Args, agent: nn.Module, sampler: LevelSampler, rng: np.random.Generator, device):
+        self.args = args
+        self.agent = agent
+        self.sampler = sampler
+        self.rng = rng
+        self.device = device
+        self.envs = None
+
+    def __call__(self, num_episodes: int) -> dict:
+        """eval/* metrics of `num_episodes` episodes per level set (`evaluate`)."""
+        if self.envs is None:
+            self.envs = make_eval_envs(self.args)
+        self.agent.eval()
+        level_sets = eval_level_sets(self.args, self.sampler, self.rng)
+        metrics = evaluate(self.agent, self.envs, level_sets, num_episodes, self.args, self.device)
+        self.agent.train()
+        return metrics
+
+    def final(self, logger, global_step: int) -> dict:
+        """The final evaluation (--final-eval-episodes), logged as eval/final_*; returns it as summary.json's final_*."""
+        final = self(self.args.final_eval_episodes)
+        logger.log(global_step, {name.replace("eval/", "eval/final_"): value for name, value in final.items()})
+        return {name.replace("eval/", "final_"): value for name, value in final.items()}
+
+    def close(self) -> None:
+        if self.envs is not None:
+            self.envs.close()
+
+
+# LOGGING: one update's metrics
+class UpdateClock:
+    """The clock metrics of each update: charts/SPS (the steps of this process's updates over their seconds),
+    charts/collect_seconds (the rollout) and charts/plr_seconds (the sampler's share: the scores,
+    `update_with_rollouts`, `after_update`)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.seconds = 0.0
+
+    def start_update(self) -> None:
+        self.update_start = time.time()
+        self.plr_seconds = 0.0
+
+    def end_collect(self) -> None:
+        self.collect_seconds = time.time() - self.update_start
+
+    @contextlib.contextmanager
+    def plr_phase(self):
+        """Times the sampler's work inside the `with` block (added to charts/plr_seconds)."""
+        start = time.time()
+        yield
+        self.plr_seconds += time.time() - start
+
+    def end_update(self, num_steps: int) -> dict:
+        """charts/SPS, charts/collect_seconds and charts/plr_seconds of the update that ends now."""
+        self.steps += num_steps
+        self.seconds += time.time() - self.update_start
+        return {
+            "charts/SPS": int(self.steps / max(self.seconds, 1e-9)),
+            "charts/collect_seconds": self.collect_seconds,
+            "charts/plr_seconds": self.plr_seconds,
+        }
+
+
+class EpisodeStats:
+    """The training episodes finished since the last log line: `add` the infos of every env step, `means` once per
+    log line (charts/episodic_return, charts/episodic_length; raw rewards, as the env reports them)."""
+
+    def __init__(self):
+        self.episodes = []  # (return, length)
+
+    def add(self, info: dict) -> None:
+        ended = np.flatnonzero(info["_episode"])
+        self.episodes += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
+
+    def means(self) -> dict:
+        """The means since the last call (nothing if no episode finished), then start over."""
+        metrics = {}
+        if self.episodes:
+            mean_return, mean_length = np.mean(self.episodes, axis=0).tolist()
+            metrics["charts/episodic_return"] = mean_return
+            metrics["charts/episodic_length"] = mean_length
+        self.episodes = []
+        return metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over the batch (CleanRL's losses/explained_variance); NaN if the returns do not vary."""
+    y_pred = values.cpu().numpy()
+    y_true = returns.cpu().numpy()
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+def ppo_metrics(terms: PPOLoss, clipfracs: list[torch.Tensor], explained_var: float) -> dict:
+    """losses/*, as CleanRL's ppo logs them: the loss terms of the update's last minibatch, the mean clip fraction
+    over all its minibatches and the explained variance of the rollout's values."""
+    return {
+        "losses/value_loss": terms.value_loss.item(),
+        "losses/policy_loss": terms.policy_loss.item(),
+        "losses/entropy": terms.entropy.item(),
+        "losses/approx_kl": terms.approx_kl.item(),
+        "losses/clipfrac": torch.stack(clipfracs).mean().item(),
+        "losses/explained_variance": explained_var,
     }
-    for name, value in paper.items():
-        if getattr(args, name) is None or getattr(args, name) == -1:
+
+
+def replay_mass_by_difficulty(sampler: LevelSampler, difficulties: np.ndarray) -> dict:
+    """Figure 4: plr/mass_<label>, the P_replay mass of the training levels of each difficulty."""
+    replay_probs = sampler.replay_probs()
+    return {f"plr/mass_{label}": float(replay_probs[difficulties == label].sum()) for label in np.unique(difficulties)}
+
+
+def plr_metrics(sampler: LevelSampler, counts_before: tuple[int, int], difficulties: np.ndarray | None) -> dict:
+    """plr/*: the sampler's state (`LevelSampler.stats`), the fraction of this update's levels that were replays
+    (`counts_before`: `sampler.num_samples` and `sampler.num_replays` at the update's start) and Figure 4's masses."""
+    samples_before, replays_before = counts_before
+    num_new_samples = sampler.num_samples - samples_before
+    metrics = sampler.stats()
+    metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / max(num_new_samples, 1)
+    if difficulties is not None and sampler.num_seen:
+        metrics |= replay_mass_by_difficulty(sampler, difficulties)
+    return metrics
+
+
+def log_update(logger, global_step: int, metrics: dict, sampler: LevelSampler, args: Args) -> None:
+    """One update's log line: every metric to TensorBoard / metrics.jsonl, and the progress line."""
+    logger.log(global_step, metrics)
+    logger.progress(
+        global_step,
+        metrics["charts/SPS"],
+        episodic_return=metrics.get("charts/episodic_return"),
+        loss_name="value_loss",
+        loss=metrics["losses/value_loss"],
+        extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
+    )
+
+
+# RUN PLUMBING: per-domain defaults, the resume classes, validation, start-up checks
+def domain_defaults(env_id: str) -> dict:
+    """The per-domain defaults of `env_id` (DOMAIN_DEFAULTS), with |Λ_train| of the paper's MiniGrid envs."""
+    if is_procgen(env_id):
+        return dict(DOMAIN_DEFAULTS["procgen"])
+    defaults = dict(DOMAIN_DEFAULTS["minigrid"])
+    if env_id in MINIGRID_TRAIN_LEVELS:
+        defaults["num_train_levels"] = MINIGRID_TRAIN_LEVELS[env_id]
+    return defaults
+
+
+def resolve_defaults(args: Args) -> Args:
+    """Each per-domain flag left at None takes its domain's default (`domain_defaults`); a given value is kept."""
+    for name, value in domain_defaults(args.env_id).items():
+        if getattr(args, name) is None:
             setattr(args, name, value)
     return args
 
@@ -997,6 +1232,20 @@ def training_level_difficulties(args: Args) -> np.ndarray | None:
     return np.array(labels)
 
 
+class CheckpointSchedule:
+    """--checkpoint-every: `due(step)` is True once per checkpoint step reached (never with 0)."""
+
+    def __init__(self, global_step: int, checkpoint_every: int):
+        self.checkpoint_every = checkpoint_every
+        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
+
+    def due(self, global_step: int) -> bool:
+        if self.next_step is None or global_step < self.next_step:
+            return False
+        self.next_step += self.checkpoint_every
+        return True
+
+
 def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None:
     """Adam's settings from the flags. On --resume, `load_state_dict` restores the checkpoint's lr and eps with the
     moments; --learning-rate and --adam-eps are applied flags (APPLIED_ON_RESUME), so this run's values go back in."""
@@ -1044,8 +1293,6 @@ if __name__ == "__main__":
     env_workers = envs.num_workers if isinstance(envs, MiniGridVecEnv) else 0
     learn_threads = set_learner_threads(env_workers)
     torch.set_num_threads(1)
-    # one evaluation env (one worker) for train and test levels, created at the first evaluation
-    eval_envs = None
     obs_shape = envs.single_observation_space.shape
     num_actions = int(envs.single_action_space.n)
     agent = make_agent(args, obs_shape, num_actions).to(device)
@@ -1077,19 +1324,9 @@ if __name__ == "__main__":
         next_obs = envs.reset([sampler.sample(i) for i in range(args.num_envs)])
 
     rollout = make_rollout(args.num_steps, args.num_envs, obs_shape, num_actions, device)
-    # (return, length) of the episodes finished since the last log line
-    recent_episodes = []
-    sps_steps = 0
-    sps_seconds = 0.0
-
-    def run_eval(num_episodes):
-        global eval_envs
-        if eval_envs is None:
-            eval_envs = make_eval_envs(args)
-        agent.eval()
-        metrics = evaluate(agent, eval_envs, eval_level_sets(args, sampler, eval_rng), num_episodes, args, device)
-        agent.train()
-        return metrics
+    evaluator = Evaluator(args, agent, sampler, eval_rng, device)
+    clock = UpdateClock()
+    episode_stats = EpisodeStats()
 
     def make_checkpoint():
         save_run_checkpoint(
@@ -1103,15 +1340,14 @@ if __name__ == "__main__":
             **state_dicts(model=agent, optimizer=optimizer, sampler=sampler, normalizer=normalizer),
         )
 
-    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
+    checkpoints = CheckpointSchedule(global_step, args.checkpoint_every)
     error = None
     try:
         # Figure 4's difficulty labels (seconds of start-up: a stop signal ends it here)
         difficulties = training_level_difficulties(args)
         while global_step < end_step:
-            update_start = time.time()
-            replays_before = sampler.num_replays
-            samples_before = sampler.num_samples
+            clock.start_update()
+            sampler_counts = (sampler.num_samples, sampler.num_replays)
             # COLLECT: T steps on N envs; each new episode starts on the level the sampler returns
             for step in range(args.num_steps):
                 # a stop signal (recorded by its handler) stops the run here, between env steps
@@ -1145,10 +1381,9 @@ if __name__ == "__main__":
                     with torch.no_grad():
                         final_values = agent(final_obs)[1]
                     rollout.final_values[step, torch.as_tensor(truncated_envs, device=device)] = final_values
-                ended = np.flatnonzero(info["_episode"])
-                recent_episodes += list(zip(info["episode_return"][ended], info["episode_length"][ended]))
+                episode_stats.add(info)
             global_step += batch_size
-            collect_seconds = time.time() - update_start
+            clock.end_collect()
 
             # LEARN: GAE, PLR scores with the behaviour policy, PPO update, then PLR's after-update commit
             with torch.no_grad():
@@ -1164,14 +1399,13 @@ if __name__ == "__main__":
                 args.gae_lambda,
             )
             returns = advantages + rollout.values
-            plr_start = time.time()
-            if args.plr_strategy != "random":
-                # Algorithm 4: episode scores, stitched across rollouts
-                scores = step_scores(
-                    args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), rollout.logits.cpu().numpy()
-                )
-                sampler.update_with_rollouts(scores, rollout.dones.cpu().numpy(), rollout.levels)
-            plr_seconds = time.time() - plr_start
+            with clock.plr_phase():
+                if args.plr_strategy != "random":
+                    # Algorithm 4: episode scores, stitched across rollouts
+                    scores = step_scores(
+                        args.plr_strategy, advantages.cpu().numpy(), deltas.cpu().numpy(), rollout.logits.cpu().numpy()
+                    )
+                    sampler.update_with_rollouts(scores, rollout.dones.cpu().numpy(), rollout.levels)
 
             b_obs = rollout.obs.reshape(-1, *obs_shape)
             b_actions = rollout.actions.reshape(-1)
@@ -1196,60 +1430,23 @@ if __name__ == "__main__":
                     optimizer.step()
                     clipfracs.append(terms.clipfrac)
             torch.set_num_threads(1)
-            plr_start = time.time()
-            sampler.after_update()
-            plr_seconds += time.time() - plr_start
+            with clock.plr_phase():
+                sampler.after_update()
             update += 1
 
             # LOG
-            sps_steps += batch_size
-            sps_seconds += time.time() - update_start
-            sps = int(sps_steps / max(sps_seconds, 1e-9))
-            y_pred = b_values.cpu().numpy()
-            y_true = b_returns.cpu().numpy()
-            var_y = np.var(y_true)
-            metrics = {
-                "charts/SPS": sps,
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/collect_seconds": collect_seconds,
-                "charts/plr_seconds": plr_seconds,
-                "losses/value_loss": terms.value_loss.item(),
-                "losses/policy_loss": terms.policy_loss.item(),
-                "losses/entropy": terms.entropy.item(),
-                "losses/approx_kl": terms.approx_kl.item(),
-                "losses/clipfrac": torch.stack(clipfracs).mean().item(),
-                "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
-            }
-            if recent_episodes:
-                mean_return, mean_length = np.mean(recent_episodes, axis=0).tolist()
-                metrics["charts/episodic_return"] = mean_return
-                metrics["charts/episodic_length"] = mean_length
+            metrics = clock.end_update(batch_size) | {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            metrics |= ppo_metrics(terms, clipfracs, explained_variance(b_values, b_returns))
+            metrics |= episode_stats.means()
             if args.plr_strategy != "random":
-                num_new_samples = sampler.num_samples - samples_before
-                metrics |= sampler.stats()
-                metrics["plr/replay_fraction"] = (sampler.num_replays - replays_before) / max(num_new_samples, 1)
-                if difficulties is not None and sampler.num_seen:
-                    # Figure 4: the P_replay mass of each difficulty
-                    replay_probs = sampler.replay_probs()
-                    for label in np.unique(difficulties):
-                        metrics[f"plr/mass_{label}"] = float(replay_probs[difficulties == label].sum())
+                metrics |= plr_metrics(sampler, sampler_counts, difficulties)
             if args.eval_every and update % args.eval_every == 0 and args.eval_episodes:
-                metrics |= run_eval(args.eval_episodes)
-            logger.log(global_step, metrics)
-            logger.progress(
-                global_step,
-                sps,
-                episodic_return=metrics.get("charts/episodic_return"),
-                loss_name="value_loss",
-                loss=metrics["losses/value_loss"],
-                extra=f"seen={sampler.num_seen}" if args.plr_strategy != "random" else "",
-            )
-            recent_episodes = []
+                metrics |= evaluator(args.eval_episodes)
+            log_update(logger, global_step, metrics, sampler, args)
 
             # CHECKPOINT
-            if next_checkpoint is not None and global_step >= next_checkpoint:
+            if checkpoints.due(global_step):
                 make_checkpoint()
-                next_checkpoint += args.checkpoint_every
     except (KeyboardInterrupt, StopRun) as e:
         # StopRun: a dead MiniGrid env worker or an unwritable checkpoint
         error = e
@@ -1259,19 +1456,12 @@ if __name__ == "__main__":
     if error is None and args.checkpoint_every:
         make_checkpoint()
 
-    def final_eval() -> dict:
-        final = run_eval(args.final_eval_episodes)
-        logger.log(global_step, {name.replace("eval/", "eval/final_"): value for name, value in final.items()})
-        return {name.replace("eval/", "final_"): value for name, value in final.items()}
-
     summary = {"global_step": global_step, "updates": update}
     if args.plr_strategy != "random":
         summary |= {name.replace("plr/", "plr_"): value for name, value in sampler.stats().items()}
     model_file = {"model": agent.state_dict(), "args": vars(args)}
+    final_eval = functools.partial(evaluator.final, logger, global_step) if args.final_eval_episodes else None
     try:
-        finish_run(
-            logger, error, summary, model_file if args.save_model else None, final_eval if args.final_eval_episodes else None
-        )
+        finish_run(logger, error, summary, model_file if args.save_model else None, final_eval)
     finally:
-        if eval_envs is not None:
-            eval_envs.close()
+        evaluator.close()

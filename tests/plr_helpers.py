@@ -1,9 +1,8 @@
-"""Helpers shared by the PLR loop test files (tests/test_plr_loop.py, tests/test_plr_resume.py,
-tests/test_plr_evaluation.py) and tests/test_plr_ppo.py: the real `__main__` of plr_ppo.py run in this process with
-spies on the module's functions and classes (`Recorder`), textbook versions written from the papers (GAE, the PPO
-update, Adam, Algorithm 4's commits, return normalisation) and the checks of a recorded run against them, the real
-tiny MiniGrid run and its resumption that several test files read (run once per session), and the deterministic fake
-envs."""
+"""Helpers shared by the PLR test files (tests/test_plr_*.py): the real `__main__` of plr_ppo.py run in this process
+with spies on the module's functions and classes (`Recorder`), textbook versions written from the papers (GAE,
+Algorithm 4's scores and commits, the PPO update, Adam, return normalisation) and the checks of a recorded run against
+them, synthetic rollouts for the sampler, the real tiny MiniGrid run and its resumption that several test files read
+(run once per session), and the deterministic fake envs."""
 
 import ast
 import contextlib
@@ -28,9 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "plr_ppo.py"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # The real __main__ in this process, with spies
-# ---------------------------------------------------------------------------------------------------------------
 def main_code():
     """The body of plr_ppo.py's `if __name__ == "__main__":` block, compiled with the file's line numbers."""
     tree = ast.parse(SCRIPT.read_text())
@@ -304,9 +302,8 @@ class RecordedRun:
         self.updates = split_updates(recorder)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # Textbook versions (the papers' forms)
-# ---------------------------------------------------------------------------------------------------------------
 def textbook_gae(rewards, values, next_value, terminated, truncated, final_values, gamma, lam):
     """A_t = Σ_{k=t}^{end} (γλ)^{k-t} δ_k with δ_k = r_k + γ V(s_{k+1}) - V(s_k), V(s_{end+1}) = 0 on termination,
     V(final obs) on truncation, V(s_T) at the rollout's end."""
@@ -330,6 +327,49 @@ def textbook_gae(rewards, values, next_value, terminated, truncated, final_value
                     break
             A[t, n] = total
     return A, delta
+
+
+def textbook_scores(rollouts, num_levels, alpha=1.0, flush_each_update=False):
+    """Algorithm 4: per actor, the trajectory τ of the current episode grows across rollouts; at d_t the level's
+    score is the mean per-step score over the whole episode (S~ stitching). With flush_each_update (authors' code),
+    the partial τ is committed at the end of each rollout and τ restarts."""
+    S = np.zeros(num_levels)
+    scored = np.zeros(num_levels, bool)
+    tau = {}
+
+    def commit(level, value):
+        S[level] = value if not scored[level] else (1 - alpha) * S[level] + alpha * value
+        scored[level] = True
+
+    for scores, dones, levels in rollouts:
+        T, N = scores.shape
+        for a in range(N):  # actor-major commit order, as the sampler (and the authors' code)
+            for t in range(T):
+                tau.setdefault(a, []).append((levels[t, a], scores[t, a]))
+                if dones[t, a]:
+                    commit(levels[t, a], np.mean([s for _, s in tau[a]]))
+                    tau[a] = []
+            if flush_each_update and tau.get(a):
+                commit(tau[a][-1][0], np.mean([s for _, s in tau[a]]))
+                tau[a] = []
+    return S, scored
+
+
+def random_rollouts(rng, num_rollouts, T, N, levels_per_actor, p_done=0.15):
+    """Synthetic rollouts where actor a plays only levels of its own set (so commit order is unambiguous)."""
+    out = []
+    cur = [int(rng.integers(levels_per_actor)) + a * levels_per_actor for a in range(N)]
+    for _ in range(num_rollouts):
+        scores = rng.normal(size=(T, N))
+        dones = rng.random((T, N)) < p_done
+        levels = np.zeros((T, N), np.int64)
+        for a in range(N):
+            for t in range(T):
+                levels[t, a] = cur[a]
+                if dones[t, a]:
+                    cur[a] = int(rng.integers(levels_per_actor)) + a * levels_per_actor
+        out.append((scores, dones, levels))
+    return out
 
 
 def textbook_forward(agent, params, obs):
@@ -674,9 +714,8 @@ def periodic_evaluations(run):
     return periodic, final
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # A real tiny MiniGrid run, checkpointed, and its resumption with every applied flag changed (shared by the tests)
-# ---------------------------------------------------------------------------------------------------------------
 # every flag of APPLIED_ON_RESUME: (its value in the first run, its value on --resume). The first values make every
 # piece of the update act (the ratio and value clips, the gradient clip); the resumed run changes them all: three updates
 # of 4 x 32 steps after the checkpoint's step 384 (818 is not a multiple of the new batch: the run ends at its last
@@ -754,9 +793,8 @@ def shared_minigrid_runs(tmp_path_factory):
     return _SHARED_RUNS["runs"]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # A deterministic fake env: truncations that bootstrap, episodes across rollouts, a resume bit for bit
-# ---------------------------------------------------------------------------------------------------------------
 class FakeLevelEnv:
     """A deterministic stand-in for MiniGridVecEnv (same interface): 7x7x3 observations that encode (level, t), an
     episode length set by the level (`LENGTHS[level % len(LENGTHS)]`), reward 0.5, or 1.5 when the action is

@@ -14,7 +14,7 @@ from plr_helpers import assert_same_state, periodic_evaluations, shared_minigrid
 from scipy import stats
 
 import plr_ppo
-from plr_ppo import Args, LevelSampler, SamplerConfig
+from plr_ppo import Args, SamplerConfig, UnboundedLevelSampler
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,8 @@ def test_evaluation_in_the_loop_plays_the_current_network(minigrid_runs):
     assert_same_state(final["params"], snapshot_params(resumed.namespace["agent"]))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # evaluate on fake envs: the episodes counted and the policy
-# ---------------------------------------------------------------------------------------------------------------
 class LevelOutcomeEnv:
     """The vector-env interface `evaluate` uses, with episodes whose length and return depend only on their level
     (`outcome(levels) -> (lengths, returns)`); `actions` holds every action it was given."""
@@ -147,9 +146,8 @@ def test_evaluation_samples_the_policy():
     assert stats.chisquare(counts, probs * len(actions)).pvalue > 1e-4
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # Held-out evaluation: test levels are never training levels, train-level evaluation plays only training levels
-# ---------------------------------------------------------------------------------------------------------------
 class OneStepLevelEnv:
     """The vector-env interface `evaluate` uses: every episode lasts one step and returns 1 on a training level, 0 on any
     other; `played` holds the level of every episode, one list per reset (one per evaluated level set)."""
@@ -204,7 +202,7 @@ def test_evaluation_unbounded_mode_train_is_the_buffer_test_is_not(monkeypatch):
     """Unbounded mode: training levels are the buffer's levels; test levels are any other seed of [0, 20)."""
     monkeypatch.setattr(plr_ppo, "MAX_SEED", 20)
     args = Args(env_id="MultiRoom-N4-Random", num_train_levels=0, plr_replay_schedule="fixed", num_envs=5)
-    sampler = LevelSampler(None, 5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
+    sampler = UnboundedLevelSampler(None, 5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
     buffer = [3, 7, 11, 12, 19]
     sampler.update_with_rollouts(np.ones((1, 5)), np.ones((1, 5), bool), np.array([buffer]))
     assert set(sampler.slot_of) == set(buffer)
@@ -230,9 +228,8 @@ def test_evaluation_stops_at_a_stop_signal(monkeypatch):
     assert envs.played == [[]]  # reset, then stopped before the first step
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # tests/benchmarks/plr_eval_by_difficulty.py: the held-out levels of each difficulty
-# ---------------------------------------------------------------------------------------------------------------
 class SmallSeedSpace:
     """An RNG of level seeds in [0, 60) (the benchmark's draws are in [0, 2^31 - 1)): most draws are training levels
     or seeds drawn before."""

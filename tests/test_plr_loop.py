@@ -73,9 +73,8 @@ def test_first_run_acts_updates_and_tells_the_sampler_as_the_textbook(minigrid_r
     assert (first.namespace["sampler"].partial_steps > 0).any()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # The loop on a deterministic fake env: truncations that bootstrap, --plr-commit update
-# ---------------------------------------------------------------------------------------------------------------
 def test_truncation_bootstrap_and_commit_after_update_on_a_resumed_run(tmp_path):
     """Clauses 1-4 with --bootstrap-truncation (a truncated episode bootstraps from V(final obs)) and --plr-commit
     update (`after_update` commits each unfinished episode after the PPO update), on episodes that run across
@@ -103,9 +102,8 @@ def test_truncation_bootstrap_and_commit_after_update_on_a_resumed_run(tmp_path)
     assert any(t == 0 for run in (first, resumed) for update in run.updates for t, _, _ in update.samples)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # Clause 7: start-up
-# ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("env_id", ["MultiRoom-N4-Random", "bigfish"])
 def test_a_rollout_too_large_for_memory_is_one_error_line_before_the_run_folder(tmp_path, monkeypatch, capsys, env_id):
     """A huge --num-steps (within the budget: 8 x 10^8 steps) stops the start with one `error:` line naming the flags

@@ -23,6 +23,7 @@ from plr_helpers import (
     fake_argv,
     periodic_evaluations,
     record_fake_run,
+    run_main,
     settings_of,
     shared_minigrid_runs,
     snapshot_params,
@@ -220,9 +221,8 @@ def test_a_restored_return_normaliser_discounts_with_the_resumed_runs_gamma():
     np.testing.assert_allclose(normalized, np.clip(second / np.sqrt(var + 1e-8), -10, 10), rtol=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------
 # A resume bit for bit, on the deterministic fake env
-# ---------------------------------------------------------------------------------------------------------------
 METRICS_OF_TIME = {"time", "charts/SPS", "charts/collect_seconds", "charts/plr_seconds"}
 
 
@@ -272,3 +272,31 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tm
 def read_rows(path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [{name: value for name, value in row.items() if name not in METRICS_OF_TIME} for row in rows]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-domain defaults in a checkpoint
+def test_a_checkpoint_holds_the_resolved_defaults_and_resumes_with_them(tmp_path, monkeypatch):
+    """A run with every per-domain flag left out (DOMAIN_DEFAULTS) saves their resolved values in its checkpoint
+    (`vars(args)` after resolve_defaults), as the sentinel rule's runs did, so that their checkpoints resume with those
+    values in effect. A checkpoint holding a sentinel -1 (none was written: the values were resolved before saving) is
+    refused in one line."""
+    monkeypatch.setattr(plr_ppo, "MiniGridVecEnv", FakeLevelEnv)
+    monkeypatch.chdir(tmp_path)
+    run_flags = ["--num-envs", "2", "--num-steps", "8", "--num-minibatches", "2", "--eval-every", "0"]
+    run_flags += ["--final-eval-episodes", "0", "--no-progress", "--no-cuda", "--checkpoint-every", "16"]
+    run_main(["--env-id", "MiniGrid-Empty-5x5-v0", "--total-timesteps", "16", *run_flags])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    minigrid = plr_ppo.DOMAIN_DEFAULTS["minigrid"]
+    assert {name: checkpoint["args"][name] for name in minigrid} == minigrid
+    resumed = run_main(["--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps", "32"])
+    assert {name: getattr(resumed["args"], name) for name in minigrid} == minigrid
+    assert resumed["optimizer"].param_groups[0]["lr"] == minigrid["learning_rate"]
+    assert resumed["sampler"].seeds.tolist() == list(range(minigrid["num_train_levels"]))
+    assert resumed["global_step"] == 32
+    checkpoint["args"]["learning_rate"] = -1.0
+    torch.save(checkpoint, tmp_path / "sentinel.pt")
+    with pytest.raises(SystemExit) as refused:
+        run_main(["--resume", str(tmp_path / "sentinel.pt")])
+    assert str(refused.value) == "error: --learning-rate must be > 0, got -1.0"

@@ -66,7 +66,11 @@ def bench_sampler(module, num_levels, unbounded, N=64, T=256, mean_episode_len=1
         replay_schedule="fixed" if unbounded else "proportionate",
         replay_prob=0.95,
     )
-    if hasattr(module, "SamplerConfig"):
+    if hasattr(module, "UnboundedLevelSampler"):
+        sampler_class = module.UnboundedLevelSampler if unbounded else module.BoundedLevelSampler
+        s = sampler_class(levels, N, module.SamplerConfig(**settings), seed=seed)
+    elif hasattr(module, "SamplerConfig"):
+        # before the two modes were two classes
         s = module.LevelSampler(levels, N, module.SamplerConfig(**settings), seed=seed)
     else:
         # before the settings were bundled in SamplerConfig
