@@ -8,8 +8,9 @@ The main loop: the longest `for`/`while` loop inside the last `if __name__ == "_
 - if a section comment above it, at any depth, is one of `# LOG`, `# CHECKPOINT` (this repo's markers) or CleanRL's
   `# TRY NOT TO MODIFY: record rewards for plotting purposes` (until the next section comment: `# COLLECT`,
   `# LEARN`, `# ALGO LOGIC`, ...), or
-- if the statement it belongs to (a simple statement, or a compound statement's header and, then, all of its body)
-  names a logging, timing or run-control thing: PLUMBING_WORDS below.
+- if the statement it belongs to (a simple statement, or a compound statement's header and, then, all of its body;
+  the body of a `with` or `try` is classed by its own lines) names a logging, timing or run-control thing:
+  PLUMBING_WORDS below.
 Everything else counts as the method. A rule of thumb, not a proof: `--show` prints every line with its class, so
 the count can be checked by eye.
 """
@@ -25,7 +26,8 @@ from pathlib import Path
 PLUMBING_WORDS = re.compile(
     r"logger\.|writer\.|print\(|time\.time\(\)|progress|checkpoint|\bsps\b|SPS|_seconds\b|_time\b|last_log|"
     r"last_step|averager|metrics\b|stats_sum|stats_count|_sum\b|_count\b|processes\.check|procs\.check|check_stop|"
-    r"drain\(|episodic_return|episodic_length|explained_var|var_y|y_pred|y_true|recent_|clipfracs|final_info"
+    r"drain\(|episodic_return|episodic_length|explained_var|var_y|y_pred|y_true|recent_|clipfracs|final_info|"
+    r"clock\b|clock\.|episode_stats|_counts\b"
 )
 PLUMBING_SECTIONS = re.compile(r"#\s*(LOG\b|CHECKPOINT\b|TRY NOT TO MODIFY: record)")
 ANY_SECTION = re.compile(r"#\s*([A-Z]{3,}[A-Z :+]*)\b")
@@ -60,7 +62,8 @@ def classify(source: str) -> dict[int, str]:
                 plumbing = inherited or bool(PLUMBING_WORDS.search(header))
                 for number in range(node.lineno, body_start):
                     classes[number] = "plumbing" if plumbing else "method"
-                visit(node.body, plumbing)
+                # a `with` (a timer around the method's lines) or a `try` passes on its parent's class, not its header's
+                visit(node.body, inherited if isinstance(node, (ast.With, ast.Try)) else plumbing)
                 for handler in getattr(node, "handlers", []):
                     classes[handler.lineno] = "plumbing" if plumbing else "method"
                     visit(handler.body, plumbing)
