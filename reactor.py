@@ -22,8 +22,8 @@ Paper parts, in file order
 - The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags (RUN PLUMBING)
   `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`. The loop's contract: tests/test_reactor_loop.py.
 
-Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
-Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
+Defaults: 32 transitions per sequence, batch 4, acting:learning ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1
+(4.1, Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
 is not): other values (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c) are flags; fixed: layer sizes, Adam beta2/eps.
 
 Differences from the paper (long form: README.md, section reactor.py)
@@ -99,10 +99,11 @@ class Args(CommonArgs):
     """sequences per learning step (paper 3.4)"""
     sequence_length: int = 32
     """transitions per sequence; the network sees sequence_length + 1 = 33 observations (paper 3.4)"""
-    replay_ratio: float = 4.0
-    """acting steps per learning step, enforced in both directions (paper 3.4: 4 to 6)"""
+    acting_learning_ratio: float = 4.0
+    """env steps acted per learning step, enforced in both directions (paper 3.4's acting:learning ratio, 4 to 6; the
+    inverse of the usual "replay ratio", updates per env step); formerly --replay-ratio"""
     ratio_slack: int = 512
-    """env steps the actors may run ahead of replay_ratio * learning steps before they wait"""
+    """env steps the actors may run ahead of acting_learning_ratio x (learning steps) before they wait"""
     actor_chunk: int = 16
     """transitions an actor sends to the learner at once"""
     learning_rate: float = 5e-5
@@ -361,8 +362,8 @@ def make_learner(args: Args, num_actions: int, obs_shape, device):
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def _at(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """values at the actions [...] (a gather): values [..., A] -> [...] (dim -1), or [..., A, K] -> [..., K] (dim -2)."""
+def at_actions(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The values of the actions taken (a gather): values [..., A] -> [...] (dim -1), or [..., A, K] -> [..., K] (dim -2)."""
     index = actions.long().unsqueeze(-1)
     if dim != -1:
         index = index.unsqueeze(-1)
@@ -424,7 +425,7 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     batch_size, num_steps, _, num_atoms = q_next.shape
     c = _cut_at_sequence_end(c_next)
     # Y_{t+1} = E_pi q(x_{t+1}) - c_{t+1} q(x_{t+1}, a_{t+1}), the 1-step backup's signed weights   [B, T, K]
-    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * _at(q_next, a_next, dim=-2)
+    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * at_actions(q_next, a_next, dim=-2)
     # Z_{t+1} after the last transition: empty (its trace is cut)
     atoms = rewards.new_zeros(batch_size, 0)
     weights = rewards.new_zeros(batch_size, 0)
@@ -443,7 +444,7 @@ def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
     beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants."""
     beta = torch.clamp(1.0 / mu_a, max=c)
     q = q.detach()
-    return -(beta * (returns - _at(q, actions)).detach() * _at(pi, actions) + (q * pi).sum(-1))
+    return -(beta * (returns - at_actions(q, actions)).detach() * at_actions(pi, actions) + (q * pi).sum(-1))
 
 
 def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
@@ -454,7 +455,7 @@ def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
     log_pi = torch.log(pi)
     rho = pi_const / mu
     v = (pi_const * q).sum(-1)
-    truncated_term = torch.clamp(_at(rho, actions), max=c) * (returns - v).detach() * _at(log_pi, actions)
+    truncated_term = torch.clamp(at_actions(rho, actions), max=c) * (returns - v).detach() * at_actions(log_pi, actions)
     bias_correction = (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1)
     return -(truncated_term + bias_correction)
 
@@ -496,8 +497,8 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     pi = out.pi  # [B, T+1, A]
     actions = batch.actions.long()
     pi_const = pi.detach()
-    mu_a = _at(batch.mu, actions)
-    rho = _at(pi_const, actions) / mu_a
+    mu_a = at_actions(batch.mu, actions)
+    rho = at_actions(pi_const, actions) / mu_a
     discounts, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
     rewards = batch.rewards[:, :num_steps].float()
     if args.distributional:
@@ -510,19 +511,19 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         q_online = out.q.detach()
         q_mean_next = target_out.q[:, 1:]
     v_next = (pi_const[:, 1:] * q_mean_next).sum(-1)
-    q_next_a = _at(q_mean_next, actions[:, 1:])
+    q_next_a = at_actions(q_mean_next, actions[:, 1:])
     # R(A), Eq. (3)
     returns = retrace_returns(rewards, discounts, c_next, v_next, q_next_a)
     taken = actions[:, :num_steps]
     if args.distributional:
         target = distributional_retrace_target(rewards, discounts, c_next, pi_const[:, 1:], q_next, actions[:, 1:], support)
-        log_q_a = _at(log_q[:, :num_steps], taken, dim=-2)
+        log_q_a = at_actions(log_q[:, :num_steps], taken, dim=-2)
         # Eq. (12): cross-entropy with the (signed) target
         value_loss = -(target * log_q_a).sum(-1)
         # total variation (3.3)
         td_size = 0.5 * (target - log_q_a.exp()).abs().sum(-1)
     else:
-        q_taken = _at(out.q[:, :num_steps], taken)
+        q_taken = at_actions(out.q[:, :num_steps], taken)
         value_loss = 0.5 * (returns - q_taken) ** 2
         # |TD| along the sequence (3.3)
         td_size = (returns - q_taken).abs().detach()
@@ -543,7 +544,7 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         "losses/value_loss": value_loss,
         "losses/policy_loss": policy_loss,
         "losses/entropy": entropy,
-        "losses/q_values": _at(q_online, actions)[:, :num_steps],
+        "losses/q_values": at_actions(q_online, actions)[:, :num_steps],
         "losses/retrace_return": returns,
         "replay/rho_mean": rho[:, :num_steps],
         "replay/trace_mean": c_next,
@@ -1064,7 +1065,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
     while not handles.stop_event.is_set():
         # the acting:learning ratio: wait for the learner while all actors together are ahead of it
         ahead = sum(handles.actor_steps[:]) - ratio_base.env_step
-        allowed = args.replay_ratio * (handles.learner_steps.value - ratio_base.learn_step) + args.ratio_slack
+        allowed = args.acting_learning_ratio * (handles.learner_steps.value - ratio_base.learn_step) + args.ratio_slack
         if ahead >= 0 and ahead > allowed:
             channel.send(actor_id)
             time.sleep(0.002)
@@ -1138,13 +1139,13 @@ def store_chunk(channel: ChunkChannel, message: ChunkMessage, replay: SequenceRe
 
 
 def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: RatioBase, args: Args) -> bool:
-    """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
-    both counted from ratio_base; and at least a batch of sequences in the replay."""
+    """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) /
+    acting_learning_ratio, both counted from ratio_base; and at least a batch of sequences in the replay."""
     env_steps = global_step - ratio_base.env_step
     return (
         env_steps >= 0
         and num_sequences >= args.batch_size
-        and learn_steps - ratio_base.learn_step < env_steps / args.replay_ratio
+        and learn_steps - ratio_base.learn_step < env_steps / args.acting_learning_ratio
     )
 
 
@@ -1226,7 +1227,7 @@ APPLIED_ON_RESUME = (
     "total_timesteps",
     "learning_starts",
     "batch_size",
-    "replay_ratio",
+    "acting_learning_ratio",
     "ratio_slack",
     "learning_rate",
     "adam_beta1",
@@ -1248,6 +1249,8 @@ RUN_ONLY_ON_RESUME = (
     "checkpoint_replay",
     "memory_fraction",
 )
+# flags renamed since a checkpoint may have been written: {old field: new field} (a checkpoint's old name resumes)
+RENAMED_FLAGS = {"replay_ratio": "acting_learning_ratio"}
 
 
 def validate_args(args: Args) -> None:
@@ -1257,7 +1260,7 @@ def validate_args(args: Args) -> None:
     require(args.learning_starts >= 0, f"--learning-starts must be >= 0, got {args.learning_starts!r}")
     require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
     require(args.sequence_length >= 1, f"--sequence-length must be >= 1, got {args.sequence_length!r}")
-    require(args.replay_ratio > 0, f"--replay-ratio must be > 0, got {args.replay_ratio!r}")
+    require(args.acting_learning_ratio > 0, f"--acting-learning-ratio must be > 0, got {args.acting_learning_ratio!r}")
     require(args.ratio_slack >= 0, f"--ratio-slack must be >= 0, got {args.ratio_slack!r}")
     require(args.actor_chunk >= 1, f"--actor-chunk must be >= 1, got {args.actor_chunk!r}")
     require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
@@ -1320,7 +1323,7 @@ def validate_args(args: Args) -> None:
 def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
     """Where a resumed run's acting:learning ratio counts from. Without its replay: after learning_starts steps that
     refill it. With it: the checkpoint's base, so that the run goes on exactly, except that a new --learning-starts
-    moves the start of a replay still filling (never before the resumed step) and a new --replay-ratio counts from the
+    moves the start of a replay still filling (never before the resumed step) and a new --acting-learning-ratio counts from the
     resumed step (from the old base it would owe or grant learning steps at once)."""
     global_step = ckpt["global_step"]
     learn_steps = ckpt["learn_steps"]
@@ -1331,7 +1334,7 @@ def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
         # still filling: learning starts learning_starts steps after the filling began
         filling_began = saved.env_step - ckpt["args"]["learning_starts"]
         return RatioBase(env_step=max(filling_began + args.learning_starts, global_step), learn_step=saved.learn_step)
-    if args.replay_ratio != ckpt["args"]["replay_ratio"]:
+    if args.acting_learning_ratio != ckpt["args"]["acting_learning_ratio"]:
         return RatioBase(env_step=global_step, learn_step=learn_steps)
     return saved
 
@@ -1376,7 +1379,9 @@ def apply_optimizer_flags(optimizer: torch.optim.Optimizer, args: Args) -> None:
 
 if __name__ == "__main__":
     # tyro; --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(
+        Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME, renamed=RENAMED_FLAGS
+    )
     # all checks before anything heavy and before the run folder
     validate_args(args)
     if ckpt:
@@ -1523,7 +1528,7 @@ if __name__ == "__main__":
                         global_step,
                         {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
                     )
-            # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
+            # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / acting_learning_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
                 step_start = time.time()
