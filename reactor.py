@@ -67,7 +67,7 @@ from common.checkpoint import (
     set_rng_state,
     state_dicts,
 )
-from common.logger import start_run
+from common.logger import MetricAverager, start_run
 from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.processes import (
     ProcessGroup,
@@ -1377,6 +1377,99 @@ def apply_optimizer_flags(optimizer: torch.optim.Optimizer, args: Args) -> None:
         group["betas"] = (args.adam_beta1, group["betas"][1])
 
 
+class LoopMetrics:
+    """The main loop's logging, none of it the method: episodes as they arrive, the policy lag of the env steps
+    received, the learning steps' stats (`MetricAverager`: summed on the device, means in float64 with one transfer per
+    log line) and their time, and every log_every learning steps one metrics record and one progress line."""
+
+    def __init__(self, logger, global_step: int):
+        self.logger = logger
+        self.start_time = time.time()
+        self.start_step = global_step
+        self.recent_returns = deque(maxlen=100)
+        # the learning steps' stats (loss and IS weights too) since the last log line, and their time
+        self.learner_stats = MetricAverager()
+        self.learn_time = 0.0
+        # the policy lag (learning steps since the weights acted with) summed over the env steps received since then
+        self.lag_sum = 0
+        self.lag_count = 0
+
+    def sps(self, global_step: int) -> float:
+        """Env steps per second since the run (or its resume) started."""
+        return (global_step - self.start_step) / (time.time() - self.start_time)
+
+    def mean_recent_return(self) -> float | None:
+        """The mean return of the last 100 training episodes (None before the first)."""
+        return float(np.mean(self.recent_returns)) if self.recent_returns else None
+
+    def episode(self, global_step: int, message: EpisodeMessage) -> None:
+        """An actor's finished episode: its return and length logged at the step it arrived."""
+        self.recent_returns.append(message.episodic_return)
+        self.logger.log(
+            global_step,
+            {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
+        )
+
+    def received(self, learn_steps: int, versions: np.ndarray) -> None:
+        """Env steps just received, one weights version each: their policy lag (learning steps since that version)."""
+        self.lag_sum += int((learn_steps - versions).sum())
+        self.lag_count += len(versions)
+
+    def learned(self, stats: dict, step_start: float) -> None:
+        """A learning step's stats (0-d tensors on the device) and its time since `step_start`."""
+        self.learner_stats.add(stats)
+        self.learn_time += time.time() - step_start
+
+    def log_line(self, global_step: int, learn_steps: int, replay: SequenceReplay, ratio_base: RatioBase) -> None:
+        """The means since the last log line (one record), the replay's priorities and the progress line."""
+        steps_logged = len(self.learner_stats)
+        sps = self.sps(global_step)
+        learner_sps = steps_logged / max(self.learn_time, 1e-9)
+        known = replay.index.known_priorities()
+        acting_learning_ratio = (global_step - ratio_base.env_step) / max(learn_steps - ratio_base.learn_step, 1)
+        metrics = self.learner_stats.means() | {
+            "charts/SPS": sps,
+            "charts/learning_steps": learn_steps,
+            "charts/learner_steps_per_s": learner_sps,
+            "charts/acting_learning_ratio": acting_learning_ratio,
+            "charts/policy_lag": self.lag_sum / max(self.lag_count, 1),
+            "replay/size": len(replay),
+            "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
+            "replay/priority_mean": float(known.mean()) if known.size else 0.0,
+            "replay/priority_max": float(known.max()) if known.size else 0.0,
+        }
+        self.logger.log(global_step, metrics)
+        self.logger.progress(
+            global_step,
+            sps,
+            np.mean(self.recent_returns) if self.recent_returns else None,
+            "value_loss",
+            float(metrics["losses/value_loss"]),
+            f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
+        )
+        self.learn_time = 0.0
+        self.lag_sum = 0
+        self.lag_count = 0
+
+    def last_record(self, global_step: int, learn_steps: int) -> None:
+        """The run's last record, at its last step."""
+        self.logger.log(global_step, {"charts/SPS": self.sps(global_step), "charts/learning_steps": learn_steps})
+
+
+class CheckpointSchedule:
+    """A checkpoint each time the env steps pass the next multiple of checkpoint_every (0: none; `next_checkpoint_step`)."""
+
+    def __init__(self, checkpoint_every: int, global_step: int, save):
+        self.checkpoint_every = checkpoint_every
+        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
+        self.save = save
+
+    def save_if_due(self, global_step: int) -> None:
+        if self.next_step is not None and global_step >= self.next_step:
+            self.save()
+            self.next_step += self.checkpoint_every
+
+
 if __name__ == "__main__":
     # tyro; --resume: the checkpoint's flags, given flags override
     args, ckpt, overridden = parse_run_args(
@@ -1472,17 +1565,7 @@ if __name__ == "__main__":
     if ckpt:
         # every global RNG as the checkpoint left it (last: the set-up above draws from torch's)
         set_rng_state(ckpt["rng"])
-    start_time = time.time()
     start_step = global_step
-    last_log_step = learn_steps
-    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
-    # the learning steps' stats summed on the device since the last log line, and their time
-    stats_sum = {}
-    learn_time = 0.0
-    # the policy lag (learning steps since the weights acted with) summed over the env steps received since then
-    lag_sum = 0
-    lag_count = 0
-    recent_returns = deque(maxlen=100)
 
     def make_checkpoint():
         save_run_checkpoint(
@@ -1500,6 +1583,8 @@ if __name__ == "__main__":
             ),
         )
 
+    loop_metrics = LoopMetrics(logger, global_step)
+    checkpoints = CheckpointSchedule(args.checkpoint_every, global_step, make_checkpoint)
     error = None
     can_learn = False
     try:
@@ -1507,7 +1592,7 @@ if __name__ == "__main__":
             actor_args = (actor_id, args, logger.run_name, handles, ratio_base, start_step)
             procs.start(actor_loop, actor_args, name=f"actor-{actor_id}")
         while global_step < args.total_timesteps:
-            # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
+            # COLLECT: the actors' chunks into the replay (at most 4 messages per actor, then learn)
             for received in range(4 * args.num_actors):
                 try:
                     message = channel.get(timeout=0.05 if received == 0 and not can_learn else None)
@@ -1518,16 +1603,11 @@ if __name__ == "__main__":
                     # one version per env step (a pad slot is none)
                     global_step += len(versions)
                     actor_env_steps[actor_id] += len(versions)
-                    lag_sum += int((learn_steps - versions).sum())
-                    lag_count += len(versions)
+                    loop_metrics.received(learn_steps, versions)
                 else:
                     # the actors' only other message: an EpisodeMessage
                     episodes_done += 1
-                    recent_returns.append(message.episodic_return)
-                    logger.log(
-                        global_step,
-                        {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
-                    )
+                    loop_metrics.episode(global_step, message)
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / acting_learning_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
@@ -1535,46 +1615,12 @@ if __name__ == "__main__":
                 stats = learning_step(net, target_net, optimizer, replay, support, args, rng, device)
                 learn_steps += 1
                 publish_weights(net, target_net, shared_net, handles.weights_version, handles.learner_steps, learn_steps, args)
-                stats_sum = {name: stats_sum.get(name, 0.0) + value.detach() for name, value in stats.items()}
-                learn_time += time.time() - step_start
-                # LOG: the means since the last log line
+                # LOG: the step's stats; every log_every steps, their means since the last log line
+                loop_metrics.learned(stats, step_start)
                 if learn_steps % args.log_every == 0:
-                    steps_logged = learn_steps - last_log_step
-                    sps = (global_step - start_step) / (time.time() - start_time)
-                    learner_sps = steps_logged / max(learn_time, 1e-9)
-                    known = replay.index.known_priorities()
-                    # the stats summed on the device (loss and IS weights too): one transfer
-                    means = (torch.stack(list(stats_sum.values())) / steps_logged).tolist()
-                    acting_learning_ratio = (global_step - ratio_base.env_step) / max(learn_steps - ratio_base.learn_step, 1)
-                    metrics = dict(zip(stats_sum, means)) | {
-                        "charts/SPS": sps,
-                        "charts/learning_steps": learn_steps,
-                        "charts/learner_steps_per_s": learner_sps,
-                        "charts/acting_learning_ratio": acting_learning_ratio,
-                        "charts/policy_lag": lag_sum / max(lag_count, 1),
-                        "replay/size": len(replay),
-                        "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
-                        "replay/priority_mean": float(known.mean()) if known.size else 0.0,
-                        "replay/priority_max": float(known.max()) if known.size else 0.0,
-                    }
-                    logger.log(global_step, metrics)
-                    logger.progress(
-                        global_step,
-                        sps,
-                        np.mean(recent_returns) if recent_returns else None,
-                        "value_loss",
-                        float(metrics["losses/value_loss"]),
-                        f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
-                    )
-                    stats_sum = {}
-                    learn_time = 0.0
-                    lag_sum = 0
-                    lag_count = 0
-                    last_log_step = learn_steps
+                    loop_metrics.log_line(global_step, learn_steps, replay, ratio_base)
             # CHECKPOINT
-            if next_checkpoint is not None and global_step >= next_checkpoint:
-                make_checkpoint()
-                next_checkpoint += args.checkpoint_every
+            checkpoints.save_if_due(global_step)
             # a dead actor stops the run with its reason
             procs.check()
     except (KeyboardInterrupt, StopRun) as e:
@@ -1582,8 +1628,7 @@ if __name__ == "__main__":
     finally:
         procs.stop()
     # the last record is at the last step
-    final_sps = (global_step - start_step) / (time.time() - start_time)
-    logger.log(global_step, {"charts/SPS": final_sps, "charts/learning_steps": learn_steps})
+    loop_metrics.last_record(global_step, learn_steps)
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
@@ -1607,7 +1652,7 @@ if __name__ == "__main__":
             "global_step": global_step,
             "learning_steps": learn_steps,
             "episodes": episodes_done,
-            "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None,
+            "train_return_mean_last100": loop_metrics.mean_recent_return(),
         },
         {"model": net.state_dict(), "args": vars(args)} if args.save_model else None,
         final_eval if args.save_model and args.eval_episodes else None,
