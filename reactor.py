@@ -230,7 +230,8 @@ def unroll_lstm(lstm: nn.LSTM, inputs: torch.Tensor, state: tuple, pieces: Episo
     another's state), padded at their ends with repeats of their last frame (whose outputs are never read). The same as
     the step-by-step loop `for t: (h, c) = cell(x_t, (h, c) * (1 - first_t))` up to float rounding. Returns the outputs
     [B, L, H] and the state (h, c) after the last frame, the right one only for one-frame calls (acting): a longer
-    call's last piece may end before its padding does."""
+    call's last piece may end before its padding does.
+    Oracle: tests/test_reactor_actors.py::test_fused_lstm_equals_step_by_step_reset."""
     batch_size, length, _ = inputs.shape
     keep = pieces.carries_state.to(inputs.dtype)[None, :, None]
     initial = tuple(part[pieces.sequence].unsqueeze(0) * keep for part in state)
@@ -373,7 +374,8 @@ def at_actions(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> to
 def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     """Project sum_j probs_j delta_{atoms_j} onto the fixed grid `support` (C51 Eq. (7), the kernel h_{z_i} of 3.2):
     out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1). atoms,
-    probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M)."""
+    probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M).
+    Oracle: tests/test_reactor_targets.py::test_projection_matches_textbook_signed_weights_and_outside_atoms."""
     atoms, probs = torch.broadcast_tensors(atoms, probs)
     num_atoms = support.shape[0]
     v_min = float(support[0])
@@ -399,7 +401,8 @@ def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
         Q^ret_t = r_t + gamma_t [E_pi Q(x_{t+1}, .) + c_{t+1} (Q^ret_{t+1} - Q(x_{t+1}, a_{t+1}))]
     (= Q(x_t, a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s). All [B, T]: rewards r_t, discounts gamma_t (0 after
     a termination), c_next = c_{t+1} (the last one taken as 0: the sequence end cuts the trace), v_next =
-    E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1})."""
+    E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
+    Oracle: tests/test_reactor_targets.py::test_scalar_retrace_matches_textbook."""
     c = _cut_at_sequence_end(c_next)
     # Q^ret_{t+1} after the last transition: multiplied by the cut trace c = 0
     next_return = torch.zeros_like(rewards[:, 0])
@@ -421,7 +424,8 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     each Z_t projected once, as in the sum (shifting a projected Z_{t+1} would project twice). rewards, discounts
     (gamma_t, 0 after termination), c_next (c_{t+1}), a_next (a_{t+1}): [B, T]; pi_next: [B, T, A]; q_next
     (target-network probabilities): [B, T, A, K]; support z: [K]. The sequence end cuts the trace (c_{t+T} := 0):
-    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). Returns [B, T, K]."""
+    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). Returns [B, T, K].
+    Oracle: tests/test_reactor_targets.py::test_distributional_retrace_matches_textbook_mass_one_and_mean."""
     batch_size, num_steps, _, num_atoms = q_next.shape
     c = _cut_at_sequence_end(c_next)
     # Y_{t+1} = E_pi q(x_{t+1}) - c_{t+1} q(x_{t+1}, a_{t+1}), the 1-step backup's signed weights   [B, T, K]
@@ -441,7 +445,8 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
 
 def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
     """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)],
-    beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants."""
+    beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants.
+    Oracle: tests/test_reactor_targets.py::test_beta_loo_gradient_equals_hand_derived_form."""
     beta = torch.clamp(1.0 / mu_a, max=c)
     q = q.detach()
     return -(beta * (returns - at_actions(q, actions)).detach() * at_actions(pi, actions) + (q * pi).sum(-1))
@@ -449,7 +454,8 @@ def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
 
 def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
     """Negative TISLR surrogate (ACER; paper 3.1), beta-LOO's ablation: min(c, rho(A)) (R(A) - V) grad log pi(A) +
-    sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it."""
+    sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it.
+    Oracle: tests/test_reactor_targets.py::test_beta_loo_with_c1_is_loo_and_tislr_gradient (TISLR's gradient by hand)."""
     q = q.detach()
     pi_const = pi.detach()
     log_pi = torch.log(pi)
@@ -464,7 +470,8 @@ def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
     """Discounts gamma_t, traces c_{t+1} (c_s = lambda min(1, rho_s), Eq. (4)) and loss mask from T+1 slots ([B, T+1]).
     An episode end cuts them: a termination at t gives gamma_t = 0, c_{t+1} = 0; a time-limit truncation at t is followed
     by a pad slot holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
-    no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T])."""
+    no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T]).
+    Oracle: tests/test_reactor_targets.py::test_trace_cutting_at_episode_end_and_bootstrap_on_truncation."""
     term = term.to(rho.dtype)
     pad = pad.to(rho.dtype)
     first = first.to(rho.dtype)
@@ -488,7 +495,8 @@ class Batch(NamedTuple):
 
 
 def reactor_loss(net, target_net, batch: Batch, support, args: Args):
-    """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors)."""
+    """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors).
+    Oracle: tests/test_reactor_targets.py::test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper."""
     out = net(batch.obs, batch.first, batch.state)
     with torch.no_grad():
         # (the target network's policy is never used)
@@ -567,7 +575,10 @@ class LazyPriorities:
     so the cell's mass m_i = p_i + (|I_i| - 1) p_hat_i is held at s_i in a sum tree. Sampling: with probability eps
     uniformly over the valid keys, else proportionally to p_hat (a cell by mass, then its known key with probability
     p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known. Links and sizes of the
-    known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`)."""
+    known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`).
+    Oracle: tests/test_reactor_replay.py::test_lazy_priority_estimates_equal_brute_force,
+    tests/test_reactor_replay.py::test_lazy_priority_sampling_frequencies_chi_square,
+    tests/test_reactor_replay.py::test_lazy_priorities_random_operations_equal_slow_reference."""
 
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
         self.capacity = capacity
@@ -590,47 +601,6 @@ class LazyPriorities:
     @property
     def num_known(self) -> int:
         return int(self.known.total)
-
-    def _is_valid(self, key: int) -> bool:
-        return self.valid.get(key) != 0
-
-    def _is_known(self, key: int) -> bool:
-        return self.known.get(key) != 0
-
-    def _owner(self, key: int, guess: int = -1) -> int:
-        """The last known key <= key, circularly (its cell holds key); `guess`, a known key, is checked first in O(1)."""
-        if guess >= 0:
-            # guess's cell spans the keys [guess, next known key), circularly (every key when guess is the only one)
-            span = (self.next_known[guess] - guess) % self.capacity or self.capacity
-            if (key - guess) % self.capacity < span:
-                return guess
-        return self.known.last_nonzero_at_or_before(key)
-
-    def _cell_estimate(self, cell: int) -> float:
-        """p_hat of the unknown keys of known key `cell`'s cell: the cell-size weighted mean over J (distinct cells)."""
-        # J: the cell, then its neighbour cells, each once (one, two or three cells)
-        cells_in_j = dict.fromkeys((cell, self.prev_known[cell], self.next_known[cell]))
-        weighted_sum = 0.0
-        total_size = 0
-        for j in cells_in_j:
-            weighted_sum += self.cell_size[j] * self.priority[j]
-            total_size += self.cell_size[j]
-        return weighted_sum / total_size
-
-    def _touched(self, cell: int) -> tuple:
-        """The cells whose mass depends on known key `cell`'s priority, size or links."""
-        return self.prev_known[cell], cell, self.next_known[cell]
-
-    def _set_masses(self, cells: set) -> None:
-        """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
-        cells = sorted(int(cell) for cell in cells)
-        masses = []
-        for cell in cells:
-            if self._is_known(cell):
-                masses.append(self.priority[cell] + (self.cell_size[cell] - 1) * self._cell_estimate(cell))
-            else:
-                masses.append(0.0)
-        self.mass.set_leaves(cells, masses)
 
     def add(self, keys) -> None:
         """Keys become valid with an unknown priority (lazy initialization): each joins the cell that holds it."""
@@ -714,23 +684,6 @@ class LazyPriorities:
             changed.update((self.prev_known[owner], owner, key, next_key))
         self._set_masses(changed)
 
-    def _estimate_one(self, key: int) -> float:
-        """p_hat of valid key `key`: its priority if known, else its cell's estimate."""
-        if self._is_known(key):
-            return self.priority[key]
-        return self._cell_estimate(self._owner(key))
-
-    def estimate(self, keys):
-        """p_hat for each (valid) key (NaN while none is known)."""
-        keys = np.asarray(keys, np.int64)
-        if not self.num_known:
-            return np.full(keys.shape, np.nan)
-        return np.array([self._estimate_one(key) for key in keys.ravel().tolist()], np.float64).reshape(keys.shape)
-
-    def known_priorities(self) -> np.ndarray:
-        """The priorities of the known keys."""
-        return self.priority[self.known.get(np.arange(self.capacity)) > 0]
-
     def sample(self, batch: int, rng: np.random.Generator):
         """Sample `batch` valid keys: (keys, probabilities P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k, uniform while
         nothing is known). A draw takes 5 uniforms in [0, 1) (one `rng.random` call): the uniform key's rank, the coin
@@ -766,6 +719,17 @@ class LazyPriorities:
                 probabilities.append(1.0 / num_valid)
         return np.array(keys, np.int64), np.array(probabilities, np.float64)
 
+    def estimate(self, keys):
+        """p_hat for each (valid) key (NaN while none is known)."""
+        keys = np.asarray(keys, np.int64)
+        if not self.num_known:
+            return np.full(keys.shape, np.nan)
+        return np.array([self._estimate_one(key) for key in keys.ravel().tolist()], np.float64).reshape(keys.shape)
+
+    def known_priorities(self) -> np.ndarray:
+        """The priorities of the known keys."""
+        return self.priority[self.known.get(np.arange(self.capacity)) > 0]
+
     def state_dict(self):
         trees = {name: getattr(self, name).tree.copy() for name in ("valid", "known", "mass")}
         return trees | {"priority": self.priority.copy()}
@@ -786,6 +750,54 @@ class LazyPriorities:
         valid_before = np.r_[0, np.cumsum(self.valid.get(np.arange(self.capacity)))]
         wraps = np.where(next_keys > known_keys, 0, self.num_valid)
         self.cell_size[known_keys] = wraps + valid_before[next_keys] - valid_before[known_keys]
+
+    # the cell bookkeeping behind the public methods above
+    def _is_valid(self, key: int) -> bool:
+        return self.valid.get(key) != 0
+
+    def _is_known(self, key: int) -> bool:
+        return self.known.get(key) != 0
+
+    def _owner(self, key: int, guess: int = -1) -> int:
+        """The last known key <= key, circularly (its cell holds key); `guess`, a known key, is checked first in O(1)."""
+        if guess >= 0:
+            # guess's cell spans the keys [guess, next known key), circularly (every key when guess is the only one)
+            span = (self.next_known[guess] - guess) % self.capacity or self.capacity
+            if (key - guess) % self.capacity < span:
+                return guess
+        return self.known.last_nonzero_at_or_before(key)
+
+    def _cell_estimate(self, cell: int) -> float:
+        """p_hat of the unknown keys of known key `cell`'s cell: the cell-size weighted mean over J (distinct cells)."""
+        # J: the cell, then its neighbour cells, each once (one, two or three cells)
+        cells_in_j = dict.fromkeys((cell, self.prev_known[cell], self.next_known[cell]))
+        weighted_sum = 0.0
+        total_size = 0
+        for j in cells_in_j:
+            weighted_sum += self.cell_size[j] * self.priority[j]
+            total_size += self.cell_size[j]
+        return weighted_sum / total_size
+
+    def _estimate_one(self, key: int) -> float:
+        """p_hat of valid key `key`: its priority if known, else its cell's estimate."""
+        if self._is_known(key):
+            return self.priority[key]
+        return self._cell_estimate(self._owner(key))
+
+    def _touched(self, cell: int) -> tuple:
+        """The cells whose mass depends on known key `cell`'s priority, size or links."""
+        return self.prev_known[cell], cell, self.next_known[cell]
+
+    def _set_masses(self, cells: set) -> None:
+        """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
+        cells = sorted(int(cell) for cell in cells)
+        masses = []
+        for cell in cells:
+            if self._is_known(cell):
+                masses.append(self.priority[cell] + (self.cell_size[cell] - 1) * self._cell_estimate(cell))
+            else:
+                masses.append(0.0)
+        self.mass.set_leaves(cells, masses)
 
 
 class SequenceReplay:
@@ -907,7 +919,9 @@ class SequenceReplay:
 class ChunkMessage(NamedTuple):
     """The rows an actor wrote into one of its buffers: all that crosses the queue for them."""
 
-    kind: str  # "chunk" (an actor's own messages start with another word)
+    # always "chunk": how a reader of the queue that takes any tuple (the tests, bench_reactor.py) tells chunks from an
+    # actor's own messages (`post`); the learner's loop tells them apart by type
+    kind: str
     actor: int
     buffer: int
     rows: int
@@ -916,14 +930,13 @@ class ChunkMessage(NamedTuple):
 class EpisodeMessage(NamedTuple):
     """An actor's finished episode (`info["episode"]`), posted to the learner for logging."""
 
-    kind: str  # "episode"
     episodic_return: float
     episode_length: int
 
 
 @dataclass
 class FillingBuffer:
-    """Actor side: the buffer an actor is writing into."""
+    """Actor side: the buffer an actor is writing into (held by the process that writes it, never shared)."""
 
     buffer: int
     views: dict  # {field: numpy view of the buffer's rows}
@@ -938,7 +951,8 @@ class ChunkChannel:
     messages (`post`), so a killed actor can never leave a half-written large message that would block the learner's
     read. The learner `get`s messages; for a chunk `read` gives (actor, {field: rows}) as views into the buffer, and
     `release` returns the buffer to its actor once the rows are copied. Pass it to actor processes as a `Process`
-    argument.
+    argument: the arrays and queues are shared; `filling`, the buffers being written, is each process's own (a
+    pickled channel arrives without it, `__getstate__`).
     """
 
     def __init__(self, ctx, num_actors: int, rows: int, fields: dict, num_buffers: int = 4):
@@ -951,8 +965,12 @@ class ChunkChannel:
             for buffer in range(num_buffers):
                 free.put(buffer)
         self.queue = ctx.Queue()
-        # actor side: the buffer each actor is writing into
+        # actor side, this process's own: {actor: the buffer it is writing into} (threads of one process: one entry each)
         self.filling: dict[int, FillingBuffer] = {}
+
+    def __getstate__(self) -> dict:
+        """Pickled for an actor process: the shared arrays and queues, not this process's buffers being written."""
+        return self.__dict__ | {"filling": {}}
 
     def reserve(self, actor: int, timeout: float = 0.1) -> bool:
         """Actor side: hold a free buffer to write into (False if none came back within `timeout` s)."""
@@ -1097,7 +1115,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
         steps += 1
         handles.actor_steps[actor_id] = steps
         if "episode" in info:
-            channel.post(EpisodeMessage("episode", float(info["episode"]["r"]), int(info["episode"]["l"])))
+            channel.post(EpisodeMessage(float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             if truncated and not terminated:
                 # the true last frame, to bootstrap from (no transition leaves it)
@@ -1151,7 +1169,8 @@ def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ra
 
 def learning_step(net, target_net, optimizer, replay: SequenceReplay, support, args: Args, rng, device) -> dict:
     """One learning step: a prioritized batch, the Reactor loss, Adam, the batch's new priorities into the replay (3.3).
-    Returns the step's stats (0-d tensors on the device), the loss and the mean IS weight among them."""
+    Returns the step's stats (0-d tensors on the device), the loss and the mean IS weight among them.
+    Oracle: tests/test_reactor_loop.py::test_learning_step_equals_a_hand_written_update_over_two_steps."""
     keys, batch = replay.sample(args.batch_size, rng, device)
     loss, priorities, stats = reactor_loss(net, target_net, batch, support, args)
     optimizer.zero_grad()
