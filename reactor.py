@@ -4,9 +4,10 @@
 Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional
 Retrace and a policy head with beta-LOO, from prioritized replay of 33-observation sequences.
 
-Symbols: x_t frame, a_t action, r_t reward, gamma discount, pi policy, mu behaviour policy, rho = pi / mu, traces
+Symbols: x_t observation, a_t action, r_t reward, gamma discount, pi policy, mu behaviour policy, rho = pi / mu, traces
 c = lambda min(1, rho), atoms z_i of probabilities q_i(x, a), Q = sum_i q_i z_i, alpha n-step backup weights, R(A) Retrace
-return, p priority, p_hat its estimate. Shapes: B sequences, T transitions, L = T + 1 frames, A actions, K atoms, H units.
+return, p priority, p_hat its estimate. Shapes: B sequences, T transitions, L = T + 1 observations, A actions, K atoms,
+H units. Steps are agent steps (Atari: 4 emulator frames each); frames are emulator frames only.
 
 Paper parts, in file order
 - Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
@@ -19,8 +20,9 @@ Paper parts, in file order
   (ND) or total variation (distributional) in `reactor_loss`.
 - Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
-- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags (RUN PLUMBING)
-  `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`. The loop's contract: tests/test_reactor_loop.py.
+- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags, the loop's logging
+  and checkpoint cadence (RUN PLUMBING) `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`, `LoopMetrics`,
+  `CheckpointSchedule`. The loop's contract: tests/test_reactor_loop.py.
 
 Defaults: 32 transitions per sequence, batch 4, acting:learning ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1
 (4.1, Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
@@ -32,9 +34,10 @@ Differences from the paper (long form: README.md, section reactor.py)
   trees, prev/next links between known keys (a circular linked list), cell sizes; same estimate (size-weighted, 3.3), O(log n).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
-- Both networks unroll all 33 frames (paper: online 1-32, target 2-33); a truncation's last frame is stored, bootstrapped.
+- Both networks unroll all 33 observations (paper: online 1-32, target 2-33); a truncation's last observation is stored,
+  bootstrapped.
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
-  LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
+  LSTMs and heads; 0/1 observations not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
 
@@ -194,55 +197,55 @@ class CReLU(nn.Module):
 class NetOut(NamedTuple):
     q: torch.Tensor  # [B, L, A, K] categorical logits (distributional) or [B, L, A] action values (ND)
     pi: torch.Tensor  # [B, L, A] mixed policy probabilities
-    state: tuple | None  # (h_q, c_q, h_pi, c_pi) after a one-frame call (acting); None after a sequence
+    state: tuple | None  # (h_q, c_q, h_pi, c_pi) after a one-observation call (acting); None after a sequence
 
 
 class EpisodePieces(NamedTuple):
-    """[B, L] frames cut at episode starts into P pieces (a piece begins at frame 0 and at each `first` frame)."""
+    """[B, L] observations cut at episode starts into P pieces (a piece begins at position 0 and at each `first` one)."""
 
-    frame: torch.Tensor  # [P, longest] each piece's frames as flat indices b * L + t (past its end: its last frame)
+    index: torch.Tensor  # [P, longest] each piece's observations as flat indices b * L + t (past its end: its last one)
     sequence: torch.Tensor  # [P] the sequence b of each piece
-    carries_state: torch.Tensor  # [P] the piece starts at frame 0 of a sequence that does not start an episode there
-    position: torch.Tensor  # [B * L] where each frame sits in the pieces' [P, longest] grid, flattened
+    carries_state: torch.Tensor  # [P] the piece starts at position 0 of a sequence that does not start an episode there
+    position: torch.Tensor  # [B * L] where each observation sits in the pieces' [P, longest] grid, flattened
 
 
 def cut_at_episode_starts(first: torch.Tensor) -> EpisodePieces:
-    """The pieces of `first` [B, L]: an LSTM state reset before frame t is the same as a new sequence starting at t."""
+    """The pieces of `first` [B, L]: an LSTM state reset before observation t is the same as a new sequence starting at t."""
     batch_size, length = first.shape
     piece_starts = first.clone()
     piece_starts[:, 0] = True
     piece_starts = piece_starts.flatten()
-    start_frame = torch.nonzero(piece_starts).flatten()
-    # each frame's piece, and its step within the piece
+    start_index = torch.nonzero(piece_starts).flatten()
+    # each observation's piece, and its step within the piece
     piece = piece_starts.cumsum(0) - 1
-    step = torch.arange(batch_size * length, device=first.device) - start_frame[piece]
+    step = torch.arange(batch_size * length, device=first.device) - start_index[piece]
     longest = int(step.max()) + 1
-    # a piece ends before the next one starts; the last one at the last frame
-    end_frame = torch.cat([start_frame[1:] - 1, start_frame.new_tensor([batch_size * length - 1])])
-    frame = torch.minimum(start_frame[:, None] + torch.arange(longest, device=first.device), end_frame[:, None])
-    carries_state = (start_frame % length == 0) & ~first.flatten()[start_frame]
-    return EpisodePieces(frame, start_frame // length, carries_state, piece * longest + step)
+    # a piece ends before the next one starts; the last one at the last observation
+    end_index = torch.cat([start_index[1:] - 1, start_index.new_tensor([batch_size * length - 1])])
+    index = torch.minimum(start_index[:, None] + torch.arange(longest, device=first.device), end_index[:, None])
+    carries_state = (start_index % length == 0) & ~first.flatten()[start_index]
+    return EpisodePieces(index, start_index // length, carries_state, piece * longest + step)
 
 
 def unroll_lstm(lstm: nn.LSTM, inputs: torch.Tensor, state: tuple, pieces: EpisodePieces):
     """nn.LSTM over inputs [B, L, F] from state (h, c) [B, H], the state reset to zero before each episode start, in
     one fused call: the pieces run as the rows of one batch (each ends where the next episode starts, so none needs
-    another's state), padded at their ends with repeats of their last frame (whose outputs are never read). The same as
+    another's state), padded at their ends with repeats of their last observation (whose outputs are never read). The same as
     the step-by-step loop `for t: (h, c) = cell(x_t, (h, c) * (1 - first_t))` up to float rounding. Returns the outputs
-    [B, L, H] and the state (h, c) after the last frame, the right one only for one-frame calls (acting): a longer
+    [B, L, H] and the state (h, c) after the last observation, the right one only for one-observation calls (acting): a longer
     call's last piece may end before its padding does.
     Oracle: tests/test_reactor_actors.py::test_fused_lstm_equals_step_by_step_reset."""
     batch_size, length, _ = inputs.shape
     keep = pieces.carries_state.to(inputs.dtype)[None, :, None]
     initial = tuple(part[pieces.sequence].unsqueeze(0) * keep for part in state)
-    rows = inputs.reshape(batch_size * length, -1)[pieces.frame]
+    rows = inputs.reshape(batch_size * length, -1)[pieces.index]
     out, (h, c) = lstm(rows, initial)
     outputs = out.reshape(-1, out.shape[-1])[pieces.position].reshape(batch_size, length, -1)
     return outputs, (h[0], c[0])
 
 
 class ReactorNetwork(nn.Module):
-    """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
+    """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one observation at a time)."""
 
     def __init__(
         self,
@@ -300,8 +303,8 @@ class ReactorNetwork(nn.Module):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
-        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that frame),
-        state: 4 x [B, H] before frame 0. Both LSTMs run all pieces between episode starts in one call (`unroll_lstm`).
+        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that observation),
+        state: 4 x [B, H] before observation 0. Both LSTMs run all pieces between episode starts in one call (`unroll_lstm`).
         policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are
         None."""
         batch_size, length = obs.shape[:2]
@@ -318,7 +321,7 @@ class ReactorNetwork(nn.Module):
         action_logits = self.action_logits(q_hidden).view(batch_size * length, self.num_actions, -1)
         q = self.value_logits(q_hidden).unsqueeze(1) + action_logits
         q = q.view(batch_size, length, *q.shape[1:]) if self.distributional else q.view(batch_size, length, self.num_actions)
-        # the state after a one-frame call (acting); the learner's sequences start from stored states and return none
+        # the state after a one-observation call (acting); the learner's sequences start from stored states and return none
         next_state = None
         if not policy:
             if length == 1:
@@ -334,7 +337,7 @@ class ReactorNetwork(nn.Module):
 
 
 def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
-    """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
+    """The network for this env family: the paper's torso on Atari (pixels / 255), MinAtar's on MinAtar (0/1 planes)."""
     minatar = args.env_id in MINATAR_ENV_IDS
     torso = args.torso
     if torso == "auto":
@@ -391,7 +394,7 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
 
 
 def _cut_at_sequence_end(c_next: torch.Tensor) -> torch.Tensor:
-    """c_{t+1} with the last one set to 0: nothing is known after the sequence's last frame, so its trace is cut."""
+    """c_{t+1} with the last one set to 0: nothing is known after the sequence's last observation, so its trace is cut."""
     return torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
 
 
@@ -469,7 +472,7 @@ def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
 def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
     """Discounts gamma_t, traces c_{t+1} (c_s = lambda min(1, rho_s), Eq. (4)) and loss mask from T+1 slots ([B, T+1]).
     An episode end cuts them: a termination at t gives gamma_t = 0, c_{t+1} = 0; a time-limit truncation at t is followed
-    by a pad slot holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
+    by a pad slot holding the true last observation: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
     no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T]).
     Oracle: tests/test_reactor_targets.py::test_trace_cutting_at_episode_end_and_bootstrap_on_truncation."""
     term = term.to(rho.dtype)
@@ -487,8 +490,8 @@ class Batch(NamedTuple):
     actions: torch.Tensor  # [B, T+1]
     rewards: torch.Tensor  # [B, T+1] (r of the transition leaving each slot)
     term: torch.Tensor  # [B, T+1] transition from this slot terminated
-    pad: torch.Tensor  # [B, T+1] slot is the last frame of a truncated episode (no transition from it)
-    first: torch.Tensor  # [B, T+1] slot is the first frame of an episode
+    pad: torch.Tensor  # [B, T+1] slot is the last observation of a truncated episode (no transition from it)
+    first: torch.Tensor  # [B, T+1] slot is the first observation of an episode
     mu: torch.Tensor  # [B, T+1, A] behaviour policy at acting time (with the uniform mix)
     state: tuple  # 4 x [B, H] LSTM state before slot 0
     weights: torch.Tensor  # [B] importance-sampling weights
@@ -1118,7 +1121,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
             channel.post(EpisodeMessage(float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             if truncated and not terminated:
-                # the true last frame, to bootstrap from (no transition leaves it)
+                # the true last observation, to bootstrap from (no transition leaves it)
                 rows = channel.write(
                     actor_id,
                     obs=next_obs,
