@@ -4,9 +4,10 @@
 Actor processes stream transitions to a learner that trains a recurrent categorical Q head with distributional
 Retrace and a policy head with beta-LOO, from prioritized replay of 33-observation sequences.
 
-Symbols: x_t frame, a_t action, r_t reward, gamma discount, pi policy, mu behaviour policy, rho = pi / mu, traces
+Symbols: x_t observation, a_t action, r_t reward, gamma discount, pi policy, mu behaviour policy, rho = pi / mu, traces
 c = lambda min(1, rho), atoms z_i of probabilities q_i(x, a), Q = sum_i q_i z_i, alpha n-step backup weights, R(A) Retrace
-return, p priority, p_hat its estimate. Shapes: B sequences, T transitions, L = T + 1 frames, A actions, K atoms, H units.
+return, p priority, p_hat its estimate. Shapes: B sequences, T transitions, L = T + 1 observations, A actions, K atoms,
+H units. Steps are agent steps (Atari: 4 emulator frames each); frames are emulator frames only.
 
 Paper parts, in file order
 - Network (3.4.1): conv torso, separate policy and Q LSTMs, categorical Q = value + action logits, uniform-mixed
@@ -19,11 +20,12 @@ Paper parts, in file order
   (ND) or total variation (distributional) in `reactor_loss`.
 - Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
-- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags (RUN PLUMBING)
-  `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`. The loop's contract: tests/test_reactor_loop.py.
+- The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags, the loop's logging
+  and checkpoint cadence (RUN PLUMBING) `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`, `LoopMetrics`,
+  `CheckpointSchedule`. The loop's contract: tests/test_reactor_loop.py.
 
-Defaults: 32 transitions per sequence, batch 4, replay_ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1 (4.1,
-Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
+Defaults: 32 transitions per sequence, batch 4, acting:learning ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1
+(4.1, Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
 is not): other values (C51's atoms and gamma, A3C's grad clip, ACER's tislr_c) are flags; fixed: layer sizes, Adam beta2/eps.
 
 Differences from the paper (long form: README.md, section reactor.py)
@@ -32,9 +34,10 @@ Differences from the paper (long form: README.md, section reactor.py)
   trees, prev/next links between known keys (a circular linked list), cell sizes; same estimate (size-weighted, 3.3), O(log n).
 - LSTM states stored (R2D2) in float16; loss averaged over a sequence's valid steps, then IS-weighted; IS weights
   normalized by their batch maximum; R(A) in beta-LOO is the scalar Retrace return; a lost life resets the LSTM.
-- Both networks unroll all 33 frames (paper: online 1-32, target 2-33); a truncation's last frame is stored, bootstrapped.
+- Both networks unroll all 33 observations (paper: online 1-32, target 2-33); a truncation's last observation is stored,
+  bootstrapped.
 - MinAtar (`--env-id MinAtar/...`, CPU scale): MinAtar's torso (one 3x3 conv, 16 channels) under the paper's linear,
-  LSTMs and heads; 0/1 frames not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
+  LSTMs and heads; 0/1 observations not rescaled, rewards unclipped, sticky actions 0.1 (MinAtar's standard).
 Copying this file: it needs common/{atari_env,minatar_env,args,logger,checkpoint,processes,video,sum_tree}.py.
 """
 
@@ -67,7 +70,7 @@ from common.checkpoint import (
     set_rng_state,
     state_dicts,
 )
-from common.logger import start_run
+from common.logger import MetricAverager, start_run
 from common.minatar_env import MINATAR_ENV_IDS, make_minatar_env
 from common.processes import (
     ProcessGroup,
@@ -99,10 +102,11 @@ class Args(CommonArgs):
     """sequences per learning step (paper 3.4)"""
     sequence_length: int = 32
     """transitions per sequence; the network sees sequence_length + 1 = 33 observations (paper 3.4)"""
-    replay_ratio: float = 4.0
-    """acting steps per learning step, enforced in both directions (paper 3.4: 4 to 6)"""
+    acting_learning_ratio: float = 4.0
+    """env steps acted per learning step, enforced in both directions (paper 3.4's acting:learning ratio, 4 to 6; the
+    inverse of the usual "replay ratio", updates per env step); formerly --replay-ratio"""
     ratio_slack: int = 512
-    """env steps the actors may run ahead of replay_ratio * learning steps before they wait"""
+    """env steps the actors may run ahead of acting_learning_ratio x (learning steps) before they wait"""
     actor_chunk: int = 16
     """transitions an actor sends to the learner at once"""
     learning_rate: float = 5e-5
@@ -193,54 +197,55 @@ class CReLU(nn.Module):
 class NetOut(NamedTuple):
     q: torch.Tensor  # [B, L, A, K] categorical logits (distributional) or [B, L, A] action values (ND)
     pi: torch.Tensor  # [B, L, A] mixed policy probabilities
-    state: tuple | None  # (h_q, c_q, h_pi, c_pi) after a one-frame call (acting); None after a sequence
+    state: tuple | None  # (h_q, c_q, h_pi, c_pi) after a one-observation call (acting); None after a sequence
 
 
 class EpisodePieces(NamedTuple):
-    """[B, L] frames cut at episode starts into P pieces (a piece begins at frame 0 and at each `first` frame)."""
+    """[B, L] observations cut at episode starts into P pieces (a piece begins at position 0 and at each `first` one)."""
 
-    frame: torch.Tensor  # [P, longest] each piece's frames as flat indices b * L + t (past its end: its last frame)
+    index: torch.Tensor  # [P, longest] each piece's observations as flat indices b * L + t (past its end: its last one)
     sequence: torch.Tensor  # [P] the sequence b of each piece
-    carries_state: torch.Tensor  # [P] the piece starts at frame 0 of a sequence that does not start an episode there
-    position: torch.Tensor  # [B * L] where each frame sits in the pieces' [P, longest] grid, flattened
+    carries_state: torch.Tensor  # [P] the piece starts at position 0 of a sequence that does not start an episode there
+    position: torch.Tensor  # [B * L] where each observation sits in the pieces' [P, longest] grid, flattened
 
 
 def cut_at_episode_starts(first: torch.Tensor) -> EpisodePieces:
-    """The pieces of `first` [B, L]: an LSTM state reset before frame t is the same as a new sequence starting at t."""
+    """The pieces of `first` [B, L]: an LSTM state reset before observation t is the same as a new sequence starting at t."""
     batch_size, length = first.shape
     piece_starts = first.clone()
     piece_starts[:, 0] = True
     piece_starts = piece_starts.flatten()
-    start_frame = torch.nonzero(piece_starts).flatten()
-    # each frame's piece, and its step within the piece
+    start_index = torch.nonzero(piece_starts).flatten()
+    # each observation's piece, and its step within the piece
     piece = piece_starts.cumsum(0) - 1
-    step = torch.arange(batch_size * length, device=first.device) - start_frame[piece]
+    step = torch.arange(batch_size * length, device=first.device) - start_index[piece]
     longest = int(step.max()) + 1
-    # a piece ends before the next one starts; the last one at the last frame
-    end_frame = torch.cat([start_frame[1:] - 1, start_frame.new_tensor([batch_size * length - 1])])
-    frame = torch.minimum(start_frame[:, None] + torch.arange(longest, device=first.device), end_frame[:, None])
-    carries_state = (start_frame % length == 0) & ~first.flatten()[start_frame]
-    return EpisodePieces(frame, start_frame // length, carries_state, piece * longest + step)
+    # a piece ends before the next one starts; the last one at the last observation
+    end_index = torch.cat([start_index[1:] - 1, start_index.new_tensor([batch_size * length - 1])])
+    index = torch.minimum(start_index[:, None] + torch.arange(longest, device=first.device), end_index[:, None])
+    carries_state = (start_index % length == 0) & ~first.flatten()[start_index]
+    return EpisodePieces(index, start_index // length, carries_state, piece * longest + step)
 
 
 def unroll_lstm(lstm: nn.LSTM, inputs: torch.Tensor, state: tuple, pieces: EpisodePieces):
     """nn.LSTM over inputs [B, L, F] from state (h, c) [B, H], the state reset to zero before each episode start, in
     one fused call: the pieces run as the rows of one batch (each ends where the next episode starts, so none needs
-    another's state), padded at their ends with repeats of their last frame (whose outputs are never read). The same as
+    another's state), padded at their ends with repeats of their last observation (whose outputs are never read). The same as
     the step-by-step loop `for t: (h, c) = cell(x_t, (h, c) * (1 - first_t))` up to float rounding. Returns the outputs
-    [B, L, H] and the state (h, c) after the last frame, the right one only for one-frame calls (acting): a longer
-    call's last piece may end before its padding does."""
+    [B, L, H] and the state (h, c) after the last observation, the right one only for one-observation calls (acting): a longer
+    call's last piece may end before its padding does.
+    Oracle: tests/test_reactor_actors.py::test_fused_lstm_equals_step_by_step_reset."""
     batch_size, length, _ = inputs.shape
     keep = pieces.carries_state.to(inputs.dtype)[None, :, None]
     initial = tuple(part[pieces.sequence].unsqueeze(0) * keep for part in state)
-    rows = inputs.reshape(batch_size * length, -1)[pieces.frame]
+    rows = inputs.reshape(batch_size * length, -1)[pieces.index]
     out, (h, c) = lstm(rows, initial)
     outputs = out.reshape(-1, out.shape[-1])[pieces.position].reshape(batch_size, length, -1)
     return outputs, (h[0], c[0])
 
 
 class ReactorNetwork(nn.Module):
-    """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one frame at a time)."""
+    """Paper 3.4.1: conv torso -> shared linear -> {Q LSTM, policy LSTM} -> heads (one observation at a time)."""
 
     def __init__(
         self,
@@ -298,8 +303,8 @@ class ReactorNetwork(nn.Module):
         return tuple(torch.zeros(batch, self.lstm_size, device=device) for _ in range(4))
 
     def forward(self, obs: torch.Tensor, first: torch.Tensor, state: tuple, policy: bool = True) -> NetOut:
-        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that frame),
-        state: 4 x [B, H] before frame 0. Both LSTMs run all pieces between episode starts in one call (`unroll_lstm`).
+        """obs [B, L, channels, height, width] uint8, first [B, L] (episode starts: LSTM state reset before that observation),
+        state: 4 x [B, H] before observation 0. Both LSTMs run all pieces between episode starts in one call (`unroll_lstm`).
         policy=False (the target network, whose policy is never used) skips the policy LSTM and head: pi and its state are
         None."""
         batch_size, length = obs.shape[:2]
@@ -316,7 +321,7 @@ class ReactorNetwork(nn.Module):
         action_logits = self.action_logits(q_hidden).view(batch_size * length, self.num_actions, -1)
         q = self.value_logits(q_hidden).unsqueeze(1) + action_logits
         q = q.view(batch_size, length, *q.shape[1:]) if self.distributional else q.view(batch_size, length, self.num_actions)
-        # the state after a one-frame call (acting); the learner's sequences start from stored states and return none
+        # the state after a one-observation call (acting); the learner's sequences start from stored states and return none
         next_state = None
         if not policy:
             if length == 1:
@@ -332,7 +337,7 @@ class ReactorNetwork(nn.Module):
 
 
 def make_network(args: Args, num_actions: int, obs_shape) -> ReactorNetwork:
-    """The network for this env family: the paper's torso on Atari (frames / 255), MinAtar's on MinAtar (0/1 frames)."""
+    """The network for this env family: the paper's torso on Atari (pixels / 255), MinAtar's on MinAtar (0/1 planes)."""
     minatar = args.env_id in MINATAR_ENV_IDS
     torso = args.torso
     if torso == "auto":
@@ -361,8 +366,8 @@ def make_learner(args: Args, num_actions: int, obs_shape, device):
 
 
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
-def _at(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """values at the actions [...] (a gather): values [..., A] -> [...] (dim -1), or [..., A, K] -> [..., K] (dim -2)."""
+def at_actions(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The values of the actions taken (a gather): values [..., A] -> [...] (dim -1), or [..., A, K] -> [..., K] (dim -2)."""
     index = actions.long().unsqueeze(-1)
     if dim != -1:
         index = index.unsqueeze(-1)
@@ -372,7 +377,8 @@ def _at(values: torch.Tensor, actions: torch.Tensor, dim: int = -1) -> torch.Ten
 def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     """Project sum_j probs_j delta_{atoms_j} onto the fixed grid `support` (C51 Eq. (7), the kernel h_{z_i} of 3.2):
     out_i = sum_j probs_j * h_{z_i}(atoms_j), h_{z_i}(x) = clip(1 - |clip(x, v_min, v_max) - z_i| / dz, 0, 1). atoms,
-    probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M)."""
+    probs: [..., M] (broadcastable), support: [K] evenly spaced -> [..., K]; linear in probs (signed alpha is fine), O(M).
+    Oracle: tests/test_reactor_targets.py::test_projection_matches_textbook_signed_weights_and_outside_atoms."""
     atoms, probs = torch.broadcast_tensors(atoms, probs)
     num_atoms = support.shape[0]
     v_min = float(support[0])
@@ -388,7 +394,7 @@ def categorical_projection(atoms: torch.Tensor, probs: torch.Tensor, support: to
 
 
 def _cut_at_sequence_end(c_next: torch.Tensor) -> torch.Tensor:
-    """c_{t+1} with the last one set to 0: nothing is known after the sequence's last frame, so its trace is cut."""
+    """c_{t+1} with the last one set to 0: nothing is known after the sequence's last observation, so its trace is cut."""
     return torch.cat([c_next[:, :-1], torch.zeros_like(c_next[:, -1:])], 1)
 
 
@@ -398,7 +404,8 @@ def retrace_returns(rewards, discounts, c_next, v_next, q_next_a):
         Q^ret_t = r_t + gamma_t [E_pi Q(x_{t+1}, .) + c_{t+1} (Q^ret_{t+1} - Q(x_{t+1}, a_{t+1}))]
     (= Q(x_t, a_t) + sum_{s>=t} gamma^{s-t} (c_{t+1}...c_s) delta_s). All [B, T]: rewards r_t, discounts gamma_t (0 after
     a termination), c_next = c_{t+1} (the last one taken as 0: the sequence end cuts the trace), v_next =
-    E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1})."""
+    E_pi Q(x_{t+1}, .), q_next_a = Q(x_{t+1}, a_{t+1}).
+    Oracle: tests/test_reactor_targets.py::test_scalar_retrace_matches_textbook."""
     c = _cut_at_sequence_end(c_next)
     # Q^ret_{t+1} after the last transition: multiplied by the cut trace c = 0
     next_return = torch.zeros_like(rewards[:, 0])
@@ -420,11 +427,12 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
     each Z_t projected once, as in the sum (shifting a projected Z_{t+1} would project twice). rewards, discounts
     (gamma_t, 0 after termination), c_next (c_{t+1}), a_next (a_{t+1}): [B, T]; pi_next: [B, T, A]; q_next
     (target-network probabilities): [B, T, A, K]; support z: [K]. The sequence end cuts the trace (c_{t+T} := 0):
-    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). Returns [B, T, K]."""
+    sum alpha = 1, total mass 1 (entries may be negative, not in expectation). Returns [B, T, K].
+    Oracle: tests/test_reactor_targets.py::test_distributional_retrace_matches_textbook_mass_one_and_mean."""
     batch_size, num_steps, _, num_atoms = q_next.shape
     c = _cut_at_sequence_end(c_next)
     # Y_{t+1} = E_pi q(x_{t+1}) - c_{t+1} q(x_{t+1}, a_{t+1}), the 1-step backup's signed weights   [B, T, K]
-    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * _at(q_next, a_next, dim=-2)
+    y = (pi_next.unsqueeze(-1) * q_next).sum(2) - c.unsqueeze(-1) * at_actions(q_next, a_next, dim=-2)
     # Z_{t+1} after the last transition: empty (its trace is cut)
     atoms = rewards.new_zeros(batch_size, 0)
     weights = rewards.new_zeros(batch_size, 0)
@@ -440,21 +448,23 @@ def distributional_retrace_target(rewards, discounts, c_next, pi_next, q_next, a
 
 def beta_loo_policy_loss(pi, q, actions, returns, mu_a, c: float = 1.0):
     """Negative beta-LOO surrogate (Eq. (10)): its gradient is -[beta (R(A) - Q(A)) grad pi(A) + sum_a Q(a) grad pi(a)],
-    beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants."""
+    beta = min(c, 1/mu(A)) (3.1; c = 1: the paper's beta = 1). Only pi [..., A] has a gradient: q, R(A), mu(A) constants.
+    Oracle: tests/test_reactor_targets.py::test_beta_loo_gradient_equals_hand_derived_form."""
     beta = torch.clamp(1.0 / mu_a, max=c)
     q = q.detach()
-    return -(beta * (returns - _at(q, actions)).detach() * _at(pi, actions) + (q * pi).sum(-1))
+    return -(beta * (returns - at_actions(q, actions)).detach() * at_actions(pi, actions) + (q * pi).sum(-1))
 
 
 def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
     """Negative TISLR surrogate (ACER; paper 3.1), beta-LOO's ablation: min(c, rho(A)) (R(A) - V) grad log pi(A) +
-    sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it."""
+    sum_a (rho(a) - c)_+ mu(a) (Q(a) - V) grad log pi(a), V = sum_a pi Q; only pi has a gradient; mu: [..., A], all of it.
+    Oracle: tests/test_reactor_targets.py::test_beta_loo_with_c1_is_loo_and_tislr_gradient (TISLR's gradient by hand)."""
     q = q.detach()
     pi_const = pi.detach()
     log_pi = torch.log(pi)
     rho = pi_const / mu
     v = (pi_const * q).sum(-1)
-    truncated_term = torch.clamp(_at(rho, actions), max=c) * (returns - v).detach() * _at(log_pi, actions)
+    truncated_term = torch.clamp(at_actions(rho, actions), max=c) * (returns - v).detach() * at_actions(log_pi, actions)
     bias_correction = (F.relu(rho - c) * mu * (q - v.unsqueeze(-1)) * log_pi).sum(-1)
     return -(truncated_term + bias_correction)
 
@@ -462,8 +472,9 @@ def tislr_policy_loss(pi, q, actions, returns, mu, c: float = 10.0):
 def discounts_and_traces(rho, term, pad, first, gamma: float, lam: float):
     """Discounts gamma_t, traces c_{t+1} (c_s = lambda min(1, rho_s), Eq. (4)) and loss mask from T+1 slots ([B, T+1]).
     An episode end cuts them: a termination at t gives gamma_t = 0, c_{t+1} = 0; a time-limit truncation at t is followed
-    by a pad slot holding the true last frame: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
-    no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T])."""
+    by a pad slot holding the true last observation: gamma_t stays (bootstrap from it), c_{t+1} = 0, and the pad slot carries
+    no transition (mask 0, gamma 0). Returns (discounts [B, T], c_next [B, T], mask [B, T]).
+    Oracle: tests/test_reactor_targets.py::test_trace_cutting_at_episode_end_and_bootstrap_on_truncation."""
     term = term.to(rho.dtype)
     pad = pad.to(rho.dtype)
     first = first.to(rho.dtype)
@@ -479,15 +490,16 @@ class Batch(NamedTuple):
     actions: torch.Tensor  # [B, T+1]
     rewards: torch.Tensor  # [B, T+1] (r of the transition leaving each slot)
     term: torch.Tensor  # [B, T+1] transition from this slot terminated
-    pad: torch.Tensor  # [B, T+1] slot is the last frame of a truncated episode (no transition from it)
-    first: torch.Tensor  # [B, T+1] slot is the first frame of an episode
+    pad: torch.Tensor  # [B, T+1] slot is the last observation of a truncated episode (no transition from it)
+    first: torch.Tensor  # [B, T+1] slot is the first observation of an episode
     mu: torch.Tensor  # [B, T+1, A] behaviour policy at acting time (with the uniform mix)
     state: tuple  # 4 x [B, H] LSTM state before slot 0
     weights: torch.Tensor  # [B] importance-sampling weights
 
 
 def reactor_loss(net, target_net, batch: Batch, support, args: Args):
-    """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors)."""
+    """One Reactor loss on a batch of sequences. Returns (loss, per-sequence priorities, stats dict of tensors).
+    Oracle: tests/test_reactor_targets.py::test_reactor_loss_end_to_end_equals_a_slow_loop_of_the_paper."""
     out = net(batch.obs, batch.first, batch.state)
     with torch.no_grad():
         # (the target network's policy is never used)
@@ -496,8 +508,8 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
     pi = out.pi  # [B, T+1, A]
     actions = batch.actions.long()
     pi_const = pi.detach()
-    mu_a = _at(batch.mu, actions)
-    rho = _at(pi_const, actions) / mu_a
+    mu_a = at_actions(batch.mu, actions)
+    rho = at_actions(pi_const, actions) / mu_a
     discounts, c_next, mask = discounts_and_traces(rho, batch.term, batch.pad, batch.first, args.gamma, args.retrace_lambda)
     rewards = batch.rewards[:, :num_steps].float()
     if args.distributional:
@@ -510,19 +522,19 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         q_online = out.q.detach()
         q_mean_next = target_out.q[:, 1:]
     v_next = (pi_const[:, 1:] * q_mean_next).sum(-1)
-    q_next_a = _at(q_mean_next, actions[:, 1:])
+    q_next_a = at_actions(q_mean_next, actions[:, 1:])
     # R(A), Eq. (3)
     returns = retrace_returns(rewards, discounts, c_next, v_next, q_next_a)
     taken = actions[:, :num_steps]
     if args.distributional:
         target = distributional_retrace_target(rewards, discounts, c_next, pi_const[:, 1:], q_next, actions[:, 1:], support)
-        log_q_a = _at(log_q[:, :num_steps], taken, dim=-2)
+        log_q_a = at_actions(log_q[:, :num_steps], taken, dim=-2)
         # Eq. (12): cross-entropy with the (signed) target
         value_loss = -(target * log_q_a).sum(-1)
         # total variation (3.3)
         td_size = 0.5 * (target - log_q_a.exp()).abs().sum(-1)
     else:
-        q_taken = _at(out.q[:, :num_steps], taken)
+        q_taken = at_actions(out.q[:, :num_steps], taken)
         value_loss = 0.5 * (returns - q_taken) ** 2
         # |TD| along the sequence (3.3)
         td_size = (returns - q_taken).abs().detach()
@@ -543,7 +555,7 @@ def reactor_loss(net, target_net, batch: Batch, support, args: Args):
         "losses/value_loss": value_loss,
         "losses/policy_loss": policy_loss,
         "losses/entropy": entropy,
-        "losses/q_values": _at(q_online, actions)[:, :num_steps],
+        "losses/q_values": at_actions(q_online, actions)[:, :num_steps],
         "losses/retrace_return": returns,
         "replay/rho_mean": rho[:, :num_steps],
         "replay/trace_mean": c_next,
@@ -566,7 +578,10 @@ class LazyPriorities:
     so the cell's mass m_i = p_i + (|I_i| - 1) p_hat_i is held at s_i in a sum tree. Sampling: with probability eps
     uniformly over the valid keys, else proportionally to p_hat (a cell by mass, then its known key with probability
     p_i / m_i, else one of its unknown keys uniformly); uniform while no priority is known. Links and sizes of the
-    known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`)."""
+    known keys make an estimate O(1); a change at a key alters at most 4 cells' masses (`_touched`).
+    Oracle: tests/test_reactor_replay.py::test_lazy_priority_estimates_equal_brute_force,
+    tests/test_reactor_replay.py::test_lazy_priority_sampling_frequencies_chi_square,
+    tests/test_reactor_replay.py::test_lazy_priorities_random_operations_equal_slow_reference."""
 
     def __init__(self, capacity: int, uniform_eps: float = 0.1):
         self.capacity = capacity
@@ -589,47 +604,6 @@ class LazyPriorities:
     @property
     def num_known(self) -> int:
         return int(self.known.total)
-
-    def _is_valid(self, key: int) -> bool:
-        return self.valid.get(key) != 0
-
-    def _is_known(self, key: int) -> bool:
-        return self.known.get(key) != 0
-
-    def _owner(self, key: int, guess: int = -1) -> int:
-        """The last known key <= key, circularly (its cell holds key); `guess`, a known key, is checked first in O(1)."""
-        if guess >= 0:
-            # guess's cell spans the keys [guess, next known key), circularly (every key when guess is the only one)
-            span = (self.next_known[guess] - guess) % self.capacity or self.capacity
-            if (key - guess) % self.capacity < span:
-                return guess
-        return self.known.last_nonzero_at_or_before(key)
-
-    def _cell_estimate(self, cell: int) -> float:
-        """p_hat of the unknown keys of known key `cell`'s cell: the cell-size weighted mean over J (distinct cells)."""
-        # J: the cell, then its neighbour cells, each once (one, two or three cells)
-        cells_in_j = dict.fromkeys((cell, self.prev_known[cell], self.next_known[cell]))
-        weighted_sum = 0.0
-        total_size = 0
-        for j in cells_in_j:
-            weighted_sum += self.cell_size[j] * self.priority[j]
-            total_size += self.cell_size[j]
-        return weighted_sum / total_size
-
-    def _touched(self, cell: int) -> tuple:
-        """The cells whose mass depends on known key `cell`'s priority, size or links."""
-        return self.prev_known[cell], cell, self.next_known[cell]
-
-    def _set_masses(self, cells: set) -> None:
-        """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
-        cells = sorted(int(cell) for cell in cells)
-        masses = []
-        for cell in cells:
-            if self._is_known(cell):
-                masses.append(self.priority[cell] + (self.cell_size[cell] - 1) * self._cell_estimate(cell))
-            else:
-                masses.append(0.0)
-        self.mass.set_leaves(cells, masses)
 
     def add(self, keys) -> None:
         """Keys become valid with an unknown priority (lazy initialization): each joins the cell that holds it."""
@@ -713,23 +687,6 @@ class LazyPriorities:
             changed.update((self.prev_known[owner], owner, key, next_key))
         self._set_masses(changed)
 
-    def _estimate_one(self, key: int) -> float:
-        """p_hat of valid key `key`: its priority if known, else its cell's estimate."""
-        if self._is_known(key):
-            return self.priority[key]
-        return self._cell_estimate(self._owner(key))
-
-    def estimate(self, keys):
-        """p_hat for each (valid) key (NaN while none is known)."""
-        keys = np.asarray(keys, np.int64)
-        if not self.num_known:
-            return np.full(keys.shape, np.nan)
-        return np.array([self._estimate_one(key) for key in keys.ravel().tolist()], np.float64).reshape(keys.shape)
-
-    def known_priorities(self) -> np.ndarray:
-        """The priorities of the known keys."""
-        return self.priority[self.known.get(np.arange(self.capacity)) > 0]
-
     def sample(self, batch: int, rng: np.random.Generator):
         """Sample `batch` valid keys: (keys, probabilities P(t) = eps / n + (1 - eps) p_hat_t / sum_k p_hat_k, uniform while
         nothing is known). A draw takes 5 uniforms in [0, 1) (one `rng.random` call): the uniform key's rank, the coin
@@ -765,6 +722,17 @@ class LazyPriorities:
                 probabilities.append(1.0 / num_valid)
         return np.array(keys, np.int64), np.array(probabilities, np.float64)
 
+    def estimate(self, keys):
+        """p_hat for each (valid) key (NaN while none is known)."""
+        keys = np.asarray(keys, np.int64)
+        if not self.num_known:
+            return np.full(keys.shape, np.nan)
+        return np.array([self._estimate_one(key) for key in keys.ravel().tolist()], np.float64).reshape(keys.shape)
+
+    def known_priorities(self) -> np.ndarray:
+        """The priorities of the known keys."""
+        return self.priority[self.known.get(np.arange(self.capacity)) > 0]
+
     def state_dict(self):
         trees = {name: getattr(self, name).tree.copy() for name in ("valid", "known", "mass")}
         return trees | {"priority": self.priority.copy()}
@@ -785,6 +753,54 @@ class LazyPriorities:
         valid_before = np.r_[0, np.cumsum(self.valid.get(np.arange(self.capacity)))]
         wraps = np.where(next_keys > known_keys, 0, self.num_valid)
         self.cell_size[known_keys] = wraps + valid_before[next_keys] - valid_before[known_keys]
+
+    # the cell bookkeeping behind the public methods above
+    def _is_valid(self, key: int) -> bool:
+        return self.valid.get(key) != 0
+
+    def _is_known(self, key: int) -> bool:
+        return self.known.get(key) != 0
+
+    def _owner(self, key: int, guess: int = -1) -> int:
+        """The last known key <= key, circularly (its cell holds key); `guess`, a known key, is checked first in O(1)."""
+        if guess >= 0:
+            # guess's cell spans the keys [guess, next known key), circularly (every key when guess is the only one)
+            span = (self.next_known[guess] - guess) % self.capacity or self.capacity
+            if (key - guess) % self.capacity < span:
+                return guess
+        return self.known.last_nonzero_at_or_before(key)
+
+    def _cell_estimate(self, cell: int) -> float:
+        """p_hat of the unknown keys of known key `cell`'s cell: the cell-size weighted mean over J (distinct cells)."""
+        # J: the cell, then its neighbour cells, each once (one, two or three cells)
+        cells_in_j = dict.fromkeys((cell, self.prev_known[cell], self.next_known[cell]))
+        weighted_sum = 0.0
+        total_size = 0
+        for j in cells_in_j:
+            weighted_sum += self.cell_size[j] * self.priority[j]
+            total_size += self.cell_size[j]
+        return weighted_sum / total_size
+
+    def _estimate_one(self, key: int) -> float:
+        """p_hat of valid key `key`: its priority if known, else its cell's estimate."""
+        if self._is_known(key):
+            return self.priority[key]
+        return self._cell_estimate(self._owner(key))
+
+    def _touched(self, cell: int) -> tuple:
+        """The cells whose mass depends on known key `cell`'s priority, size or links."""
+        return self.prev_known[cell], cell, self.next_known[cell]
+
+    def _set_masses(self, cells: set) -> None:
+        """Recompute the masses of these cells (0 for keys no longer known), one combined tree walk."""
+        cells = sorted(int(cell) for cell in cells)
+        masses = []
+        for cell in cells:
+            if self._is_known(cell):
+                masses.append(self.priority[cell] + (self.cell_size[cell] - 1) * self._cell_estimate(cell))
+            else:
+                masses.append(0.0)
+        self.mass.set_leaves(cells, masses)
 
 
 class SequenceReplay:
@@ -906,7 +922,9 @@ class SequenceReplay:
 class ChunkMessage(NamedTuple):
     """The rows an actor wrote into one of its buffers: all that crosses the queue for them."""
 
-    kind: str  # "chunk" (an actor's own messages start with another word)
+    # always "chunk": how a reader of the queue that takes any tuple (the tests, bench_reactor.py) tells chunks from an
+    # actor's own messages (`post`); the learner's loop tells them apart by type
+    kind: str
     actor: int
     buffer: int
     rows: int
@@ -915,14 +933,13 @@ class ChunkMessage(NamedTuple):
 class EpisodeMessage(NamedTuple):
     """An actor's finished episode (`info["episode"]`), posted to the learner for logging."""
 
-    kind: str  # "episode"
     episodic_return: float
     episode_length: int
 
 
 @dataclass
 class FillingBuffer:
-    """Actor side: the buffer an actor is writing into."""
+    """Actor side: the buffer an actor is writing into (held by the process that writes it, never shared)."""
 
     buffer: int
     views: dict  # {field: numpy view of the buffer's rows}
@@ -937,7 +954,8 @@ class ChunkChannel:
     messages (`post`), so a killed actor can never leave a half-written large message that would block the learner's
     read. The learner `get`s messages; for a chunk `read` gives (actor, {field: rows}) as views into the buffer, and
     `release` returns the buffer to its actor once the rows are copied. Pass it to actor processes as a `Process`
-    argument.
+    argument: the arrays and queues are shared; `filling`, the buffers being written, is each process's own (a
+    pickled channel arrives without it, `__getstate__`).
     """
 
     def __init__(self, ctx, num_actors: int, rows: int, fields: dict, num_buffers: int = 4):
@@ -950,8 +968,12 @@ class ChunkChannel:
             for buffer in range(num_buffers):
                 free.put(buffer)
         self.queue = ctx.Queue()
-        # actor side: the buffer each actor is writing into
+        # actor side, this process's own: {actor: the buffer it is writing into} (threads of one process: one entry each)
         self.filling: dict[int, FillingBuffer] = {}
+
+    def __getstate__(self) -> dict:
+        """Pickled for an actor process: the shared arrays and queues, not this process's buffers being written."""
+        return self.__dict__ | {"filling": {}}
 
     def reserve(self, actor: int, timeout: float = 0.1) -> bool:
         """Actor side: hold a free buffer to write into (False if none came back within `timeout` s)."""
@@ -1064,7 +1086,7 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
     while not handles.stop_event.is_set():
         # the acting:learning ratio: wait for the learner while all actors together are ahead of it
         ahead = sum(handles.actor_steps[:]) - ratio_base.env_step
-        allowed = args.replay_ratio * (handles.learner_steps.value - ratio_base.learn_step) + args.ratio_slack
+        allowed = args.acting_learning_ratio * (handles.learner_steps.value - ratio_base.learn_step) + args.ratio_slack
         if ahead >= 0 and ahead > allowed:
             channel.send(actor_id)
             time.sleep(0.002)
@@ -1096,10 +1118,10 @@ def actor_loop(actor_id: int, args: Args, run_name: str, handles: ActorHandles, 
         steps += 1
         handles.actor_steps[actor_id] = steps
         if "episode" in info:
-            channel.post(EpisodeMessage("episode", float(info["episode"]["r"]), int(info["episode"]["l"])))
+            channel.post(EpisodeMessage(float(info["episode"]["r"]), int(info["episode"]["l"])))
         if terminated or truncated:
             if truncated and not terminated:
-                # the true last frame, to bootstrap from (no transition leaves it)
+                # the true last observation, to bootstrap from (no transition leaves it)
                 rows = channel.write(
                     actor_id,
                     obs=next_obs,
@@ -1138,19 +1160,20 @@ def store_chunk(channel: ChunkChannel, message: ChunkMessage, replay: SequenceRe
 
 
 def learner_may_learn(global_step: int, learn_steps: int, num_sequences: int, ratio_base: RatioBase, args: Args) -> bool:
-    """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) / replay_ratio,
-    both counted from ratio_base; and at least a batch of sequences in the replay."""
+    """The learner's side of the acting:learning ratio (3.4): learning steps <= (env steps - learning_starts) /
+    acting_learning_ratio, both counted from ratio_base; and at least a batch of sequences in the replay."""
     env_steps = global_step - ratio_base.env_step
     return (
         env_steps >= 0
         and num_sequences >= args.batch_size
-        and learn_steps - ratio_base.learn_step < env_steps / args.replay_ratio
+        and learn_steps - ratio_base.learn_step < env_steps / args.acting_learning_ratio
     )
 
 
 def learning_step(net, target_net, optimizer, replay: SequenceReplay, support, args: Args, rng, device) -> dict:
     """One learning step: a prioritized batch, the Reactor loss, Adam, the batch's new priorities into the replay (3.3).
-    Returns the step's stats (0-d tensors on the device), the loss and the mean IS weight among them."""
+    Returns the step's stats (0-d tensors on the device), the loss and the mean IS weight among them.
+    Oracle: tests/test_reactor_loop.py::test_learning_step_equals_a_hand_written_update_over_two_steps."""
     keys, batch = replay.sample(args.batch_size, rng, device)
     loss, priorities, stats = reactor_loss(net, target_net, batch, support, args)
     optimizer.zero_grad()
@@ -1226,7 +1249,7 @@ APPLIED_ON_RESUME = (
     "total_timesteps",
     "learning_starts",
     "batch_size",
-    "replay_ratio",
+    "acting_learning_ratio",
     "ratio_slack",
     "learning_rate",
     "adam_beta1",
@@ -1248,6 +1271,8 @@ RUN_ONLY_ON_RESUME = (
     "checkpoint_replay",
     "memory_fraction",
 )
+# flags renamed since a checkpoint may have been written: {old field: new field} (a checkpoint's old name resumes)
+RENAMED_FLAGS = {"replay_ratio": "acting_learning_ratio"}
 
 
 def validate_args(args: Args) -> None:
@@ -1257,7 +1282,7 @@ def validate_args(args: Args) -> None:
     require(args.learning_starts >= 0, f"--learning-starts must be >= 0, got {args.learning_starts!r}")
     require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
     require(args.sequence_length >= 1, f"--sequence-length must be >= 1, got {args.sequence_length!r}")
-    require(args.replay_ratio > 0, f"--replay-ratio must be > 0, got {args.replay_ratio!r}")
+    require(args.acting_learning_ratio > 0, f"--acting-learning-ratio must be > 0, got {args.acting_learning_ratio!r}")
     require(args.ratio_slack >= 0, f"--ratio-slack must be >= 0, got {args.ratio_slack!r}")
     require(args.actor_chunk >= 1, f"--actor-chunk must be >= 1, got {args.actor_chunk!r}")
     require(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate!r}")
@@ -1320,7 +1345,7 @@ def validate_args(args: Args) -> None:
 def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
     """Where a resumed run's acting:learning ratio counts from. Without its replay: after learning_starts steps that
     refill it. With it: the checkpoint's base, so that the run goes on exactly, except that a new --learning-starts
-    moves the start of a replay still filling (never before the resumed step) and a new --replay-ratio counts from the
+    moves the start of a replay still filling (never before the resumed step) and a new --acting-learning-ratio counts from the
     resumed step (from the old base it would owe or grant learning steps at once)."""
     global_step = ckpt["global_step"]
     learn_steps = ckpt["learn_steps"]
@@ -1331,7 +1356,7 @@ def resumed_ratio_base(ckpt: dict, args: Args) -> RatioBase:
         # still filling: learning starts learning_starts steps after the filling began
         filling_began = saved.env_step - ckpt["args"]["learning_starts"]
         return RatioBase(env_step=max(filling_began + args.learning_starts, global_step), learn_step=saved.learn_step)
-    if args.replay_ratio != ckpt["args"]["replay_ratio"]:
+    if args.acting_learning_ratio != ckpt["args"]["acting_learning_ratio"]:
         return RatioBase(env_step=global_step, learn_step=learn_steps)
     return saved
 
@@ -1374,9 +1399,104 @@ def apply_optimizer_flags(optimizer: torch.optim.Optimizer, args: Args) -> None:
         group["betas"] = (args.adam_beta1, group["betas"][1])
 
 
+class LoopMetrics:
+    """The main loop's logging, none of it the method: episodes as they arrive, the policy lag of the env steps
+    received, the learning steps' stats (`MetricAverager`: summed on the device, means in float64 with one transfer per
+    log line) and their time, and every log_every learning steps one metrics record and one progress line."""
+
+    def __init__(self, logger, global_step: int):
+        self.logger = logger
+        self.start_time = time.time()
+        self.start_step = global_step
+        self.recent_returns = deque(maxlen=100)
+        # the learning steps' stats (loss and IS weights too) since the last log line, and their time
+        self.learner_stats = MetricAverager()
+        self.learn_time = 0.0
+        # the policy lag (learning steps since the weights acted with) summed over the env steps received since then
+        self.lag_sum = 0
+        self.lag_count = 0
+
+    def sps(self, global_step: int) -> float:
+        """Env steps per second since the run (or its resume) started."""
+        return (global_step - self.start_step) / (time.time() - self.start_time)
+
+    def mean_recent_return(self) -> float | None:
+        """The mean return of the last 100 training episodes (None before the first)."""
+        return float(np.mean(self.recent_returns)) if self.recent_returns else None
+
+    def episode(self, global_step: int, message: EpisodeMessage) -> None:
+        """An actor's finished episode: its return and length logged at the step it arrived."""
+        self.recent_returns.append(message.episodic_return)
+        self.logger.log(
+            global_step,
+            {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
+        )
+
+    def received(self, learn_steps: int, versions: np.ndarray) -> None:
+        """Env steps just received, one weights version each: their policy lag (learning steps since that version)."""
+        self.lag_sum += int((learn_steps - versions).sum())
+        self.lag_count += len(versions)
+
+    def learned(self, stats: dict, step_start: float) -> None:
+        """A learning step's stats (0-d tensors on the device) and its time since `step_start`."""
+        self.learner_stats.add(stats)
+        self.learn_time += time.time() - step_start
+
+    def log_line(self, global_step: int, learn_steps: int, replay: SequenceReplay, ratio_base: RatioBase) -> None:
+        """The means since the last log line (one record), the replay's priorities and the progress line."""
+        steps_logged = len(self.learner_stats)
+        sps = self.sps(global_step)
+        learner_sps = steps_logged / max(self.learn_time, 1e-9)
+        known = replay.index.known_priorities()
+        acting_learning_ratio = (global_step - ratio_base.env_step) / max(learn_steps - ratio_base.learn_step, 1)
+        metrics = self.learner_stats.means() | {
+            "charts/SPS": sps,
+            "charts/learning_steps": learn_steps,
+            "charts/learner_steps_per_s": learner_sps,
+            "charts/acting_learning_ratio": acting_learning_ratio,
+            "charts/policy_lag": self.lag_sum / max(self.lag_count, 1),
+            "replay/size": len(replay),
+            "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
+            "replay/priority_mean": float(known.mean()) if known.size else 0.0,
+            "replay/priority_max": float(known.max()) if known.size else 0.0,
+        }
+        self.logger.log(global_step, metrics)
+        self.logger.progress(
+            global_step,
+            sps,
+            np.mean(self.recent_returns) if self.recent_returns else None,
+            "value_loss",
+            float(metrics["losses/value_loss"]),
+            f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
+        )
+        self.learn_time = 0.0
+        self.lag_sum = 0
+        self.lag_count = 0
+
+    def last_record(self, global_step: int, learn_steps: int) -> None:
+        """The run's last record, at its last step."""
+        self.logger.log(global_step, {"charts/SPS": self.sps(global_step), "charts/learning_steps": learn_steps})
+
+
+class CheckpointSchedule:
+    """A checkpoint each time the env steps pass the next multiple of checkpoint_every (0: none; `next_checkpoint_step`)."""
+
+    def __init__(self, checkpoint_every: int, global_step: int, save):
+        self.checkpoint_every = checkpoint_every
+        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
+        self.save = save
+
+    def save_if_due(self, global_step: int) -> None:
+        if self.next_step is not None and global_step >= self.next_step:
+            self.save()
+            self.next_step += self.checkpoint_every
+
+
 if __name__ == "__main__":
     # tyro; --resume: the checkpoint's flags, given flags override
-    args, ckpt, overridden = parse_run_args(Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
+    args, ckpt, overridden = parse_run_args(
+        Args, "reactor.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME, renamed=RENAMED_FLAGS
+    )
     # all checks before anything heavy and before the run folder
     validate_args(args)
     if ckpt:
@@ -1467,17 +1587,7 @@ if __name__ == "__main__":
     if ckpt:
         # every global RNG as the checkpoint left it (last: the set-up above draws from torch's)
         set_rng_state(ckpt["rng"])
-    start_time = time.time()
     start_step = global_step
-    last_log_step = learn_steps
-    next_checkpoint = next_checkpoint_step(global_step, args.checkpoint_every)
-    # the learning steps' stats summed on the device since the last log line, and their time
-    stats_sum = {}
-    learn_time = 0.0
-    # the policy lag (learning steps since the weights acted with) summed over the env steps received since then
-    lag_sum = 0
-    lag_count = 0
-    recent_returns = deque(maxlen=100)
 
     def make_checkpoint():
         save_run_checkpoint(
@@ -1495,6 +1605,8 @@ if __name__ == "__main__":
             ),
         )
 
+    loop_metrics = LoopMetrics(logger, global_step)
+    checkpoints = CheckpointSchedule(args.checkpoint_every, global_step, make_checkpoint)
     error = None
     can_learn = False
     try:
@@ -1502,7 +1614,7 @@ if __name__ == "__main__":
             actor_args = (actor_id, args, logger.run_name, handles, ratio_base, start_step)
             procs.start(actor_loop, actor_args, name=f"actor-{actor_id}")
         while global_step < args.total_timesteps:
-            # COLLECT: drain what the actors sent (at most 4 messages per actor, then learn)
+            # COLLECT: the actors' chunks into the replay (at most 4 messages per actor, then learn)
             for received in range(4 * args.num_actors):
                 try:
                     message = channel.get(timeout=0.05 if received == 0 and not can_learn else None)
@@ -1513,63 +1625,24 @@ if __name__ == "__main__":
                     # one version per env step (a pad slot is none)
                     global_step += len(versions)
                     actor_env_steps[actor_id] += len(versions)
-                    lag_sum += int((learn_steps - versions).sum())
-                    lag_count += len(versions)
+                    loop_metrics.received(learn_steps, versions)
                 else:
                     # the actors' only other message: an EpisodeMessage
                     episodes_done += 1
-                    recent_returns.append(message.episodic_return)
-                    logger.log(
-                        global_step,
-                        {"charts/episodic_return": message.episodic_return, "charts/episodic_length": message.episode_length},
-                    )
-            # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / replay_ratio
+                    loop_metrics.episode(global_step, message)
+            # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / acting_learning_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
                 step_start = time.time()
                 stats = learning_step(net, target_net, optimizer, replay, support, args, rng, device)
                 learn_steps += 1
                 publish_weights(net, target_net, shared_net, handles.weights_version, handles.learner_steps, learn_steps, args)
-                stats_sum = {name: stats_sum.get(name, 0.0) + value.detach() for name, value in stats.items()}
-                learn_time += time.time() - step_start
-                # LOG: the means since the last log line
+                # LOG: the step's stats; every log_every steps, their means since the last log line
+                loop_metrics.learned(stats, step_start)
                 if learn_steps % args.log_every == 0:
-                    steps_logged = learn_steps - last_log_step
-                    sps = (global_step - start_step) / (time.time() - start_time)
-                    learner_sps = steps_logged / max(learn_time, 1e-9)
-                    known = replay.index.known_priorities()
-                    # the stats summed on the device (loss and IS weights too): one transfer
-                    means = (torch.stack(list(stats_sum.values())) / steps_logged).tolist()
-                    acting_learning_ratio = (global_step - ratio_base.env_step) / max(learn_steps - ratio_base.learn_step, 1)
-                    metrics = dict(zip(stats_sum, means)) | {
-                        "charts/SPS": sps,
-                        "charts/learning_steps": learn_steps,
-                        "charts/learner_steps_per_s": learner_sps,
-                        "charts/acting_learning_ratio": acting_learning_ratio,
-                        "charts/policy_lag": lag_sum / max(lag_count, 1),
-                        "replay/size": len(replay),
-                        "replay/known_fraction": replay.index.num_known / max(len(replay), 1),
-                        "replay/priority_mean": float(known.mean()) if known.size else 0.0,
-                        "replay/priority_max": float(known.max()) if known.size else 0.0,
-                    }
-                    logger.log(global_step, metrics)
-                    logger.progress(
-                        global_step,
-                        sps,
-                        np.mean(recent_returns) if recent_returns else None,
-                        "value_loss",
-                        float(metrics["losses/value_loss"]),
-                        f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
-                    )
-                    stats_sum = {}
-                    learn_time = 0.0
-                    lag_sum = 0
-                    lag_count = 0
-                    last_log_step = learn_steps
+                    loop_metrics.log_line(global_step, learn_steps, replay, ratio_base)
             # CHECKPOINT
-            if next_checkpoint is not None and global_step >= next_checkpoint:
-                make_checkpoint()
-                next_checkpoint += args.checkpoint_every
+            checkpoints.save_if_due(global_step)
             # a dead actor stops the run with its reason
             procs.check()
     except (KeyboardInterrupt, StopRun) as e:
@@ -1577,8 +1650,7 @@ if __name__ == "__main__":
     finally:
         procs.stop()
     # the last record is at the last step
-    final_sps = (global_step - start_step) / (time.time() - start_time)
-    logger.log(global_step, {"charts/SPS": final_sps, "charts/learning_steps": learn_steps})
+    loop_metrics.last_record(global_step, learn_steps)
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
@@ -1602,7 +1674,7 @@ if __name__ == "__main__":
             "global_step": global_step,
             "learning_steps": learn_steps,
             "episodes": episodes_done,
-            "train_return_mean_last100": float(np.mean(recent_returns)) if recent_returns else None,
+            "train_return_mean_last100": loop_metrics.mean_recent_return(),
         },
         {"model": net.state_dict(), "args": vars(args)} if args.save_model else None,
         final_eval if args.save_model and args.eval_episodes else None,

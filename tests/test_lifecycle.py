@@ -39,7 +39,7 @@ TINY = {
         "--no-cuda --no-progress"
     ).split(),
     "reactor.py": (
-        "--num-actors 2 --replay-size 1200 --learning-starts 100 --replay-ratio 60 --ratio-slack 32 "
+        "--num-actors 2 --replay-size 1200 --learning-starts 100 --acting-learning-ratio 60 --ratio-slack 32 "
         "--log-every 1 --lstm-size 32 --num-atoms 11 --sequence-length 8 --batch-size 2 "
         "--start-method forkserver --eval-episodes 0 --no-cuda --no-progress"
     ).split(),

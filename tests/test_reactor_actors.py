@@ -506,7 +506,7 @@ def test_actor_loads_new_weights_at_its_sync_points_and_pads_a_truncation_on_a_c
 
 def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
     """The actors' side of the acting:learning ratio: an actor acts while the env steps of all actors, counted from
-    ratio_base[0], are at most replay_ratio x (learning steps - ratio_base[1]) + ratio_slack, and waits as soon as one
+    ratio_base[0], are at most acting_learning_ratio x (learning steps - ratio_base[1]) + ratio_slack, and waits as soon as one
     more step would pass that bound. The real `actor_loop` in a thread; another actor's 5 steps count too; the learner
     is simulated by the actor's wait (each wait: one more learning step), so that nothing depends on timing."""
     args = reactor.Args(
@@ -517,7 +517,7 @@ def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
         sequence_length=4,
         replay_size=4000,
         actor_chunk=4,
-        replay_ratio=2.5,
+        acting_learning_ratio=2.5,
         ratio_slack=6,
     )
     base = (20, 3)
@@ -562,9 +562,9 @@ def test_actor_waits_for_the_learner_at_the_ratio_bound(float32, monkeypatch):
 
 def test_learner_may_learn_keeps_learning_steps_at_the_acting_ratio():
     """The learner's side: env steps arrive one at a time and the learner takes every step it may; its learning
-    steps since ratio_base[1] stay exactly ceil((env steps - ratio_base[0]) / replay_ratio) (none before ratio_base[0],
-    e.g. learning_starts), and none while the replay holds less than a batch."""
-    args = reactor.Args(replay_ratio=2.5, batch_size=4)
+    steps since ratio_base[1] stay exactly ceil((env steps - ratio_base[0]) / acting_learning_ratio) (none before
+    ratio_base[0], e.g. learning_starts), and none while the replay holds less than a batch."""
+    args = reactor.Args(acting_learning_ratio=2.5, batch_size=4)
     base = reactor.RatioBase(100, 7)
     learn_steps = 7
     for global_step in range(0, 160):

@@ -5,7 +5,7 @@ loop (tests/test_reactor_runs.py runs the script with spies on its loop) or on t
    run's too) and then at each sync point (every actor_sync_every of its own steps) if they changed; each slot
    carries the learning step of those weights (its version); an actor's versions never fall, and with one actor the
    policy lag at arrival (learning steps since that version) stays below (actor_sync_every - 1 + ratio_slack) /
-   replay_ratio + 1, a bound that follows from the two gates of clause 6.
+   acting_learning_ratio + 1, a bound that follows from the two gates of clause 6.
    test_actor_writes_into_replay_what_a_direct_rollout_gives, test_actor_loads_new_weights_at_its_sync_points_...
    (tests/test_reactor_actors.py); test_run_actors_act_with_rising_versions_and_a_bounded_lag (runs).
 2. Actors are seeded apart: actor i draws its env resets and actions from seed + 1000 i; in a run resumed at step
@@ -28,9 +28,9 @@ loop (tests/test_reactor_runs.py runs the script with spies on its loop) or on t
    test_learning_step_writes_priorities_back_publishes_weights_and_refreshes_the_target (actors);
    test_run_publishes_the_weights_and_refreshes_the_target_on_schedule (runs).
 6. The acting:learning gates, counted from the ratio base (G0, L0) = (learning_starts, 0) in a new run: the learner
-   takes a step only while L - L0 < (G - G0) / replay_ratio and the replay holds a batch; the actors wait as soon as
-   their steps together exceed G0 + replay_ratio (L - L0) + ratio_slack. So at every learning step
-   G - G0 <= replay_ratio (L - L0) + ratio_slack + 1 (an actor may take one step past its check).
+   takes a step only while L - L0 < (G - G0) / acting_learning_ratio and the replay holds a batch; the actors wait as soon as
+   their steps together exceed G0 + acting_learning_ratio (L - L0) + ratio_slack. So at every learning step
+   G - G0 <= acting_learning_ratio (L - L0) + ratio_slack + 1 (an actor may take one step past its check).
    test_learner_may_learn_..., test_actor_waits_for_the_learner_at_the_ratio_bound (actors);
    test_run_learning_steps_follow_the_ratio_gates (runs).
 7. --save-model writes {"model": the online network's state dict, "args"} to runs/<run>/<exp_name>.model after a

@@ -12,7 +12,7 @@ clauses (tests/test_reactor_loop.py's docstring) are checked on A and B; the run
   version and learner count the actors read, the optimizer state with this run's lr and beta1, the replay and its
   priorities (each actor's last slot cut to a pad: new episodes start), the replay's sampling RNG and every global
   RNG, and the checkpoint's ratio base, or the documented new one (`reactor.resumed_ratio_base`: a refill without
-  the replay, a new --replay-ratio counted from the resumed step); its learning steps follow the gates from there;
+  the replay, a new --acting-learning-ratio counted from the resumed step); its learning steps follow the gates from there;
   its actors act with the resumed weights from their first step, on new seeds.
 """
 
@@ -44,8 +44,8 @@ def test_bad_input_fails_with_one_line():
         reactor.validate_args(reactor.Args(env_id="CartPole-v1"))
     with pytest.raises(SystemExit, match="error: the replay memory needs .* lower --replay-size"):  # start-up RAM check
         check_memory(reactor.SequenceReplay.bytes_needed(10**10, 6, 128, ATARI), "--replay-size", 0.8)  # as __main__ calls it
-    with pytest.raises(SystemExit, match="error: --replay-ratio must be > 0, got 0"):
-        reactor.validate_args(reactor.Args(replay_ratio=0))
+    with pytest.raises(SystemExit, match="error: --acting-learning-ratio must be > 0, got 0"):
+        reactor.validate_args(reactor.Args(acting_learning_ratio=0))
     with pytest.raises(SystemExit, match="error: --torso paper needs 84x84 Atari frames"):
         reactor.validate_args(reactor.Args(env_id="MinAtar/Breakout-v0", torso="paper"))
 
@@ -110,7 +110,7 @@ def test_the_run_only_class_holds_what_never_changes_learning():
 
 def checkpoint_like(global_step=300, learn_steps=50, ratio_base=(100, 0), replay=True, **flags):
     """What `check_resume` and `resumed_ratio_base` read of a checkpoint."""
-    args = vars(reactor.Args(learning_starts=100, replay_ratio=4.0, total_timesteps=300, **flags))
+    args = vars(reactor.Args(learning_starts=100, acting_learning_ratio=4.0, total_timesteps=300, **flags))
     return {
         "args": args,
         "global_step": global_step,
@@ -126,9 +126,9 @@ def test_resume_checks_and_the_ratio_base_of_a_resumed_run():
     resumes (without the replay: before the refill ends; with a replay still filling: before it is full), and a new
     --learning-starts where it cannot act (a replay restored after learning began). `resumed_ratio_base`: the
     checkpoint's base when nothing changes (one moved by an earlier refill too); a refill of learning_starts steps
-    without the replay; a new --replay-ratio counted from the resumed step; a new --learning-starts moves the start of
+    without the replay; a new --acting-learning-ratio counted from the resumed step; a new --learning-starts moves the start of
     a replay still filling, never before the resumed step."""
-    args = reactor.Args(learning_starts=100, replay_ratio=4.0, total_timesteps=400, resume="ckpt.pt")
+    args = reactor.Args(learning_starts=100, acting_learning_ratio=4.0, total_timesteps=400, resume="ckpt.pt")
     ckpt = checkpoint_like()
     old = {key: value for key, value in ckpt.items() if key not in ("ratio_base", "actor_steps")}
     with pytest.raises(SystemExit, match=r"^error: --resume: ckpt.pt was written by an older reactor.py"):
@@ -148,7 +148,7 @@ def test_resume_checks_and_the_ratio_base_of_a_resumed_run():
     base = reactor.resumed_ratio_base
     assert base(ckpt, args) == (100, 0)
     assert base(without_replay, reactor.Args(learning_starts=50)) == (350, 50)
-    assert base(ckpt, reactor.Args(learning_starts=100, replay_ratio=3.0)) == (300, 50)
+    assert base(ckpt, reactor.Args(learning_starts=100, acting_learning_ratio=3.0)) == (300, 50)
     assert base(filling, reactor.Args(learning_starts=150)) == (150, 0)
     assert base(filling, reactor.Args(learning_starts=20)) == (80, 0)
     # (after a resume without the replay at step 500: the filling began there)
@@ -156,7 +156,7 @@ def test_resume_checks_and_the_ratio_base_of_a_resumed_run():
     assert base(refilling, reactor.Args(learning_starts=70)) == (570, 90)
     # (learning began there at step 600: its base is restored as it is, not a new run's (learning_starts, 0))
     refilled = checkpoint_like(global_step=900, learn_steps=165, ratio_base=(600, 90))
-    assert base(refilled, reactor.Args(learning_starts=100, replay_ratio=4.0)) == (600, 90)
+    assert base(refilled, reactor.Args(learning_starts=100, acting_learning_ratio=4.0)) == (600, 90)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ A_FLAGS = {
     "total_timesteps": 300,
     "learning_starts": 100,
     "batch_size": 2,
-    "replay_ratio": 4.0,
+    "acting_learning_ratio": 4.0,
     "ratio_slack": 16,
     "actor_chunk": 8,
     "actor_sync_every": 4,
@@ -186,7 +186,7 @@ APPLIED_CHANGES = {
     "total_timesteps": ("B", 420),
     "learning_starts": ("C", 40),
     "batch_size": ("B", 3),
-    "replay_ratio": ("B", 3.0),
+    "acting_learning_ratio": ("B", 3.0),
     "ratio_slack": ("B", 0),
     "learning_rate": ("B", 2e-4),
     "adam_beta1": ("B", 0.3),
@@ -325,7 +325,7 @@ def test_run_actors_act_with_rising_versions_and_a_bounded_lag(runs):
     """Clause 1 in A and B (one actor): every slot was acted with published weights (version >= 0; B's from its
     first step on: >= the checkpoint's learning steps); an actor's versions never fall; a new version appears only at
     a sync point (the actor's step count a multiple of actor_sync_every) or at its first step; and the lag at arrival
-    stays below (actor_sync_every - 1 + ratio_slack) / replay_ratio + 1."""
+    stays below (actor_sync_every - 1 + ratio_slack) / acting_learning_ratio + 1."""
     for name in "AB":
         run = runs[name]
         flags = flag_values(run)
@@ -337,7 +337,7 @@ def test_run_actors_act_with_rising_versions_and_a_bounded_lag(runs):
         assert versions.min() >= run.records["first_step"]["learn_steps"] and (np.diff(versions) >= 0).all(), name
         changed_at = steps[1:][np.diff(versions) > 0]
         assert len(changed_at) >= 5 and (changed_at % flags["actor_sync_every"] == 0).all(), (name, changed_at)
-        bound = (flags["actor_sync_every"] - 1 + flags["ratio_slack"]) / flags["replay_ratio"] + 1
+        bound = (flags["actor_sync_every"] - 1 + flags["ratio_slack"]) / flags["acting_learning_ratio"] + 1
         lags = np.concatenate([chunk["learn_steps"] - chunk["versions"] for chunk in chunks])
         assert lags.min() >= 0 and lags.max() < bound, (name, lags.max(), bound)
 
@@ -360,12 +360,12 @@ def test_run_counts_every_env_step_once(runs):
 
 def test_run_learning_steps_follow_the_ratio_gates(runs):
     """Clause 6 in A, B and C, from each process's ratio base (G0, L0): at every learning step L (counted before
-    it) at global step G, the learner's gate L - L0 < (G - G0) / replay_ratio with a batch in the replay, and the
-    actors' gate G - G0 <= replay_ratio (L - L0) + ratio_slack + 1; every run learned."""
+    it) at global step G, the learner's gate L - L0 < (G - G0) / acting_learning_ratio with a batch in the replay, and the
+    actors' gate G - G0 <= acting_learning_ratio (L - L0) + ratio_slack + 1; every run learned."""
     for name in "ABC":
         run = runs[name]
         flags = flag_values(run)
-        ratio = flags["replay_ratio"]
+        ratio = flags["acting_learning_ratio"]
         env_base, learn_base = run.records["first_step"]["ratio_base"]
         steps = run.records["learning_steps"]
         assert len(steps) >= 8, name
@@ -438,7 +438,7 @@ def test_resumed_process_holds_the_checkpoint_at_its_first_step(runs):
     from (A's; C's without the replay and with other global RNG states): counters, weights, the actors' version and
     learner count, the optimizer state (this run's lr and beta1: B's changed, C's the checkpoint's), the replay's
     sampling RNG, every global RNG, the replay and its priorities (B: each actor's last slot now a pad; C: empty), and
-    the ratio base (B: counted from the resumed step for its new --replay-ratio; C: after a refill of its
+    the ratio base (B: counted from the resumed step for its new --acting-learning-ratio; C: after a refill of its
     --learning-starts). The actors' shared step counts start from the checkpoint's."""
     ckpt = runs["A"].ckpt
     global_step = ckpt["global_step"]
@@ -470,6 +470,30 @@ def test_resumed_process_holds_the_checkpoint_at_its_first_step(runs):
     assert_same(runs["B"].records["first_step"]["replay"], replay, "B: replay")
     empty = runs["C"].records["first_step"]["replay"]
     assert empty["written"].tolist() == [0] and not empty["index"]["valid"].any()
+
+
+def test_a_checkpoint_saved_with_replay_ratio_resumes_with_its_value_as_acting_learning_ratio(runs, tmp_path):
+    """Issue 51 renamed --replay-ratio to --acting-learning-ratio (reactor.RENAMED_FLAGS): A's checkpoint, its ratio
+    saved under the old name at a value neither A's nor the default (5), resumes as a real run with that value in
+    effect: the resumed process's flags, the checkpoint's ratio base kept (the value is the checkpoint's, not a new
+    one counted from the resumed step) and both gates at every learning step with ratio 5."""
+    shutil.copytree(runs["A"].dir.parent, tmp_path / "runs")
+    checkpoint = tmp_path / "runs" / runs["A"].dir.name / "checkpoint.pt"
+    ckpt = torch.load(checkpoint, weights_only=False)
+    old_value = 5.0
+    assert old_value not in (A_FLAGS["acting_learning_ratio"], reactor.Args().acting_learning_ratio)
+    del ckpt["args"]["acting_learning_ratio"]
+    ckpt["args"]["replay_ratio"] = old_value
+    torch.save(ckpt, checkpoint)
+    # ratio 5 from A's base: the learner waits until 5 x A's learning steps are acted, then learns
+    total_timesteps = ckpt["global_step"] + 140
+    command = ["--resume", str(checkpoint), "--total-timesteps", str(total_timesteps)]
+    run = finished_run(tmp_path, *run_probed(tmp_path, command, EPISODE_LIMIT))
+    flags = flag_values(run)
+    assert flags["acting_learning_ratio"] == old_value and "replay_ratio" not in flags
+    assert run.records["first_step"]["ratio_base"] == tuple(ckpt["ratio_base"])
+    assert len(run.records["learning_steps"]) >= 5
+    probe_gates(run, old_value, slack=A_FLAGS["ratio_slack"])
 
 
 def test_resumed_actors_play_new_streams_with_the_resumed_weights(runs):
@@ -561,8 +585,8 @@ APPLIED_PROBES = {
     "total_timesteps": probe_total_timesteps,
     "learning_starts": probe_learning_starts,
     "batch_size": lambda run, value: probe_every_step(run, "batch_size", value),
-    "replay_ratio": lambda run, value: probe_gates(run, value, slack=APPLIED_CHANGES["ratio_slack"][1]),
-    "ratio_slack": lambda run, value: probe_gates(run, APPLIED_CHANGES["replay_ratio"][1], value),
+    "acting_learning_ratio": lambda run, value: probe_gates(run, value, slack=APPLIED_CHANGES["ratio_slack"][1]),
+    "ratio_slack": lambda run, value: probe_gates(run, APPLIED_CHANGES["acting_learning_ratio"][1], value),
     "learning_rate": lambda run, value: probe_every_step(run, "lr", value),
     "adam_beta1": lambda run, value: probe_every_step(run, "betas", (value, 0.999)),
     "max_grad_norm": probe_max_grad_norm,
