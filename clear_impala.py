@@ -7,9 +7,10 @@ gamma the discount.
 
 Paper parts implemented here
 - IMPALA actor-learner (CLEAR App. A.1): `actor_loop` processes (CPU, `--envs-per-actor` envs, one batched forward)
-  act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair and its `SlotInfo` until the
-  learner has copied it (`take_batch`); one update `learner_step`, whose weights reach the actors whole under a
-  seqlock (`publish_weights`, `read_weights`).
+  act with a shared-memory policy; each env's slot holds a (new, replay) unroll pair and its `SlotInfo`
+  (`publish_pairs`: CLEAR's reservoir add, replay draw and publication) until the learner has copied it (`take_batch`,
+  then `release_slots`); one update `learner_step`, whose weights reach the actors whole under a seqlock
+  (`publish_weights`, `read_weights`).
 - V-trace (IMPALA Eq. (1)) `vtrace_from_importance_weights`; value / pg / entropy losses (CLEAR Sec. 3) `impala_losses`.
 - Per-actor reservoir replay of whole unrolls (App. A.3) `ReservoirBuffer`; new/replay choice per pair (App. A.1,
   Sec. 4.3) `select_pairs`; behavioural cloning on replay unrolls (Sec. 3) `policy_cloning_loss`, `value_cloning_loss`.
@@ -17,10 +18,12 @@ Paper parts implemented here
   (App. A.5) `test_actor_loop`; cumulative reward per task (App. C) `cumulative_returns`.
 
 Defaults and their source
-- T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the run's frames, alpha 0.99, eps 0.01
+- T 20, B 32, gamma 0.99, grad clip 40, RMSProp lr 6e-4 annealed to 0 over the run's steps, alpha 0.99, eps 0.01
   (IMPALA Table G.1); rho_bar = c_bar = 1 (IMPALA Sec. 4.2); pg / value / entropy 1 / 0.5 / 0.005, cloning
-  0.01 / 0.005 (CLEAR App. A.4); replay_ratio 0.5 (Sec. 3); buffer = half the training frames (App. A.3).
-- Loss sums over time and batch (scalable_agent). A "frame" / "step" is one agent step of NEW experience.
+  0.01 / 0.005 (CLEAR App. A.4); replay fraction 0.5 (Sec. 3's 50-50 new-replay split); buffer = half the run's
+  steps (App. A.3).
+- Loss sums over time and batch (scalable_agent). A "step" is one agent step of NEW experience (torchbeast counts
+  them as "frames"); "frames" here are emulator frames only (Atari's `--max-episode-frames`).
 - Atari (Sec. 4.6, IMPALA Table G.1): SpaceInvaders, Krull, BeamRider, Hero, StarGunner, MsPacman (ALE/*-v5), all
   18 actions, IMPALA preprocessing, no sticky actions.
 
@@ -57,7 +60,7 @@ import torch.nn.functional as F
 
 from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import resumed_seed, save_run_checkpoint, seed_everything, select_device, set_rng_state
-from common.logger import start_run
+from common.logger import MetricAverager, start_run
 from common.minatar_env import MINATAR_ENV_IDS, MINATAR_MAX_CHANNELS, make_minatar_env
 from common.processes import ProcessGroup, StopRun, check_memory, finish_run, set_learner_threads
 from common.video import check_video_support
@@ -85,10 +88,12 @@ class Args(CommonArgs):
     """B: unrolls per learner batch (IMPALA Table G.1)"""
     unroll_length: int = 20
     """T: agent steps per unroll (IMPALA Table G.1)"""
-    replay_ratio: float = 0.5
-    """fraction of each batch from the pairs' replay halves: 0 = IMPALA, 0.5 = 50-50 (CLEAR), 1 = all (Sec. 4.3)"""
-    buffer_frames: int = -1
-    """replay capacity in frames, split over the actor processes (App. A.3); -1 = half of all frames; 0 = none"""
+    replay_fraction: float = 0.5
+    """the replayed share of each batch, the paper's new-replay mixture (CLEAR Sec. 3, 4.3): 0 = IMPALA, 0.5 = its
+    50-50 new-replay, 1 = 100% replay (was --replay-ratio)"""
+    buffer_size: int = -1
+    """the paper's buffer size (App. A.3): replay capacity in agent steps, split over the actor processes; -1 = half of
+    the run's steps; 0 = none (was --buffer-frames)"""
     behavior_cloning: bool = True
     """add the policy- and value-cloning losses on replay unrolls (CLEAR Sec. 3); --no-behavior-cloning: ablation"""
     policy_cloning_cost: float = 0.01
@@ -284,7 +289,7 @@ class Agent(nn.Module):
             # MiniGrid indices are <= 10
             x = x.permute(0, 3, 1, 2) / 10.0
         elif self.torso_name != "minatar":
-            # pixels; MinAtar frames are already 0/1
+            # pixels; MinAtar observations are already 0/1
             x = x / 255.0
         features = self.torso(x)
         return self.policy(features), self.baseline(features).squeeze(-1)
@@ -306,7 +311,9 @@ def vtrace_from_importance_weights(
     log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t); discounts[t] = gamma * (1 - done_t) (0 cuts the trace at an
     episode end); values[t] = V(x_t); bootstrap_value = V(x_T); a None clip threshold means no clipping.
     Eq. (1) is computed as its backward recursion over time (IMPALA Remark 1), as torchbeast's vtrace.py does:
-        v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})),  v_T - V(x_T) = 0."""
+        v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})),  v_T - V(x_T) = 0.
+    Oracle: tests/test_clear_oracles.py::test_vtrace_matches_textbook (also ::test_vtrace_torchbeast_fixed_inputs,
+    ::test_vtrace_rlax_reference_numbers, ::test_vtrace_no_value_leaks_across_episode_end)."""
     if bootstrap_value.shape != values.shape[1:]:
         raise ValueError(
             f"bootstrap_value shape {tuple(bootstrap_value.shape)} must be values.shape[1:] {tuple(values.shape[1:])}"
@@ -339,7 +346,7 @@ UNROLL_FIELDS = ("obs", "action", "reward", "done", "truncated", "final_value", 
 def unroll_specs(obs_shape, num_actions, T) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Row t = 0..T of an unroll holds x_t and what produced it: (x_t, a_{t-1}, r_{t-1}, done_{t-1}, truncated_{t-1},
     V_mu(final obs of a truncated episode), mu(.|x_{t-1}) logits, V_mu(x_{t-1})); row 0 repeats the previous unroll's
-    row T (monobeast's layout). Frames are uint8."""
+    row T (monobeast's layout). Observations are uint8."""
     rows = T + 1
     return {
         "obs": ((rows, *obs_shape), np.uint8),
@@ -362,7 +369,7 @@ class SlotInfo(NamedTuple):
     policy_version: torch.Tensor  # the version (learner updates) of the weights that played the new unroll
     replay_valid: torch.Tensor  # 1: the replay half holds a stored unroll
     replay_task: torch.Tensor  # the task the replay unroll was played on (-1: none)
-    buffer_size: torch.Tensor  # unrolls in the actor's reservoir buffer
+    buffer_unrolls: torch.Tensor  # unrolls in the actor's reservoir buffer
 
     @classmethod
     def zeros(cls, num_slots: int) -> "SlotInfo":
@@ -377,7 +384,9 @@ class SlotInfo(NamedTuple):
 class ReservoirBuffer:
     """One actor's replay memory of whole unrolls, filled by reservoir sampling (CLEAR App. A.3, Isele & Cosgun 2018).
     Each unroll gets a random key u ~ U(0, 1); the buffer keeps the `capacity` largest keys seen so far, i.e. the
-    buffer is at any time a uniform sample without replacement of all unrolls offered. Actions are stored as int16."""
+    buffer is at any time a uniform sample without replacement of all unrolls offered. Actions are stored as int16.
+    Oracle: tests/test_clear_oracles.py::test_reservoir_keeps_a_uniform_sample (also
+    ::test_reservoir_stores_whole_unrolls_only, ::test_reservoir_fills_before_replacing)."""
 
     def __init__(self, capacity, obs_shape, num_actions, T, rng: np.random.Generator):
         self.capacity = capacity
@@ -451,7 +460,9 @@ class ReservoirBuffer:
         capacity would). A reservoir that has dropped unrolls cannot grow and stay uniform: the larger sample of all
         unrolls offered would hold some of those it dropped. Keeping every new unroll while it refills favours them;
         keeping only keys above its smallest disfavours them until it is full (each new unroll is kept with
-        probability k / (n + 1) against k / n for each of the n it had seen)."""
+        probability k / (n + 1) against k / n for each of the n it had seen).
+        Oracle: tests/test_clear_oracles.py::test_reservoir_load_keeps_the_largest_keys_and_continues_its_stream (also
+        ::test_a_restored_buffer_grows_only_while_it_has_dropped_nothing)."""
         held, offered = self.saved_counts(path)
         if self.capacity > held < offered:
             raise ValueError(
@@ -471,22 +482,25 @@ class ReservoirBuffer:
 
 
 def buffer_capacity_per_actor(args: Args) -> int:
-    """Unrolls per actor: total frames split equally over the actors (CLEAR App. A.3), in whole unrolls."""
-    if args.replay_ratio == 0 and args.buffer_frames <= 0:
+    """Unrolls per actor: --buffer-size steps split equally over the actors (CLEAR App. A.3), in whole unrolls.
+    Oracle: tests/test_clear_oracles.py::test_buffer_capacity_split_over_actors."""
+    if args.replay_fraction == 0 and args.buffer_size <= 0:
         # plain IMPALA: no buffer at all
         return 0
-    frames = args.buffer_frames if args.buffer_frames > 0 else total_steps(args) // 2
-    return max(1, frames // (args.num_actors * args.unroll_length))
+    steps = args.buffer_size if args.buffer_size > 0 else total_steps(args) // 2
+    return max(1, steps // (args.num_actors * args.unroll_length))
 
 
-def select_pairs(replay_valid: np.ndarray, replay_ratio: float, rng: np.random.Generator) -> np.ndarray:
+def select_pairs(replay_valid: np.ndarray, replay_fraction: float, rng: np.random.Generator) -> np.ndarray:
     """Which half of each (new, replay) pair the learner trains on: 1 = replay, 0 = new (CLEAR App. A.1). Exactly
     floor or ceil of ratio * B replay unrolls (stochastic rounding: the expected fraction is the ratio), at random
-    positions among the pairs that hold a valid replay unroll."""
+    positions among the pairs that hold a valid replay unroll.
+    Oracle: tests/test_clear_oracles.py::test_select_pairs_honours_replay_fraction (also
+    ::test_select_pairs_never_takes_invalid_replay, ::test_select_pairs_spreads_positions)."""
     halves = np.zeros(len(replay_valid), dtype=np.int64)
-    if replay_ratio <= 0:
+    if replay_fraction <= 0:
         return halves
-    target = replay_ratio * len(replay_valid)
+    target = replay_fraction * len(replay_valid)
     candidates = np.flatnonzero(replay_valid)
     rounded_target = int(np.floor(target)) + int(rng.random() < target - np.floor(target))
     num_replay = min(rounded_target, len(candidates))
@@ -512,7 +526,7 @@ class AlignedUnroll(NamedTuple):
 def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
     """Learner outputs on rows 0..T against stored rows 1..T (monobeast's shift). Stored row t+1 holds mu(.|x_t) and
     V_mu(x_t), so BOTH V-trace and behavioural cloning compare the learner's outputs at row t with the stored behaviour
-    at row t+1."""
+    at row t+1. Oracle: tests/test_clear_oracles.py::test_cloning_is_time_aligned_with_learner_outputs."""
     return AlignedUnroll(
         target_logits=logits_all[:-1],
         values=values_all[:-1],
@@ -530,7 +544,8 @@ def align_unroll(logits_all, values_all, batch) -> AlignedUnroll:
 @torch.no_grad()
 def truncated_importance_weights(unroll: AlignedUnroll) -> tuple[torch.Tensor, torch.Tensor]:
     """(rho_t, mu_t) [T, B]: V-trace's weight min(1, pi(a_t|x_t) / mu(a_t|x_t)) and mu(a_t|x_t) of the stored action.
-    A diagnostic per replayed task: rho_t near 0 on steps mu was sure of means replay no longer teaches them."""
+    A diagnostic per replayed task: rho_t near 0 on steps mu was sure of means replay no longer teaches them.
+    Oracle: tests/test_clear_oracles.py::test_truncated_importance_weights_are_min_one_pi_over_mu_of_the_taken_action."""
     taken = unroll.actions.unsqueeze(-1)
     log_pi = F.log_softmax(unroll.target_logits, -1).gather(-1, taken).squeeze(-1)
     log_mu = F.log_softmax(unroll.behaviour_logits, -1).gather(-1, taken).squeeze(-1)
@@ -539,7 +554,10 @@ def truncated_importance_weights(unroll: AlignedUnroll) -> tuple[torch.Tensor, t
 
 def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.Tensor:
     """CLEAR Sec. 3: L_policy-cloning = sum_a mu(a|x_s) log(mu(a|x_s) / pi_theta(a|x_s)) = KL(mu || pi_theta), summed
-    over time and the replay columns (replay_mask [B], 1 = replay unroll) only."""
+    over time and the replay columns (replay_mask [B], 1 = replay unroll) only.
+    Oracle: tests/test_clear_oracles.py::test_cloning_losses_zero_when_policy_equals_behaviour (also
+    ::test_cloning_only_on_replay_columns,
+    tests/test_clear_wiring.py::test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop)."""
     log_mu = F.log_softmax(behaviour_logits, dim=-1)
     log_pi = F.log_softmax(target_logits, dim=-1)
     kl = (log_mu.exp() * (log_mu - log_pi)).sum(-1)  # [T, B]
@@ -547,13 +565,18 @@ def policy_cloning_loss(target_logits, behaviour_logits, replay_mask) -> torch.T
 
 
 def value_cloning_loss(values, behaviour_values, replay_mask) -> torch.Tensor:
-    """CLEAR Sec. 3: L_value-cloning = ||V_theta(x_s) - V_replay(x_s)||_2^2, summed over time and replay columns."""
+    """CLEAR Sec. 3: L_value-cloning = ||V_theta(x_s) - V_replay(x_s)||_2^2, summed over time and replay columns.
+    Oracle: tests/test_clear_oracles.py::test_cloning_losses_zero_when_policy_equals_behaviour (also
+    ::test_cloning_only_on_replay_columns)."""
     return (((values - behaviour_values) ** 2) * replay_mask).sum()
 
 
 def impala_losses(unroll: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_threshold, bootstrap_truncation=True):
     """V-trace losses (CLEAR Sec. 3) on an aligned batch; returns (pg_loss, value_loss, entropy_loss, vtrace returns).
-    Sums over [T, B] as in scalable_agent/torchbeast. bootstrap_truncation=False treats a time limit as a termination."""
+    Sums over [T, B] as in scalable_agent/torchbeast. bootstrap_truncation=False treats a time limit as a termination.
+    Oracle:
+    tests/test_clear_wiring.py::test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop (also
+    tests/test_clear_oracles.py::test_truncation_bootstraps_from_final_value_and_termination_does_not)."""
     log_pi = F.log_softmax(unroll.target_logits, dim=-1)
     taken = unroll.actions.unsqueeze(-1)
     target_logp = log_pi.gather(-1, taken).squeeze(-1)
@@ -584,7 +607,10 @@ def impala_losses(unroll: AlignedUnroll, gamma, clip_rho_threshold, clip_pg_rho_
 
 
 def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
-    """(loss, detached parts) of one batch: V-trace losses on all unrolls, cloning on the replay unrolls only."""
+    """(loss, detached parts) of one batch: V-trace losses on all unrolls, cloning on the replay unrolls only.
+    Oracle:
+    tests/test_clear_wiring.py::test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop (also
+    tests/test_clear_oracles.py::test_behaviour_cloning_flag_changes_total_loss_only_via_cloning)."""
     unroll = align_unroll(logits_all, values_all, batch)
     pg_loss, value_loss, entropy_loss, _ = impala_losses(
         unroll, args.gamma, args.clip_rho_threshold, args.clip_pg_rho_threshold, args.bootstrap_truncation
@@ -606,36 +632,66 @@ def clear_loss(logits_all, values_all, batch, replay_mask, args: Args):
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
-def take_batch(slots: dict, slot_ids: list[int], halves: torch.Tensor, slot_free, global_step, unroll_length: int) -> dict:
-    """The learner's side of the slot hand-off (CLEAR App. A.1): copy half `halves[j]` (1 = replay) of the pair in slot
-    slot_ids[j] out of shared memory, count the batch's new frames, then free the slots. Returns the batch [T+1, B, ...].
-    Copy before freeing: an actor writes its next unroll into its slot the moment the slot is free.
-    Count before freeing: the actor's next unroll then starts at the updated step (the task switch, App. A.6)."""
+def wait_for_pairs(full_queue, batch_size: int, processes: ProcessGroup) -> list[int]:
+    """The ids of the next `batch_size` slots whose pairs are ready on one network's queue, in the order they came;
+    a dead actor stops the run with its traceback meanwhile."""
+    slot_ids = []
+    while len(slot_ids) < batch_size:
+        if full_queue.empty():
+            processes.check()
+            time.sleep(0.002)
+            continue
+        slot_ids.append(full_queue.get())
+    return slot_ids
+
+
+def take_batch(slots: dict, slot_ids: list[int], halves: torch.Tensor) -> dict:
+    """The learner's copy of its batch out of the shared-memory slots (CLEAR App. A.1): half `halves[j]` (1 = replay) of
+    the pair in slot slot_ids[j]; returns the batch [T+1, B, ...]. Copy before `release_slots`: an actor writes its
+    next unroll into its slot the moment the slot is free.
+    Oracle: tests/test_clear_wiring.py::test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them."""
     slot_index = torch.tensor(slot_ids)
-    batch = {k: v[slot_index, halves].transpose(0, 1).contiguous() for k, v in slots.items()}
-    # frames of NEW experience: every pair carries one new unroll
+    return {k: v[slot_index, halves].transpose(0, 1).contiguous() for k, v in slots.items()}
+
+
+def release_slots(slot_ids: list[int], slot_free, global_step, unroll_length: int) -> None:
+    """The end of the hand-off, once the batch is copied (`take_batch`): count the batch's steps of new experience
+    (every pair carries one new unroll), then free its slots. Count before freeing: the actor's next unroll then
+    starts at the updated step (the task switch, App. A.6).
+    Oracle: tests/test_clear_wiring.py::test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them."""
     global_step.value += len(slot_ids) * unroll_length
     for slot in slot_ids:
         slot_free[slot].release()
-    return batch
 
 
-def learner_loss(model, batch: dict, halves: torch.Tensor, args: Args, device):
-    """The loss of one batch from `take_batch` (halves[j] = 1: column j is a replay unroll).
-    Returns (loss, parts, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+class BatchLoss(NamedTuple):
+    """What `learner_loss` returns for one batch."""
+
+    loss: torch.Tensor  # the weighted CLEAR loss, differentiable
+    parts: dict[str, torch.Tensor]  # its terms, detached, by metric name (clear_loss)
+    unroll: AlignedUnroll  # the learner's outputs lined up with the batch (the rho_t diagnostic reads them)
+
+
+def learner_loss(model, batch: dict, halves: torch.Tensor, args: Args, device) -> BatchLoss:
+    """The CLEAR loss of one batch from `take_batch` (halves[j] = 1: column j is a replay unroll), the learner's network
+    run once over its T+1 rows.
+    Oracle:
+    tests/test_clear_wiring.py::test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop."""
     num_rows, B = batch["action"].shape
     logits_all, values_all = model(batch["obs"].to(device).flatten(0, 1))
     logits_all = logits_all.view(num_rows, B, -1)
     values_all = values_all.view(num_rows, B)
+    # the batch's other fields: align_unroll reads them on the device
     device_batch = {k: v.to(device) for k, v in batch.items() if k != "obs"}
     loss, parts = clear_loss(logits_all, values_all, device_batch, halves.float().to(device), args)
-    return loss, parts, logits_all, values_all, device_batch
+    return BatchLoss(loss, parts, align_unroll(logits_all, values_all, device_batch))
 
 
 def annealed_learning_rate(step: int, end_step: int, args: Args) -> float:
     """The lr of a batch taken at learner-counted step `step`: lr_0 (1 - step / end_step), linear to 0 over the run's
-    new frames (IMPALA Table G.1; torchbeast's lr_lambda counts frames too). A function of the step, so a run
-    resumed with another --learning-rate, --num-cycles or --batch-size continues on the schedule they define."""
+    steps of new experience (IMPALA Table G.1; torchbeast's lr_lambda counts them too, as frames). A function of the
+    step, so a run resumed with another --learning-rate, --num-cycles or --batch-size continues on the schedule they
+    define. Oracle: tests/test_clear_loop.py::test_one_learner_step_is_the_textbook_update_and_publishes_it."""
     return args.learning_rate * (1.0 - min(step, end_step) / end_step)
 
 
@@ -655,7 +711,9 @@ class SharedWeights(NamedTuple):
 def publish_weights(model, shared: SharedWeights) -> None:
     """The learner's write of `model` (its version included) into the actors' copy, as a seqlock's writer: the
     sequence turns odd before the first tensor is written and even after the last, so a reader can tell a copy it took
-    during a write. (Each process's stores, and its loads, stay in program order on x86-64.)"""
+    during a write. (Each process's stores, and its loads, stay in program order on x86-64.)
+    Oracle:
+    tests/test_clear_loop.py::test_every_copy_read_while_the_learner_publishes_in_a_tight_loop_is_one_published_version."""
     shared.sequence.add_(1)
     shared.model.load_state_dict(model.state_dict())
     shared.sequence.add_(1)
@@ -664,7 +722,8 @@ def publish_weights(model, shared: SharedWeights) -> None:
 def read_weights(model, shared: SharedWeights) -> int:
     """An actor's copy of the shared weights into `model`, as a seqlock's reader; returns their version. A copy is
     kept only if the sequence was even before it and unchanged after it (no write began or ran during it); else it
-    is taken again. So the weights and the version are one published state, never parts of two."""
+    is taken again. So the weights and the version are one published state, never parts of two.
+    Oracle: tests/test_clear_loop.py::test_an_actor_retries_a_copy_the_learner_published_into."""
     while True:
         sequence_before = int(shared.sequence)
         if sequence_before % 2 == 0:
@@ -675,26 +734,34 @@ def read_weights(model, shared: SharedWeights) -> int:
         time.sleep(0.0001)
 
 
+class LearnerUpdate(NamedTuple):
+    """What `learner_step` returns: the batch's loss terms and what the loop logs of the update."""
+
+    parts: dict[str, torch.Tensor]  # the loss terms, detached (clear_loss)
+    grad_norm: torch.Tensor  # the global gradient norm before clipping
+    unroll: AlignedUnroll  # the learner's outputs (before the update) lined up with the batch
+
+
 def learner_step(
     model, optimizer, shared: SharedWeights, batch: dict, halves: torch.Tensor, learning_rate: float, args: Args, device
-):
+) -> LearnerUpdate:
     """One update (IMPALA's learner, torchbeast's learn()): the gradient of this batch's CLEAR loss alone, clipped to a
     global norm of --max-grad-norm, one RMSProp step with `learning_rate` and the flags' alpha and eps; then the new
-    weights and their version go to the actors' shared copy (publish_weights). Returns (parts, the gradient norm
-    before clipping, logits [T+1, B, A], values [T+1, B], the batch on the device without frames)."""
+    weights and their version go to the actors' shared copy (publish_weights).
+    Oracle: tests/test_clear_loop.py::test_one_learner_step_is_the_textbook_update_and_publishes_it."""
     # the optimizer's settings come from the flags at every step (a resumed run applies new ones)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
         group["alpha"] = args.rmsprop_alpha
         group["eps"] = args.rmsprop_eps
-    loss, parts, logits_all, values_all, device_batch = learner_loss(model, batch, halves, args, device)
+    batch_loss = learner_loss(model, batch, halves, args, device)
     optimizer.zero_grad()
-    loss.backward()
+    batch_loss.loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
     model.version += 1
     publish_weights(model, shared)
-    return parts, grad_norm, logits_all, values_all, device_batch
+    return LearnerUpdate(batch_loss.parts, grad_norm, batch_loss.unroll)
 
 
 def total_steps(args: Args) -> int:
@@ -706,7 +773,9 @@ def task_for_actor(slot: int, step: int, args: Args) -> int:
     """The task of actor `slot` (env e of process p) for an unroll that starts at learner-counted step `step` (CLEAR
     App. A.6: all actors switch at the same step). With n tasks: sequential: (step // steps_per_task) mod n, the last
     task after the end; simultaneous: slot mod n (tasks mix in every process and batch); separate: p mod n (one
-    network per task)."""
+    network per task).
+    Oracle: tests/test_clear_oracles.py::test_task_switch_at_designated_step_for_all_actors (also
+    tests/test_clear_wiring.py::test_actor_loop_plays_the_task_and_network_each_mode_assigns)."""
     num_tasks = len(args.env_ids)
     if args.mode == "sequential":
         return min(step // args.steps_per_task, num_tasks * args.num_cycles - 1) % num_tasks
@@ -720,11 +789,21 @@ def net_for_task(task: int, args: Args) -> int:
     return task if args.mode == "separate" else 0
 
 
+def count_task_mismatches(slot_ids: list[int], batch_info: SlotInfo, net: int, args: Args) -> int:
+    """The unrolls of a batch not on the task their start step designates (App. A.6) or not of network `net`'s task:
+    0 in a correct run (charts/task_mismatch)."""
+    mismatches = 0
+    for slot, task, unroll_start in zip(slot_ids, batch_info.task.tolist(), batch_info.start_step.tolist()):
+        mismatches += task != task_for_actor(slot, unroll_start, args) or net_for_task(task, args) != net
+    return mismatches
+
+
 def binned_returns(records, task: int, total: int, num_bins: int = 100) -> tuple[np.ndarray, np.ndarray]:
     """(bin end steps, mean test return of one task's episodes that ended in each of `num_bins` equal bins of [0, total]),
     forward-filled over empty bins (leading ones dropped). Averaging per bin, not per episode, keeps short (often
     successful or often failed) episodes from dominating. Bin k holds the steps in [k total / n, (k + 1) total / n),
-    the last one also `total`, computed exactly (integer steps)."""
+    the last one also `total`, computed exactly (integer steps).
+    Oracle: tests/test_clear_oracles.py::test_cumulative_and_binned_returns_equal_the_textbook_time_average."""
     steps = np.array([step for step, record_task, _ in records if record_task == task], dtype=float)
     returns = np.array([ret for _, record_task, ret in records if record_task == task], dtype=float)
     total = max(total, 1)
@@ -741,7 +820,9 @@ def cumulative_returns(
     records: list[tuple[int, int, float]], num_tasks: int, total: int, num_bins: int = 100
 ) -> dict[int, float]:
     """Final cumulative reward per task (CLEAR App. C, Figs. 8 and 13): (1/t) sum_{s<t} r_s at the end of training, i.e.
-    the time average of the task's test return over the run (on the `binned_returns` grid)."""
+    the time average of the task's test return over the run (on the `binned_returns` grid).
+    Oracle: tests/test_clear_oracles.py::test_cumulative_and_binned_returns_equal_the_textbook_time_average (also
+    ::test_cumulative_returns_are_time_averages)."""
     binned = [binned_returns(records, task, total, num_bins)[1] for task in range(num_tasks)]
     return {task: float(means.mean()) if len(means) else float("nan") for task, means in enumerate(binned)}
 
@@ -766,18 +847,71 @@ class ActorHandles(NamedTuple):
     slot_free: list  # one semaphore per slot, released when the learner has copied its pair
     global_step: Any  # learner-counted steps of new experience (its only writer: the learner)
     resume_step: int  # the checkpoint's step in a run started with --resume (else 0)
-    frames_done: Any  # steps played, one counter per actor process (each its only writer)
+    steps_done: Any  # agent steps played, one counter per actor process (each its only writer)
     stop: Any  # event: the run is stopping
     stats_queue: Any  # (task, return, length) of each finished training episode
     checkpoint_request: Any  # bumped at each checkpoint: actors then save their buffers
     run_dir: str
 
 
+class ActorSlots(NamedTuple):
+    """The slots of one actor process, one per env (actor_id * envs_per_actor + e): numpy views into shared memory."""
+
+    ids: list[int]  # the slot of each env
+    span: slice  # the same slots, as SlotInfo's index
+    new: dict  # field -> [envs_per_actor, T+1, ...]: the new half of each slot's pair
+    replay: dict  # field -> [envs_per_actor, T+1, ...]: the replay half
+
+    @classmethod
+    def of(cls, handles: ActorHandles, actor_id: int, envs_per_actor: int) -> "ActorSlots":
+        first_slot = actor_id * envs_per_actor
+        span = slice(first_slot, first_slot + envs_per_actor)
+        return cls(
+            ids=list(range(first_slot, first_slot + envs_per_actor)),
+            span=span,
+            new={k: handles.slots[k][span, 0].numpy() for k in UNROLL_FIELDS},
+            replay={k: handles.slots[k][span, 1].numpy() for k in UNROLL_FIELDS},
+        )
+
+
+def publish_pairs(
+    handles: ActorHandles, slots: ActorSlots, buffer, tasks: list[int], start_step: int, version: int, args: Args
+) -> None:
+    """CLEAR's step at the actors (Sec. 3; App. A.1 and A.3), once each env's new unroll is in its slot: add the new
+    unrolls to the process's reservoir buffer, draw a stored unroll uniformly from the buffer as each replay half,
+    and publish every (new, replay) pair: its SlotInfo, then its slot id on its network's queue. All new unrolls are
+    added before the first draw (the buffer's stream in that order); without a buffer (--replay-fraction 0 and no
+    --buffer-size) no pair holds a replay half.
+    Oracle:
+    tests/test_clear_wiring.py::test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop."""
+    slot_info = handles.slot_info
+    slot_info.task[slots.span] = torch.tensor(tasks)
+    slot_info.start_step[slots.span] = start_step
+    slot_info.policy_version[slots.span] = version
+    if buffer is None:
+        slot_info.replay_valid[slots.span] = 0
+        slot_info.replay_task[slots.span] = -1
+        slot_info.buffer_unrolls[slots.span] = 0
+    else:
+        # reservoir add (App. A.3)
+        for e, task in enumerate(tasks):
+            buffer.add({k: v[e] for k, v in slots.new.items()}, task)
+        # replay draw: one stored unroll per env, uniformly (App. A.1)
+        rows = [buffer.sample() for _ in tasks]
+        for k in UNROLL_FIELDS:
+            slots.replay[k][:] = buffer.data[k][rows]
+        slot_info.replay_valid[slots.span] = 1
+        slot_info.replay_task[slots.span] = torch.from_numpy(buffer.task[rows])
+        slot_info.buffer_unrolls[slots.span] = buffer.size
+    for slot, task in zip(slots.ids, tasks):
+        handles.full_queues[net_for_task(task, args)].put(slot)
+
+
 def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandles):
     """One actor process: --envs-per-actor envs stepped in lock-step, one batched forward of the latest weights.
     Each env is an actor of the paper (CLEAR App. A.1): per unroll it adds its new unroll to the process's reservoir,
-    samples a replay unroll, publishes the pair in its slot (actor_id * envs_per_actor + e) and waits until the learner
-    has copied it."""
+    samples a replay unroll, publishes the pair in its slot (actor_id * envs_per_actor + e; publish_pairs) and waits
+    until the learner has copied it."""
     envs_per_actor = args.envs_per_actor
     T = args.unroll_length
     seed = actor_seed(args.seed + 1000 * actor_id, args, handles.resume_step)
@@ -795,13 +929,9 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
     saved_request = handles.checkpoint_request.value
     model = Agent(obs_shape, num_actions, resolve_torso(args, obs_shape))
     run_name = os.path.basename(handles.run_dir)
-    # our slots, one per env
-    first_slot = actor_id * envs_per_actor
-    our_slots = slice(first_slot, first_slot + envs_per_actor)
-    slot_ids = list(range(first_slot, first_slot + envs_per_actor))
-    # numpy views into shared memory [envs_per_actor, T+1, ...]: the new and the replay half of each slot's pair
-    new_half = {k: handles.slots[k][our_slots, 0].numpy() for k in UNROLL_FIELDS}
-    replay_half = {k: handles.slots[k][our_slots, 1].numpy() for k in UNROLL_FIELDS}
+    our_slots = ActorSlots.of(handles, actor_id, envs_per_actor)
+    slot_ids = our_slots.ids
+    new_half = our_slots.new
     tasks = [-1] * envs_per_actor
     envs = [None] * envs_per_actor
     episodes = 0
@@ -836,29 +966,9 @@ def actor_loop(actor_id, args: Args, obs_shape, num_actions, handles: ActorHandl
         # a process play one task, hence one network)
         version = read_weights(model, handles.shared_weights[net_for_task(tasks[0], args)])
         episodes += play_unroll(model, envs, tasks, new_half, args, handles.stats_queue)
-
-        # PUBLISH the pairs: CLEAR App. A.1, insert the new unrolls (reservoir), then sample the replay halves
-        slot_info = handles.slot_info
-        slot_info.task[our_slots] = torch.tensor(tasks)
-        slot_info.start_step[our_slots] = start_step
-        slot_info.policy_version[our_slots] = version
-        if buffer is None:
-            slot_info.replay_valid[our_slots] = 0
-            slot_info.replay_task[our_slots] = -1
-            slot_info.buffer_size[our_slots] = 0
-        else:
-            for e in range(envs_per_actor):
-                buffer.add({k: v[e] for k, v in new_half.items()}, tasks[e])
-            rows = [buffer.sample() for _ in range(envs_per_actor)]
-            for k in UNROLL_FIELDS:
-                replay_half[k][:] = buffer.data[k][rows]
-            slot_info.replay_valid[our_slots] = 1
-            slot_info.replay_task[our_slots] = torch.from_numpy(buffer.task[rows])
-            slot_info.buffer_size[our_slots] = buffer.size
         # our own counter: no lock a killed actor could leave held
-        handles.frames_done[actor_id] += T * envs_per_actor
-        for e, slot in enumerate(slot_ids):
-            handles.full_queues[net_for_task(tasks[e], args)].put(slot)
+        handles.steps_done[actor_id] += T * envs_per_actor
+        publish_pairs(handles, our_slots, buffer, tasks, start_step, version, args)
     if keep_replay and handles.checkpoint_request.value != saved_request:
         # the final checkpoint came after our last unroll
         buffer.save(os.path.join(handles.run_dir, replay_file))
@@ -872,7 +982,7 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
     [num_envs, T+1, ...] whose row 0 holds x_0); returns how many episodes ended."""
     episodes_ended = 0
     for t in range(args.unroll_length):
-        # row t + 1 holds what acting on frame t produced (unroll_specs)
+        # row t + 1 holds what acting on x_t produced (unroll_specs)
         row = t + 1
         with torch.no_grad():
             logits, value = model(torch.from_numpy(unroll["obs"][:, t]))
@@ -905,7 +1015,8 @@ def play_unroll(model, envs, tasks, unroll: dict, args: Args, stats_queue) -> in
 
 def test_actor_loop(test_id, task, args: Args, obs_shape, num_actions, shared_weights, resume_step, stop, eval_queue):
     """A test actor (CLEAR App. A.5): plays its own task forever, sampling from pi of its task's latest weights; no
-    buffer, never feeds the learner; reports each finished episode's return (Atari: the game's score)."""
+    buffer, never feeds the learner; reports each finished episode's return (Atari: the game's score).
+    Oracle: tests/test_clear_loop.py::test_a_test_actor_samples_from_pi_of_its_tasks_latest_weights."""
     seed = actor_seed(args.seed + 1000 * (args.num_actors + test_id) + 17, args, resume_step)
     torch.manual_seed(seed)
     env = make_env(args.env_ids[task], seed, args)
@@ -938,7 +1049,8 @@ def summarize_test_episodes(eval_records: list, eval_queue, step: int, args: Arg
     `eval_records` at the step reached, the whole history is written to eval_records.json
     (tests/benchmarks/clear_forgetting_table.py plots it), and the summary's test entries are computed from it:
     per task the cumulative return over the steps reached (an interrupted run: its measured part), the mean of the
-    last 20 test returns and the number of test episodes."""
+    last 20 test returns and the number of test episodes.
+    Oracle: tests/test_clear_oracles.py::test_the_summary_counts_the_test_episodes_still_queued_at_the_end."""
     eval_records += [(step, task, episode_return) for task, episode_return, _ in drain(eval_queue)]
     with open(os.path.join(run_dir, "eval_records.json"), "w") as f:
         json.dump(eval_records, f)
@@ -967,8 +1079,8 @@ FIXED_ON_RESUME = (
     "num_actors",
     "envs_per_actor",
     "unroll_length",
-    "replay_ratio",
-    "buffer_frames",
+    "replay_fraction",
+    "buffer_size",
     "behavior_cloning",
     "sticky_action_prob",
     "max_episode_frames",
@@ -999,6 +1111,13 @@ RUN_ONLY_ON_RESUME = (
     "test_actor_max_sps",
     "log_every_seconds",
 )
+# a checkpoint written before a flag was renamed resumes with its value under the new name (common/args.py)
+RENAMED_FLAGS = {
+    # the replayed share of a batch (reactor.py's --replay-ratio: acting steps per learning step)
+    "replay_ratio": "replay_fraction",
+    # capacity in agent steps, as vracer_refer.py's --buffer-size (frames: emulator frames only)
+    "buffer_frames": "buffer_size",
+}
 
 
 def validate_args(args: Args) -> None:
@@ -1010,8 +1129,8 @@ def validate_args(args: Args) -> None:
     require(args.num_test_actors >= 0, f"--num-test-actors must be >= 0, got {args.num_test_actors!r}")
     require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size!r}")
     require(args.unroll_length >= 1, f"--unroll-length must be >= 1, got {args.unroll_length!r}")
-    require(0 <= args.replay_ratio <= 1, f"--replay-ratio must be in [0, 1], got {args.replay_ratio!r}")
-    require(args.buffer_frames >= -1, f"--buffer-frames must be >= -1, got {args.buffer_frames!r}")
+    require(0 <= args.replay_fraction <= 1, f"--replay-fraction must be in [0, 1], got {args.replay_fraction!r}")
+    require(args.buffer_size >= -1, f"--buffer-size must be >= -1, got {args.buffer_size!r}")
     require(args.policy_cloning_cost >= 0, f"--policy-cloning-cost must be >= 0, got {args.policy_cloning_cost!r}")
     require(args.value_cloning_cost >= 0, f"--value-cloning-cost must be >= 0, got {args.value_cloning_cost!r}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma!r}")
@@ -1061,12 +1180,12 @@ def validate_args(args: Args) -> None:
             f"env i plays task i mod {num_tasks}, so any other count unbalances the tasks",
         )
     require(
-        not (args.buffer_frames == 0 and args.replay_ratio > 0),
-        "--buffer-frames 0 (no replay buffer) needs --replay-ratio 0",
+        not (args.buffer_size == 0 and args.replay_fraction > 0),
+        "--buffer-size 0 (no replay buffer) needs --replay-fraction 0",
     )
     require(
-        not 0 < args.buffer_frames < args.num_actors * args.unroll_length,
-        f"--buffer-frames {args.buffer_frames} is less than one unroll per actor "
+        not 0 < args.buffer_size < args.num_actors * args.unroll_length,
+        f"--buffer-size {args.buffer_size} is less than one unroll per actor "
         f"({args.num_actors} actors x {args.unroll_length} steps)",
     )
 
@@ -1146,8 +1265,8 @@ def check_checkpoint_fits(checkpoint: dict, network: Agent, num_nets: int, path:
 
 def check_restored_buffers(args: Args, capacity: int) -> None:
     """Refuse, in one line, a resume whose actors would restore a buffer (--checkpoint-replay) into a larger capacity
-    after it has dropped unrolls (ReservoirBuffer.load): with --buffer-frames -1 the capacity is half of the run's
-    frames, so a higher --num-cycles grows it. Refused, not resized: no refill makes such a buffer a uniform sample
+    after it has dropped unrolls (ReservoirBuffer.load): with --buffer-size -1 the capacity is half of the run's
+    steps, so a higher --num-cycles grows it. Refused, not resized: no refill makes such a buffer a uniform sample
     of all unrolls offered again (the larger sample would hold some of those it dropped)."""
     if not (args.checkpoint_replay and capacity):
         return
@@ -1160,7 +1279,7 @@ def check_restored_buffers(args: Args, capacity: int) -> None:
         require(
             capacity <= held or held == offered,
             f"--resume: actor {i}'s buffer holds {held} of the {offered} unrolls it was offered and would grow to "
-            f"{capacity} (--buffer-frames -1: half of the run's {total_steps(args):,} frames), which no refill keeps a "
+            f"{capacity} (--buffer-size -1: half of the run's {total_steps(args):,} steps), which no refill keeps a "
             "uniform sample of them all: keep --num-cycles, or resume with --no-checkpoint-replay (empty buffers)",
         )
 
@@ -1173,10 +1292,186 @@ def drain(q, limit=10_000):
             return
 
 
+class ReplayImportanceWeights:
+    """A diagnostic per replayed task: the mean V-trace weight rho_t (truncated_importance_weights) over the replayed
+    steps whose stored action the behaviour policy was sure of (mu >= 0.5), since the last log line; near 0, replay
+    no longer teaches that task those steps. Summed on the learner's device per task the unroll came from (no sync
+    per batch).
+    Oracle:
+    tests/test_clear_oracles.py::test_replay_importance_weights_are_the_mean_rho_of_confident_replayed_steps_per_source_task."""
+
+    def __init__(self, num_tasks: int, device):
+        self.device = device
+        self.rho_sum = torch.zeros(num_tasks, device=device)
+        self.rho_count = torch.zeros(num_tasks, device=device)
+
+    def add(self, unroll: AlignedUnroll, halves: torch.Tensor, replay_task: torch.Tensor) -> None:
+        """The replay columns (halves 1) of one batch, each for the task its replay unroll was played on."""
+        rho, mu_taken = truncated_importance_weights(unroll)
+        confident = (mu_taken >= 0.5).float() * halves.float().to(self.device)
+        replay_source = replay_task.clamp(min=0).to(self.device)
+        self.rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
+        self.rho_count.index_add_(0, replay_source, confident.sum(0))
+
+    def means(self, names: list[str]) -> dict[str, float]:
+        """{replay/<task>/importance_weight: mean rho_t} of the tasks with such steps since the last call; starts over."""
+        means = {}
+        for task, (task_rho_sum, task_rho_count) in enumerate(zip(self.rho_sum.tolist(), self.rho_count.tolist())):
+            if task_rho_count > 0:
+                means[f"replay/{names[task]}/importance_weight"] = task_rho_sum / task_rho_count
+        self.rho_sum.zero_()
+        self.rho_count.zero_()
+        return means
+
+
+class LoopLog:
+    """What the learner loop writes: every training and test episode the actors queued (test episodes also join
+    `eval_records`, the run's test history), and every --log-every-seconds and at the run's end one record of the
+    learner's metrics averaged since the last (MetricAverager, ReplayImportanceWeights), the speeds, and the progress
+    line."""
+
+    def __init__(self, logger, args: Args, handles: ActorHandles, eval_queue, eval_records: list, capacity, end_step, device):
+        self.logger = logger
+        self.args = args
+        self.handles = handles
+        self.eval_queue = eval_queue
+        self.eval_records = eval_records
+        self.capacity = capacity
+        self.end_step = end_step
+        # task names as they appear in metric names
+        self.names = [env_id.replace("/", "_") for env_id in args.env_ids]
+        self.metrics = MetricAverager()
+        self.replay_weights = ReplayImportanceWeights(len(args.env_ids), device)
+        self.train_returns = collections.deque(maxlen=100)
+        # the last test returns of each task
+        self.recent_test_returns = collections.defaultdict(lambda: collections.deque(maxlen=20))
+        self.start_time = time.time()
+        self.start_step = handles.global_step.value
+        self.last_log = self.start_time
+        self.last_log_step = self.start_step
+        self.last_actor_steps = 0
+        # the learner's time since the last record: from a batch's pairs being ready to its update (charts/learner_SPS)
+        self.learn_time = 0.0
+        self.learn_start = self.start_time
+
+    def start_learner_clock(self) -> None:
+        self.learn_start = time.time()
+
+    def stop_learner_clock(self) -> None:
+        self.learn_time += time.time() - self.learn_start
+
+    def add_learner_step(self, update: LearnerUpdate, halves: torch.Tensor, batch_info: SlotInfo, policy_lag) -> None:
+        """One learner step's metrics; the loss terms stay on the device until the record (one sync, not 7 per batch)."""
+        self.metrics.add(
+            {
+                **update.parts,
+                "losses/grad_norm": update.grad_norm,
+                "charts/replay_fraction": float(halves.float().mean()),
+                "charts/policy_lag": float(policy_lag),
+                "charts/buffer_fill": float(batch_info.buffer_unrolls.float().mean() / max(1, self.capacity)),
+            }
+        )
+        if self.args.replay_fraction > 0:
+            self.replay_weights.add(update.unroll, halves, batch_info.replay_task)
+
+    def log(self, step: int, learning_rate: float, task_mismatch: int) -> None:
+        """At the learner's `step`, after a learner step: the queued episodes, then the record if one is due."""
+        self.log_episodes(step)
+        self.log_learner_metrics(step, learning_rate, task_mismatch)
+
+    def log_episodes(self, step: int) -> None:
+        """The training and test episodes queued since the last call, at the learner's `step`."""
+        for task, episode_return, length in drain(self.handles.stats_queue):
+            self.train_returns.append(episode_return)
+            self.logger.log(
+                step,
+                {
+                    "charts/episodic_return": episode_return,
+                    "charts/episodic_length": length,
+                    f"train/{self.names[task]}/episodic_return": episode_return,
+                },
+            )
+        for task, episode_return, length in drain(self.eval_queue):
+            self.eval_records.append((step, task, episode_return))
+            self.recent_test_returns[task].append(episode_return)
+            self.logger.log(
+                step,
+                {
+                    f"eval/{self.names[task]}/episodic_return": episode_return,
+                    f"eval/{self.names[task]}/episodic_length": length,
+                },
+            )
+
+    def log_learner_metrics(self, step: int, learning_rate: float, task_mismatch: int) -> None:
+        """The learner's record and the progress line, if --log-every-seconds have passed since the last or the run
+        has reached its end."""
+        now = time.time()
+        if now - self.last_log < self.args.log_every_seconds and step < self.end_step:
+            return
+        actor_steps = sum(self.handles.steps_done)
+        record = {
+            **self.metrics.means(),
+            "charts/SPS": int((step - self.start_step) / (now - self.start_time)),
+            "charts/learner_SPS": int((step - self.last_log_step) / max(1e-9, self.learn_time)),
+            "charts/actor_SPS": int((actor_steps - self.last_actor_steps) / (now - self.last_log)),
+            "charts/learning_rate": learning_rate,
+            "charts/task": task_for_actor(0, step, self.args),
+            "charts/task_mismatch": task_mismatch,
+            **self.replay_weights.means(self.names),
+        }
+        self.logger.log(step, record)
+        test_means = " ".join(
+            f"{np.mean(self.recent_test_returns[task]):.2f}" if self.recent_test_returns[task] else "-"
+            for task in range(len(self.names))
+        )
+        self.logger.progress(
+            step,
+            record["charts/SPS"],
+            np.mean(self.train_returns) if self.train_returns else None,
+            "total_loss",
+            record["losses/total_loss"],
+            f"task {record['charts/task']} replay {record['charts/replay_fraction']:.2f} eval [{test_means}]",
+        )
+        self.learn_time = 0.0
+        self.last_log = now
+        self.last_log_step = step
+        self.last_actor_steps = actor_steps
+
+
+class CheckpointCadence:
+    """--checkpoint-every: a checkpoint every that many steps and at the run's end (none with 0); the actors then save
+    their buffers at their next unroll (--checkpoint-replay)."""
+
+    def __init__(self, logger, args: Args, handles: ActorHandles, end_step: int):
+        self.logger = logger
+        self.args = args
+        self.handles = handles
+        self.end_step = end_step
+        self.last_step = handles.global_step.value
+
+    def save_if_due(self, step: int, models, optimizers, learner_steps, eval_records, pair_rng) -> None:
+        every = self.args.checkpoint_every
+        if not every or (step - self.last_step < every and step < self.end_step):
+            return
+        self.last_step = step
+        save_run_checkpoint(
+            self.logger,
+            "clear_impala.py",
+            self.args,
+            step,
+            models=[model.state_dict() for model in models],
+            optimizers=[optimizer.state_dict() for optimizer in optimizers],
+            learner_steps=learner_steps,
+            eval_records=eval_records,
+            pair_rng=pair_rng.bit_generator.state,
+        )
+        self.handles.checkpoint_request.value += 1
+
+
 if __name__ == "__main__":
     # --resume: the checkpoint's flags, the flags given on this command line override them
     args, checkpoint, overridden = parse_run_args(
-        Args, "clear_impala.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME
+        Args, "clear_impala.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME, renamed=RENAMED_FLAGS
     )
     # all checks before anything heavy and before the run's folder exists
     validate_args(args)
@@ -1199,17 +1494,18 @@ if __name__ == "__main__":
             f"(--steps-per-task x tasks x --num-cycles): raise --steps-per-task or --num-cycles"
         )
 
-    # MEMORY: bytes per stored frame, refuse what cannot fit
+    # MEMORY: bytes per stored step, refuse what cannot fit
     capacity = buffer_capacity_per_actor(args)
     if checkpoint:
         # replay buffers the actors cannot restore as uniform samples: refused before the run's folder is opened
         check_restored_buffers(args, capacity)
     bytes_per_unroll = ReservoirBuffer.bytes_per_unroll(obs_shape, num_actions, T)
     print(
-        f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} frames, "
-        f"{bytes_per_unroll / T:.0f} B per stored frame (frame {int(np.prod(obs_shape))} B + the unroll's other fields)"
+        f"replay: {capacity} unrolls/actor x {args.num_actors} actors = {capacity * args.num_actors * T} steps, "
+        f"{bytes_per_unroll / T:.0f} B per stored step (observation {int(np.prod(obs_shape))} B + the unroll's other "
+        "fields)"
     )
-    check_memory((capacity * args.num_actors + 2 * num_envs) * bytes_per_unroll, "--buffer-frames")
+    check_memory((capacity * args.num_actors + 2 * num_envs) * bytes_per_unroll, "--buffer-size")
 
     if num_tasks <= 3:
         run_label = "+".join(env_id.replace("ALE/", "") for env_id in args.env_ids)
@@ -1286,7 +1582,7 @@ if __name__ == "__main__":
         slot_free=slot_free,
         global_step=ctx.Value("q", global_step_value, lock=False),
         resume_step=global_step_value if args.resume else 0,
-        frames_done=ctx.Array("q", args.num_actors, lock=False),
+        steps_done=ctx.Array("q", args.num_actors, lock=False),
         stop=processes.stop_event,
         stats_queue=ctx.Queue(),
         checkpoint_request=ctx.Value("q", 0, lock=False),
@@ -1300,8 +1596,6 @@ if __name__ == "__main__":
         pair_rng.bit_generator.state = checkpoint["pair_rng"]
     task_mismatch = 0
     error = None
-    # task names as they appear in metric names
-    names = [env_id.replace("/", "_") for env_id in args.env_ids]
     try:
         for i in range(args.num_actors):
             processes.start(actor_loop, (i, args, obs_shape, num_actions, handles), name=f"actor-{i}")
@@ -1320,138 +1614,39 @@ if __name__ == "__main__":
                     eval_queue,
                 )
                 processes.start(test_actor_loop, test_args, name=f"test-{task}-{j}")
-        start_time = time.time()
-        start_step = global_step_value
-        last_log = start_time
-        last_log_step = global_step_value
-        last_frames = 0
-        last_checkpoint_step = global_step_value
-        train_returns = collections.deque(maxlen=100)
-        # the last test returns of each task
-        recent_test_returns = collections.defaultdict(lambda: collections.deque(maxlen=20))
-        metric_sums = collections.defaultdict(float)
-        num_summed = 0
-        learn_time = 0.0
-        # rho_t sums and counts per replayed task
-        rho_sum = torch.zeros(num_tasks, device=device)
-        rho_count = torch.zeros(num_tasks, device=device)
+        loop_log = LoopLog(logger, args, handles, eval_queue, eval_records, capacity, end_step, device)
+        checkpoints = CheckpointCadence(logger, args, handles, end_step)
         while global_step.value < end_step:
             # COLLECT: B pairs, one per env, from the queue of the network to train next
             net = sum(learner_steps) % num_nets
-            slot_ids = []
-            while len(slot_ids) < B:
-                if handles.full_queues[net].empty():
-                    # a dead actor stops the run with its traceback
-                    processes.check()
-                    time.sleep(0.002)
-                    continue
-                slot_ids.append(handles.full_queues[net].get())
-            learn_start = time.time()
+            slot_ids = wait_for_pairs(handles.full_queues[net], B, processes)
+            loop_log.start_learner_clock()
             batch_info = slot_info.select(slot_ids)
+            # which half of each pair the batch trains on: --replay-fraction x B replay halves (App. A.1, Sec. 4.3)
             replay_valid = batch_info.replay_valid.numpy().astype(bool)
-            halves = torch.from_numpy(select_pairs(replay_valid, args.replay_ratio, pair_rng))
+            halves = torch.from_numpy(select_pairs(replay_valid, args.replay_fraction, pair_rng))
             # every unroll must be on the task its start step designates (App. A.6), and of this network's task
-            for slot, task, unroll_start in zip(slot_ids, batch_info.task.tolist(), batch_info.start_step.tolist()):
-                task_mismatch += task != task_for_actor(slot, unroll_start, args) or net_for_task(task, args) != net
+            task_mismatch += count_task_mismatches(slot_ids, batch_info, net, args)
             learning_rate = annealed_learning_rate(global_step.value, end_step, args)
-            batch = take_batch(slots, slot_ids, halves, slot_free, global_step, T)
+            # the chosen halves copied out, then the B x T new steps counted and the slots freed for the next pairs
+            batch = take_batch(slots, slot_ids, halves)
+            release_slots(slot_ids, slot_free, global_step, T)
 
             # LEARN
-            parts, grad_norm, logits_all, values_all, device_batch = learner_step(
+            update = learner_step(
                 models[net], optimizers[net], shared_weights[net], batch, halves, learning_rate, args, device
             )
             # updates between the weights that acted and the weights that learn from it
             policy_lag = learner_steps[net] - batch_info.policy_version.float().mean()
             learner_steps[net] += 1
-            learn_time += time.time() - learn_start
-            # loss parts stay on the device and are summed there: one sync per log line, not 7 per batch
-            for key, value in parts.items():
-                metric_sums[key] += value
-            metric_sums["losses/grad_norm"] += grad_norm.detach()
-            metric_sums["charts/replay_fraction"] += float(halves.float().mean())
-            metric_sums["charts/policy_lag"] += float(policy_lag)
-            metric_sums["charts/buffer_fill"] += float(batch_info.buffer_size.float().mean() / max(1, capacity))
-            num_summed += 1
-            if args.replay_ratio > 0:
-                # DIAGNOSTIC: rho_t on the replayed steps whose stored action the behaviour policy was sure of
-                # (mu >= 0.5), summed per task the unroll came from (no sync here)
-                rho, mu_taken = truncated_importance_weights(align_unroll(logits_all, values_all, device_batch))
-                confident = (mu_taken >= 0.5).float() * halves.float().to(device)
-                replay_source = batch_info.replay_task.clamp(min=0).to(device)
-                rho_sum.index_add_(0, replay_source, (rho * confident).sum(0))
-                rho_count.index_add_(0, replay_source, confident.sum(0))
+            loop_log.stop_learner_clock()
 
             # LOG
-            step = global_step.value
-            for task, episode_return, length in drain(handles.stats_queue):
-                train_returns.append(episode_return)
-                logger.log(
-                    step,
-                    {
-                        "charts/episodic_return": episode_return,
-                        "charts/episodic_length": length,
-                        f"train/{names[task]}/episodic_return": episode_return,
-                    },
-                )
-            for task, episode_return, length in drain(eval_queue):
-                eval_records.append((step, task, episode_return))
-                recent_test_returns[task].append(episode_return)
-                logger.log(
-                    step,
-                    {f"eval/{names[task]}/episodic_return": episode_return, f"eval/{names[task]}/episodic_length": length},
-                )
-            now = time.time()
-            if now - last_log >= args.log_every_seconds or step >= end_step:
-                frames = sum(handles.frames_done)
-                out = {
-                    **{key: float(value) / num_summed for key, value in metric_sums.items()},
-                    "charts/SPS": int((step - start_step) / (now - start_time)),
-                    "charts/learner_SPS": int((step - last_log_step) / max(1e-9, learn_time)),
-                    "charts/actor_SPS": int((frames - last_frames) / (now - last_log)),
-                    "charts/learning_rate": learning_rate,
-                    "charts/task": task_for_actor(0, step, args),
-                    "charts/task_mismatch": task_mismatch,
-                }
-                for task, (task_rho_sum, task_rho_count) in enumerate(zip(rho_sum.tolist(), rho_count.tolist())):
-                    if task_rho_count > 0:
-                        out[f"replay/{names[task]}/importance_weight"] = task_rho_sum / task_rho_count
-                rho_sum.zero_()
-                rho_count.zero_()
-                logger.log(step, out)
-                test_means = " ".join(
-                    f"{np.mean(recent_test_returns[task]):.2f}" if recent_test_returns[task] else "-"
-                    for task in range(num_tasks)
-                )
-                logger.progress(
-                    step,
-                    out["charts/SPS"],
-                    np.mean(train_returns) if train_returns else None,
-                    "total_loss",
-                    out["losses/total_loss"],
-                    f"task {out['charts/task']} replay {out['charts/replay_fraction']:.2f} eval [{test_means}]",
-                )
-                metric_sums.clear()
-                num_summed = 0
-                learn_time = 0.0
-                last_log = now
-                last_log_step = step
-                last_frames = frames
+            loop_log.add_learner_step(update, halves, batch_info, policy_lag)
+            loop_log.log(global_step.value, learning_rate, task_mismatch)
 
             # CHECKPOINT
-            if args.checkpoint_every and (step - last_checkpoint_step >= args.checkpoint_every or step >= end_step):
-                last_checkpoint_step = step
-                save_run_checkpoint(
-                    logger,
-                    "clear_impala.py",
-                    args,
-                    step,
-                    models=[model.state_dict() for model in models],
-                    optimizers=[optimizer.state_dict() for optimizer in optimizers],
-                    learner_steps=learner_steps,
-                    eval_records=eval_records,
-                    pair_rng=pair_rng.bit_generator.state,
-                )
-                handles.checkpoint_request.value += 1
+            checkpoints.save_if_due(global_step.value, models, optimizers, learner_steps, eval_records, pair_rng)
             processes.check()
     except (KeyboardInterrupt, StopRun) as e:
         error = e
@@ -1464,7 +1659,7 @@ if __name__ == "__main__":
     summary = {
         "global_step": global_step.value,
         "mode": args.mode,
-        "replay_ratio": args.replay_ratio,
+        "replay_fraction": args.replay_fraction,
         "behavior_cloning": args.behavior_cloning,
         "env_ids": args.env_ids,
         **test_summary,

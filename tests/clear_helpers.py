@@ -164,16 +164,6 @@ def gradients(model, loss) -> dict[str, torch.Tensor]:
     return {name: zero if p.grad is None else p.grad.double().clone() for name, p in model.named_parameters()}
 
 
-class ReleaseCounter:
-    """A stand-in for a slot's semaphore on the learner's side: counts releases and nothing else."""
-
-    def __init__(self):
-        self.released = 0
-
-    def release(self):
-        self.released += 1
-
-
 # each term alone through the real loss (its cost 1, every other 0), then the paper's weights
 ONE_TERM = {
     "losses/pg_loss": "pg_cost",
@@ -186,7 +176,6 @@ ONE_TERM = {
 
 # ----------------------------------------------------------------------------------------------------------------
 # The real actor loop in threads, the test as its learner
-# ----------------------------------------------------------------------------------------------------------------
 def run_actor_loops(
     args,
     obs_shape,
@@ -197,14 +186,14 @@ def run_actor_loops(
     start_step=0,
     resume_step=0,
     on_pair=None,
-    count_frames=False,
+    count_steps=False,
     final_checkpoint=False,
 ):
     """Run the real `actor_loop` of every actor process in a thread with the script's shared structures (a slot per
     env, its SlotInfo entries, one full queue per network, a semaphore per slot) and collect `unrolls` published pairs
     per slot: {slot: [{field: [2, T+1, ...], "info": {SlotInfo field: int}, "queue": the network it came through}, ...]}.
     The test is the learner: for each pair it calls `on_pair(net, slot, handles)` (e.g. to publish new weights), adds the
-    unroll's T frames to the global step if `count_frames` (take_batch's count), then frees the slot. It ends by
+    unroll's T steps to the global step if `count_steps` (release_slots's count), then frees the slot. It ends by
     freeing every slot and stopping the actors; with `final_checkpoint` as the script's learner ends after its last
     checkpoint instead: it requests a buffer save and stops the actors without freeing their slots.
     Returns (pairs, slots, handles)."""
@@ -227,7 +216,7 @@ def run_actor_loops(
         slot_free=slot_free,
         global_step=SimpleNamespace(value=start_step),
         resume_step=resume_step,
-        frames_done=[0] * A,
+        steps_done=[0] * A,
         stop=stop,
         stats_queue=queue.SimpleQueue(),
         checkpoint_request=SimpleNamespace(value=0),
@@ -251,7 +240,7 @@ def run_actor_loops(
                 pairs[i].append({k: v[i].clone() for k, v in slots.items()} | {"info": info, "queue": net})
                 if on_pair is not None:
                     on_pair(net, i, handles)
-                if count_frames:
+                if count_steps:
                     handles.global_step.value += T
                 if len(pairs[i]) < unrolls:
                     slot_free[i].release()
@@ -283,7 +272,6 @@ def versioned_networks(obs_shape, num_actions, torso, count, seed):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Atari: what the emulator did, recorded below gymnasium's AtariEnv
-# ----------------------------------------------------------------------------------------------------------------
 class RecordingALE:
     """Stands in for an AtariEnv's `ale` (an ALEInterface): forwards every call and records what the emulator did:
     the raw reward of every frame since `take_frames()` and each finished game's score (a game ends at the
@@ -338,7 +326,6 @@ def recording_make_env(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Forgetting statistics, from the paper
-# ----------------------------------------------------------------------------------------------------------------
 def textbook_cumulative_return(records, task, total, num_bins=100):
     """CLEAR App. C, slowly: [0, total] in `num_bins` equal bins, bin k = [k total / n, (k + 1) total / n) (the last
     one closed); a bin's value is the mean return of the task's test episodes recorded in it, an empty bin keeps the
@@ -361,7 +348,6 @@ def textbook_cumulative_return(records, task, total, num_bins=100):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Subprocess runs
-# ----------------------------------------------------------------------------------------------------------------
 def environment():
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
@@ -432,7 +418,8 @@ QUEUED_AT_STOP = (1, 4242.5, 7)
 # hook installed once the optimizers exist. At the first learner step it records what the learner holds and uses:
 # the arguments of learner_step and of the functions it calls (clear_loss, impala_losses, clip_grad_norm_), the
 # optimizer before and after the step, the loop's counters and history (the __main__ namespace), every global RNG
-# state, the pair-selection stream at its first draw and the global step at the first take_batch; then it saves
+# state, the pair-selection stream at its first draw and the global step at the first release_slots (the batch
+# copied, its steps not yet counted); then it saves
 # them to the file named by its first argument and removes the hook. When the loop's ProcessGroup.stop (called from
 # __main__) has stopped every process, it puts the test episode given as its second argument on __main__'s
 # eval_queue from a forked child that exits before stop returns (a process's queue data is in the pipe once it has
@@ -455,7 +442,7 @@ def spy(frame, event, arg):
     name = frame.f_code.co_name
     if event == "call" and name == "select_pairs" and "pair_rng" not in seen:
         seen["pair_rng"] = copy.deepcopy(frame.f_locals["rng"].bit_generator.state)
-    elif event == "call" and name == "take_batch" and "global_step" not in seen:
+    elif event == "call" and name == "release_slots" and "global_step" not in seen:
         seen["global_step"] = frame.f_locals["global_step"].value
     elif event == "call" and name == "learner_step" and "learner_step" not in seen:
         local = frame.f_locals

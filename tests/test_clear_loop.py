@@ -14,16 +14,16 @@ W. The weights the actors act with
       it (read_weights); training and test actors read through it.
 L. One learner step (learner_step)
   L1. The gradient of this batch's loss alone, clipped to a global norm of --max-grad-norm, one RMSProp step in
-      torchbeast's form with the lr of annealed_learning_rate (lr_0 (1 - frames before the batch / the run's
-      frames)) and the flags' alpha and eps; the actors' shared copy then holds the new weights, version + 1.
+      torchbeast's form with the lr of annealed_learning_rate (lr_0 (1 - steps before the batch / the run's
+      steps)) and the flags' alpha and eps; the actors' shared copy then holds the new weights, version + 1.
   L2. [wiring] The loss is CLEAR's: V-trace's policy-gradient, value and entropy terms on every column, the two
       cloning terms on replay columns only, with the flags' weights (values and gradients against a slow loop).
   L3. [runs] --mode separate: every network is trained on its own task's batches only, with its own optimizer, and
       --save-model keeps every network.
 B. Each batch
-  B1. [oracles, wiring, runs] B pairs from distinct envs of the network's queue; floor or ceil of --replay-ratio x B
+  B1. [oracles, wiring, runs] B pairs from distinct envs of the network's queue; floor or ceil of --replay-fraction x B
       replay halves (select_pairs), each a stored unroll of the same actor process; every new unroll on the task its
-      start step designates (charts/task_mismatch 0); B x T new frames counted before the slots are freed.
+      start step designates (charts/task_mismatch 0); B x T new steps counted before the slots are freed.
 M. Modes: [oracles, wiring] sequential switches every actor at the designated step; simultaneous: env i plays task
    i mod K; separate: process p plays task p mod K with network p mod K.
 T. The test actors
@@ -80,14 +80,13 @@ import clear_impala as ci
 
 # ----------------------------------------------------------------------------------------------------------------
 # W. The weights the actors act with
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["sequential", "simultaneous", "separate"])
 def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, mode):
     """Clause W1 on the real actor loop: the test is the learner and publishes new weights (distinct random networks,
     version v + 1) after every pair it takes, before it frees the pair's slot. One actor process per network, so the
     weights an unroll must be played with are known exactly: the k-th unroll of a process with E envs starts after
     k x E publications. Its recorded version must be k x E, and its stored mu and V_mu that network's outputs on
-    its frames. Sequential: tasks switch every second unroll (the learner counts the frames), so unrolls within a
+    its frames. Sequential: tasks switch every second unroll (the learner counts the steps), so unrolls within a
     task are checked too; separate: each process's network only."""
     E = 2
     num_nets = 2 if mode == "separate" else 1
@@ -113,7 +112,7 @@ def test_training_actors_act_with_the_latest_weights_of_their_network(tmp_path, 
         ci.publish_weights(networks[net][published[net]], shared[net])
 
     pairs, _, _ = run_actor_loops(
-        args, obs_shape, num_actions, shared, unrolls, tmp_path, on_pair=publish, count_frames=mode == "sequential"
+        args, obs_shape, num_actions, shared, unrolls, tmp_path, on_pair=publish, count_steps=mode == "sequential"
     )
     tasks_played = set()
     for slot, slot_pairs in pairs.items():
@@ -270,7 +269,6 @@ def test_a_training_actor_never_acts_with_a_copy_the_learner_is_writing(tmp_path
 
 # ----------------------------------------------------------------------------------------------------------------
 # L. One learner step
-# ----------------------------------------------------------------------------------------------------------------
 def textbook_rmsprop_step(params, square_avgs, gradient, learning_rate, args):
     """One update from the papers, in float64: g <- g min(1, max_norm / (||g|| + 1e-6)) over all parameters (global
     norm clip, IMPALA Table G.1), then torchbeast's RMSProp: v <- alpha v + (1 - alpha) g^2,
@@ -324,7 +322,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
         batch = act_like_an_actor(actor, T, B, obs_shape, seed=k)
         learning_rate = ci.annealed_learning_rate(step, end_step, args)
         assert learning_rate == pytest.approx(args.learning_rate * (1 - step / end_step))
-        loss = ci.learner_loss(oracle, batch, halves, args, cpu)[0]
+        loss = ci.learner_loss(oracle, batch, halves, args, cpu).loss
         names = [name for name, _ in oracle.named_parameters()]
         grads = torch.autograd.grad(loss, list(oracle.parameters()))
         gradient = {name: g.double() for name, g in zip(names, grads)}
@@ -332,7 +330,7 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
         unclipped = textbook_rmsprop_step(params, square_avgs, gradient, learning_rate, no_clip)[0]
         params, square_avgs, norm = textbook_rmsprop_step(params, square_avgs, gradient, learning_rate, args)
         assert norm > 20 * args.max_grad_norm
-        _, grad_norm, _, _, _ = ci.learner_step(model, optimizer, shared, batch, halves, learning_rate, args, cpu)
+        grad_norm = ci.learner_step(model, optimizer, shared, batch, halves, learning_rate, args, cpu).grad_norm
         assert float(grad_norm) == pytest.approx(norm, rel=1e-4)
         for group in optimizer.param_groups:
             assert (group["lr"], group["alpha"], group["eps"]) == (learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
@@ -349,7 +347,6 @@ def test_one_learner_step_is_the_textbook_update_and_publishes_it():
 
 # ----------------------------------------------------------------------------------------------------------------
 # T. The test actors
-# ----------------------------------------------------------------------------------------------------------------
 class FixedObservationTask:
     """A stand-in task for a test actor (built by a patched `make_env`): always the same MiniGrid-shaped observation;
     records the seed it was built with, its reset seeds and the actions it receives; an episode lasts `length` steps
@@ -522,7 +519,6 @@ def test_a_test_actor_reports_an_atari_games_score_not_a_lifes(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------------------------
 # R. Replay persistence and resume (the actors' side)
-# ----------------------------------------------------------------------------------------------------------------
 REPLAY_ARGS = dict(
     env_ids=["MiniGrid-Empty-5x5-v0"],
     minigrid_max_steps=6,
@@ -583,7 +579,7 @@ def test_a_resumed_actor_restores_its_buffer_and_continues_its_stream(tmp_path):
     args = ci.Args(**{**REPLAY_ARGS, "envs_per_actor": 1, "batch_size": 1})
     obs_shape, num_actions, _ = ci.probe_envs(args)
     T = args.unroll_length
-    args.buffer_frames = 5 * T
+    args.buffer_size = 5 * T
     capacity = ci.buffer_capacity_per_actor(args)
     assert capacity == 5
     saved = ci.ReservoirBuffer(capacity, obs_shape, num_actions, T, np.random.default_rng(123))
@@ -599,7 +595,7 @@ def test_a_resumed_actor_restores_its_buffer_and_continues_its_stream(tmp_path):
     for pair in pairs[0]:
         twin.add({k: pair[k][0].numpy() for k in ci.UNROLL_FIELDS}, 0)
         row = twin.sample()
-        assert pair["info"]["buffer_size"] == twin.size == capacity
+        assert pair["info"]["buffer_unrolls"] == twin.size == capacity
         for k in ci.UNROLL_FIELDS:
             assert np.array_equal(pair[k][1].numpy(), twin.data[k][row].astype(pair[k].numpy().dtype)), k
 

@@ -1,6 +1,6 @@
 """clear_impala.py, the method's pieces against their papers: V-trace against a slow textbook implementation of IMPALA
 Eq. (1) and published numbers, truncation vs termination, the importance weights, reservoir sampling (uniform
-inclusion, whole unrolls, restore), pair selection (--replay-ratio), the behavioural-cloning losses, the task of each
+inclusion, whole unrolls, restore), pair selection (--replay-fraction), the behavioural-cloning losses, the task of each
 actor per mode, the buffer's size, and the forgetting statistics (CLEAR App. C). The loop's contract is in
 tests/test_clear_loop.py."""
 
@@ -15,11 +15,9 @@ from clear_helpers import act_like_an_actor, chi2_upper, textbook_cumulative_ret
 
 import clear_impala as ci
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # V-trace
-# ----------------------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("clips", [(1.0, 1.0), (3.7, 2.2), (None, None)])
 def test_vtrace_matches_textbook(clips):
     rng = np.random.default_rng(0)
@@ -179,9 +177,45 @@ def test_truncated_importance_weights_are_min_one_pi_over_mu_of_the_taken_action
     assert torch.allclose(ci.truncated_importance_weights(on_policy)[0], torch.ones(T, B))
 
 
+def test_replay_importance_weights_are_the_mean_rho_of_confident_replayed_steps_per_source_task():
+    """The replay/<task>/importance_weight diagnostic (ReplayImportanceWeights) over two batches, slowly: per task a
+    replay unroll came from, the mean of min(1, pi/mu) over the replayed steps whose stored action had mu >= 0.5; new
+    columns (halves 0) and less confident steps are left out, a task without such steps has no entry, and the sums
+    start over after each means()."""
+    T = 6
+    B = 4
+    A = 3
+    g = torch.Generator().manual_seed(2)
+    names = ["task_a", "task_b", "task_c"]
+    weights = ci.ReplayImportanceWeights(len(names), torch.device("cpu"))
+    # column 1 is new: its replay_task -1 would fall on task 0 (clamped) if it were counted; task 2 is never replayed
+    halves = torch.tensor([1, 0, 1, 1])
+    replay_task = torch.tensor([1, -1, 0, 1])
+    rho_of_task = {0: [], 1: []}
+    for _ in range(2):
+        # behaviour logits spread wide, so that mu >= 0.5 on some steps and not on others
+        behaviour = 3 * torch.randn(T, B, A, generator=g)
+        target = torch.randn(T, B, A, generator=g)
+        actions = torch.randint(0, A, (T, B), generator=g)
+        weights.add(
+            make_aligned(T, B, A, target_logits=target, behaviour_logits=behaviour, actions=actions), halves, replay_task
+        )
+        for t in range(T):
+            for b in range(B):
+                a = int(actions[t, b])
+                mu = float(torch.softmax(behaviour[t, b], 0)[a])
+                if halves[b] and mu >= 0.5:
+                    rho_of_task[int(replay_task[b])].append(min(1.0, float(torch.softmax(target[t, b], 0)[a]) / mu))
+    assert all(len(rhos) > 1 for rhos in rho_of_task.values())
+    means = weights.means(names)
+    assert set(means) == {"replay/task_a/importance_weight", "replay/task_b/importance_weight"}
+    for task, rhos in rho_of_task.items():
+        assert means[f"replay/{names[task]}/importance_weight"] == pytest.approx(np.mean(rhos), rel=1e-5)
+    assert weights.means(names) == {}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reservoir buffer
-# ----------------------------------------------------------------------------------------------------------------
 def test_reservoir_keeps_a_uniform_sample():
     cap = 8
     n_unrolls = 40
@@ -256,7 +290,7 @@ def test_reservoir_load_keeps_the_largest_keys_and_continues_its_stream(tmp_path
 
 
 def test_a_restored_buffer_grows_only_while_it_has_dropped_nothing(tmp_path):
-    """Clause R5, ReservoirBuffer.load: a buffer loaded into a larger capacity (a resume whose --buffer-frames -1
+    """Clause R5, ReservoirBuffer.load: a buffer loaded into a larger capacity (a resume whose --buffer-size -1
     follows a higher --num-cycles) stays a uniform sample only if it never dropped an unroll: the larger sample of
     everything offered would hold some it no longer has. One that has dropped none (6 rows of 6 offered) grows and
     continues exactly as an uninterrupted buffer of the larger capacity fed the same stream; one that has (6 of 9)
@@ -292,10 +326,9 @@ def test_a_restored_buffer_grows_only_while_it_has_dropped_nothing(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pair selection (--replay-ratio)
-# ----------------------------------------------------------------------------------------------------------------
+# Pair selection (--replay-fraction)
 @pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.3, 1.0])
-def test_select_pairs_honours_replay_ratio(ratio):
+def test_select_pairs_honours_replay_fraction(ratio):
     rng = np.random.default_rng(0)
     B = 32
     fracs = []
@@ -324,7 +357,6 @@ def test_select_pairs_spreads_positions():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Behavioural cloning
-# ----------------------------------------------------------------------------------------------------------------
 def test_cloning_losses_zero_when_policy_equals_behaviour():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 4, 6, generator=g)
@@ -396,7 +428,6 @@ def test_behaviour_cloning_flag_changes_total_loss_only_via_cloning():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tasks, buffer size, forgetting statistics
-# ----------------------------------------------------------------------------------------------------------------
 def test_task_switch_at_designated_step_for_all_actors():
     args = ci.Args(env_ids=["a", "b", "c"], steps_per_task=1000, num_cycles=2)
     for actor in range(5):
@@ -425,10 +456,10 @@ def test_task_switch_at_designated_step_for_all_actors():
 
 def test_buffer_capacity_split_over_actors():
     args = ci.Args(env_ids=["a", "b"], steps_per_task=100_000, num_cycles=2, num_actors=10, unroll_length=20)
-    assert ci.buffer_capacity_per_actor(args) == 200_000 // (10 * 20)  # half the training frames by default
-    args.buffer_frames = 40_000
+    assert ci.buffer_capacity_per_actor(args) == 200_000 // (10 * 20)  # half the run's steps by default
+    args.buffer_size = 40_000
     assert ci.buffer_capacity_per_actor(args) == 200
-    assert ci.buffer_capacity_per_actor(ci.Args(replay_ratio=0.0)) == 0
+    assert ci.buffer_capacity_per_actor(ci.Args(replay_fraction=0.0)) == 0
 
 
 def test_cumulative_returns_are_time_averages():
@@ -471,7 +502,7 @@ def test_the_summary_counts_the_test_episodes_still_queued_at_the_end(tmp_path):
 @pytest.mark.parametrize("total", [480, 1000, 4_321])
 def test_cumulative_and_binned_returns_equal_the_textbook_time_average(total):
     """Clause F1: `cumulative_returns` and `binned_returns` against `textbook_cumulative_return` on random test-episode
-    records (steps at multiples of a batch's frames, as the learner records them; some on the bin edges; one task
+    records (steps at multiples of a batch's steps, as the learner records them; some on the bin edges; one task
     with none, one with a single late episode), and the per-episode mean it is not (the test can fail)."""
     rng = np.random.default_rng(total)
     records = []

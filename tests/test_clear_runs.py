@@ -10,7 +10,7 @@ and start-ups refused in one line (two resumes of the sequential run's checkpoin
 that cannot fit), sharing one import.
 No assertion depends on how fast a process starts or runs: a run of about a second may end before a test actor has
 finished an episode, so test episodes are asserted only of the resumed run, which waits for them; the counts asserted
-(learner steps, frames per batch, unrolls seen, a lag of at most one update) are those the loop's mechanism fixes.
+(learner steps, new steps per batch, unrolls seen, a lag of at most one update) are those the loop's mechanism fixes.
 Signals, a killed actor, the resume rule and bad input: tests/test_lifecycle.py."""
 
 import collections
@@ -61,8 +61,8 @@ def learner_records(run):
 @pytest.fixture(scope="module")
 def sequential_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("sequential")
-    # buffers of 6 unrolls per actor (240 frames / (2 actors x 20)), whatever --num-cycles the resume gives
-    flags = "--num-cycles 1 --buffer-frames 240 --checkpoint-every 240 --save-model --checkpoint-replay".split()
+    # buffers of 6 unrolls per actor (240 steps / (2 actors x 20)), whatever --num-cycles the resume gives
+    flags = "--num-cycles 1 --buffer-size 240 --checkpoint-every 240 --save-model --checkpoint-replay".split()
     r = run_script(tmp_path, *TINY, *flags)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -113,9 +113,9 @@ def test_a_sequential_run_learns_logs_and_saves_what_readme_says(sequential_run)
 
 
 def test_every_batch_lags_by_one_update_at_most_and_follows_the_lr_schedule(sequential_run):
-    """Clauses W2, B1 and L1 on a real run with 2 envs and B = 2: one record per learner step, 40 new frames each
+    """Clauses W2, B1 and L1 on a real run with 2 envs and B = 2: one record per learner step, 40 new steps each
     (B x T); the batch's unrolls lag the learner by at most one update (the mechanism's bound, whatever the speeds);
-    exactly one replay half per batch (--replay-ratio 0.5); the lr of each batch is 6e-4 (1 - frames before it / 480)."""
+    exactly one replay half per batch (--replay-fraction 0.5); the lr of each batch is 6e-4 (1 - steps before it / 480)."""
     records = learner_records(sequential_run)
     assert [m["global_step"] for m in records] == list(range(40, 481, 40))
     for m in records:
@@ -138,7 +138,6 @@ def test_the_final_checkpoint_comes_with_every_actors_buffer_of_that_moment(sequ
 
 # ----------------------------------------------------------------------------------------------------------------
 # The resumed run: every applied flag changed, a spy on its first learner step, stopped early
-# ----------------------------------------------------------------------------------------------------------------
 # flag -> (the resumed run's value, how to read the value in effect from the spy's records at the first step)
 APPLIED_PROBES = {
     # a run far longer than the test waits for (it is stopped by SIGTERM)
@@ -324,18 +323,16 @@ def test_the_test_actors_of_every_task_report_during_a_run(resumed_run):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Start-ups refused in one line before any run folder is touched: a resume that cannot continue exactly (clause
-# R5) and a replay memory that cannot fit
-# ----------------------------------------------------------------------------------------------------------------
+# Start-ups refused in one line before any run folder: a resume that cannot continue exactly (R5), a memory that won't fit
 def folder_snapshot(folder):
     """Every file under `folder` and its bytes."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
 def buffers_that_would_grow(checkpoint):
-    """The first run as if given --buffer-frames -1 (half its 480 frames: 6 unrolls per actor, as its saved buffers
+    """The first run as if given --buffer-size -1 (half its 480 steps: 6 unrolls per actor, as its saved buffers
     hold, each of at least 12 offered); --num-cycles 2 would grow them to 12."""
-    checkpoint["args"]["buffer_frames"] = -1
+    checkpoint["args"]["buffer_size"] = -1
     return ["--num-cycles", "2"], "would grow to 12"
 
 
@@ -346,10 +343,28 @@ def weights_without_version(checkpoint):
     return ["--num-cycles", "2"], "'version'"
 
 
-REFUSED_CHANGES = {"buffers_that_would_grow": buffers_that_would_grow, "weights_without_version": weights_without_version}
-# a replay memory of 10^13 frames
+def old_replay_ratio_changed(checkpoint):
+    """A checkpoint with the flags' old names (with_old_flag_names), resumed with another --replay-fraction: a fixed
+    flag, refused under its new name against the value saved under its old one."""
+    with_old_flag_names(checkpoint)
+    return ["--replay-fraction", "0.5"], "--replay-fraction 0.5 differs from the checkpoint's 0.25"
+
+
+def old_buffer_frames_changed(checkpoint):
+    """As old_replay_ratio_changed, for --buffer-size (saved as buffer_frames)."""
+    with_old_flag_names(checkpoint)
+    return ["--buffer-size", "480"], "--buffer-size 480 differs from the checkpoint's 320"
+
+
+REFUSED_CHANGES = {
+    "buffers_that_would_grow": buffers_that_would_grow,
+    "weights_without_version": weights_without_version,
+    "old_replay_ratio_changed": old_replay_ratio_changed,
+    "old_buffer_frames_changed": old_buffer_frames_changed,
+}
+# a replay memory of 10^13 steps
 MEMORY_THAT_CANNOT_FIT = (
-    "--env-ids MiniGrid-Empty-5x5-v0 --num-actors 2 --batch-size 2 --buffer-frames 10000000000000 --no-progress"
+    "--env-ids MiniGrid-Empty-5x5-v0 --num-actors 2 --batch-size 2 --buffer-size 10000000000000 --no-progress"
 )
 
 
@@ -393,19 +408,64 @@ def test_a_resume_that_cannot_continue_exactly_is_refused_before_the_run_folder(
 
 
 def test_buffer_that_cannot_fit_is_refused_at_start_up(refused_start_ups):
-    """Start-up checks: a replay memory larger than the machine's is reported (bytes per stored frame) and refused in
-    one `error: the replay memory needs ...` line naming --buffer-frames, before any run folder."""
+    """Start-up checks: a replay memory larger than the machine's is reported (bytes per stored step) and refused in
+    one `error: the replay memory needs ...` line naming --buffer-size, before any run folder."""
     r = refused_start_ups["memory"]
     assert r.returncode != 0
-    assert "B per stored frame (frame 147 B" in r.stdout  # the start-up memory report
+    assert "B per stored step (observation 147 B" in r.stdout  # the start-up memory report
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the replay memory needs") and "--buffer-frames" in last and "Traceback" not in r.stderr
+    assert last.startswith("error: the replay memory needs") and "--buffer-size" in last and "Traceback" not in r.stderr
     assert not (r.tmp_path / "runs").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --mode separate
+# A checkpoint written before --replay-ratio and --buffer-frames were renamed (RENAMED_FLAGS)
+def with_old_flag_names(checkpoint):
+    """`checkpoint` as clear_impala.py wrote it before --replay-ratio became --replay-fraction and --buffer-frames
+    became --buffer-size, each with a value the sequential run did not use (0.25 and 320, not 0.5 and 240)."""
+    flags = checkpoint["args"]
+    del flags["replay_fraction"]
+    del flags["buffer_size"]
+    flags["replay_ratio"] = 0.25
+    flags["buffer_frames"] = 320
+
+
+@pytest.fixture(scope="module")
+def resumed_from_old_flag_names(sequential_run, tmp_path_factory):
+    """A copy of the sequential run's folder whose checkpoint has the old flag names (with_old_flag_names), resumed to
+    its end with --num-cycles 2 (960 steps) and --no-checkpoint-replay (a buffer of 8 unrolls per actor would not
+    take the saved 6 of 12 offered: check_restored_buffers)."""
+    tmp_path = tmp_path_factory.mktemp("old_flag_names")
+    run_dir = tmp_path / "runs" / sequential_run.dir.name
+    shutil.copytree(sequential_run.dir, run_dir)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    with_old_flag_names(checkpoint)
+    torch.save(checkpoint, run_dir / "checkpoint.pt")
+    flags = ["--resume", str(run_dir / "checkpoint.pt"), "--num-cycles", "2", "--no-checkpoint-replay"]
+    r = run_script(tmp_path, *flags)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return read_run(run_dir, r.stdout)
+
+
+def test_a_checkpoint_with_the_old_flag_names_resumes_with_their_values_under_the_new_names(resumed_from_old_flag_names):
+    """RENAMED_FLAGS on a real resume: the checkpoint's replay_ratio 0.25 and buffer_frames 320 are the run's
+    --replay-fraction and --buffer-size: the summary's replay_fraction, the replay capacity the start-up reports (320
+    steps: 8 unrolls of 20 for each of 2 actors), the batches' replay share (B = 2: 0 or 1 replay half, never both
+    halves' 0.5 alone as at 0.5), and the new names (only) in the checkpoints the resumed run writes."""
+    run = resumed_from_old_flag_names
+    assert run.summary["global_step"] == 960 and run.summary["stop_reason"] == "completed"
+    assert run.summary["replay_fraction"] == 0.25
+    assert "replay: 8 unrolls/actor x 2 actors = 320 steps" in run.stdout
+    fractions = [m["charts/replay_fraction"] for m in learner_records(run) if m["global_step"] > 480]
+    assert len(fractions) == 12 and set(fractions) == {0.0, 0.5}
+    saved_flags = run.checkpoint["args"]
+    assert run.checkpoint["global_step"] == 960
+    assert (saved_flags["replay_fraction"], saved_flags["buffer_size"]) == (0.25, 320)
+    assert "replay_ratio" not in saved_flags and "buffer_frames" not in saved_flags
+
+
 # ----------------------------------------------------------------------------------------------------------------
+# --mode separate
 @pytest.fixture(scope="module")
 def separate_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("separate")
@@ -419,7 +479,7 @@ def separate_run(tmp_path_factory):
 def test_separate_mode_trains_each_network_on_its_own_task_and_saves_them_all(separate_run):
     """Clauses L3, W2 and B1 with --mode separate (2 processes of 2 envs, one per task and network, B = 2): the
     networks take turns, 6 learner steps each, each batch of its own task (task_mismatch 0) and lagging its own
-    network's version by at most one update; the lr follows the run's frames; the two networks differ, their
+    network's version by at most one update; the lr follows the run's steps; the two networks differ, their
     versions count their own steps, each has its optimizer state, and --save-model keeps both, equal to the final
     checkpoint's; the pair-selection stream is the seeded one advanced once per learner step."""
     run = separate_run

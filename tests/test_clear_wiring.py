@@ -11,7 +11,6 @@ import pytest
 import torch
 from clear_helpers import (
     ONE_TERM,
-    ReleaseCounter,
     check_direct_rollout,
     gradients,
     recording_make_env,
@@ -27,8 +26,8 @@ from common.minatar_env import make_minatar_env
     "over,msg",
     [
         (dict(num_actors=4, batch_size=8), "--num-actors"),
-        (dict(replay_ratio=1.5), "--replay-ratio"),
-        (dict(buffer_frames=0), "--buffer-frames 0"),
+        (dict(replay_fraction=1.5), "--replay-fraction"),
+        (dict(buffer_size=0), "--buffer-size 0"),
         (dict(mode="separate", num_actors=32, batch_size=32), "separate"),
         (dict(gamma=1.5), "--gamma must be in [0, 1], got 1.5"),
         (
@@ -69,7 +68,6 @@ def test_probe_envs_resolves_bootstrap_truncation_per_env_family():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Wiring: what the real actor loop writes, and the loss the real learner function computes on it
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("envs_per_actor", [1, 3])
 def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_slow_loop(tmp_path, envs_per_actor):
     """The real actor loop on LavaGap (lava terminates, a 6-step limit truncates), 2 processes x 1 or 3 envs: each
@@ -86,7 +84,7 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
         batch_size=2,
         unroll_length=12,
         steps_per_task=10_000,
-        replay_ratio=0.5,
+        replay_fraction=0.5,
         bootstrap_truncation=True,
         seed=3,
     )
@@ -152,9 +150,8 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
     cpu = torch.device("cpu")
     for which in ([0, 1], [1, 0]):
         which = torch.tensor(which)
-        counter = SimpleNamespace(value=0)
-        batch = ci.take_batch(slots, [0, 1], which, [ReleaseCounter(), ReleaseCounter()], counter, T)
-        loss, parts, _, _, _ = ci.learner_loss(learner, batch, which, args, cpu)
+        batch = ci.take_batch(slots, [0, 1], which)
+        loss, parts, _ = ci.learner_loss(learner, batch, which, args, cpu)
         halves = [{k: slots[k][i, int(which[i])] for k in slots} for i in range(2)]
         slow = slow_clear_loss(learner, halves, which, args)
         for k, v in slow.items():
@@ -180,9 +177,10 @@ def test_actor_loop_writes_a_direct_rollout_and_the_learner_loss_on_it_equals_a_
 
 
 def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
-    """The learner's hand-off against an actor stand-in that rewrites its slot (both halves) the moment the learner
-    frees it: the batch must equal what the slots held when the learner took them, and the global step must already
-    count the batch's new frames when an actor sees its slot free (its next unroll starts at the updated step)."""
+    """The learner's hand-off (take_batch, then release_slots, as the loop calls them) against an actor stand-in that
+    rewrites its slot (both halves) the moment the learner frees it: the batch must equal what the slots held when the
+    learner took them, and the global step must already count the batch's new steps when an actor sees its slot free
+    (its next unroll starts at the updated step)."""
     N = 5
     T = 4
     obs_shape = (3, 3)
@@ -208,7 +206,8 @@ def test_take_batch_copies_the_slots_before_an_actor_can_overwrite_them():
     slot_free = [ActorWritesOnRelease(i) for i in range(N)]
     idx = [3, 0, 4]
     which = torch.tensor([1, 0, 1])
-    batch = ci.take_batch(slots, idx, which, slot_free, global_step, T)
+    batch = ci.take_batch(slots, idx, which)
+    ci.release_slots(idx, slot_free, global_step, T)
     for k, v in batch.items():
         for j, (slot, half) in enumerate(zip(idx, which.tolist())):
             assert torch.equal(v[:, j], snapshot[k][slot, half]), (k, j)
@@ -226,8 +225,8 @@ def test_slot_info_select_copies_the_chosen_slots_in_batch_order():
     chosen = slot_info.select([2, 0])
     slot_info.task[2] = -5
     assert chosen.task.tolist() == [20, 0]
-    assert chosen.buffer_size.tolist() == [25, 5]
-    assert chosen._fields == ("task", "start_step", "policy_version", "replay_valid", "replay_task", "buffer_size")
+    assert chosen.buffer_unrolls.tolist() == [25, 5]
+    assert chosen._fields == ("task", "start_step", "policy_version", "replay_valid", "replay_task", "buffer_unrolls")
 
 
 @pytest.mark.parametrize("mode, envs_per_actor", [("simultaneous", 3), ("separate", 2)])
@@ -275,7 +274,6 @@ def test_actor_loop_plays_the_task_and_network_each_mode_assigns(tmp_path, mode,
 
 # ----------------------------------------------------------------------------------------------------------------
 # What the network sees, per env family (clause E)
-# ----------------------------------------------------------------------------------------------------------------
 def test_an_atari_task_is_the_game_with_life_loss_clipped_rewards_and_per_game_returns(monkeypatch):
     """Clause E1, through clear_impala's own env construction (probe_envs, make_env) on SpaceInvaders (5-30 points per
     alien, 3 lives), stepped with random actions and compared with what its emulator did (RecordingALE): 4 stacked

@@ -445,7 +445,7 @@ def foreign_checkpoint(tmp_path):
 
 BAD_INPUT = [
     ("clear_impala.py", ["--resume", junk_checkpoint]),
-    ("clear_impala.py", ["--buffer-frames", "-7"]),
+    ("clear_impala.py", ["--buffer-size", "-7"]),
     ("clear_impala.py", ["--gamma", "1.5"]),
     ("clear_impala.py", ["--minigrid-max-steps", "0"]),
     ("reactor.py", ["--learning-rate", "-1"]),

@@ -3,12 +3,12 @@
 1. learner: in one process, the learner's work per batch (pair selection, gather of the chosen halves from the
    shared slots, forward, V-trace + cloning losses, backward, RMSProp step, weight publish) and the actor's CLEAR
    work per unroll (reservoir insert, replay sampling, copy of the replay half into the slot), timed for
-   --replay-ratio 0.5 and 0 interleaved, so that both see the same machine load. Learner SPS = B*T / learner time.
+   --replay-fraction 0.5 and 0 interleaved, so that both see the same machine load. Learner SPS = B*T / learner time.
    The "CLEAR overhead" is the extra learner time plus the actor-side replay work of the B unrolls of a batch.
 2. actors: end-to-end run of the script (N actors, batch N) for --seconds, charts/actor_SPS from its metrics.jsonl,
    against N processes that only step the same env with random actions (env-only SPS).
 3. training: end-to-end training steps/s of the script (steady state: global steps / time between the records after
-   --warmup s), replay off (--replay-ratio 0) vs CLEAR (50-50 + BC), interleaved A/B x --repeats in one invocation,
+   --warmup s), replay off (--replay-fraction 0) vs CLEAR (50-50 + BC), interleaved A/B x --repeats in one invocation,
    and env-only SPS of the same number of processes x envs in the same invocation.
 
   python tests/benchmarks/bench_clear_impala.py learner --config atari
@@ -63,25 +63,23 @@ def bench_learner(cfg, B, T, iters, device, threads):
     for _ in range(200):
         buffer.add(new, 0)
 
-    rho_sum = torch.zeros(1, device=device)
+    replay_weights = ci.ReplayImportanceWeights(1, device)
     # the hand-off's counter and semaphores, as the learner has them
     global_step = SimpleNamespace(value=0)
     slot_free = [threading.Semaphore(0) for _ in range(N)]
 
     def learner_step(ratio):
-        args = ci.Args(replay_ratio=ratio)
+        args = ci.Args(replay_fraction=ratio)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         which = torch.from_numpy(ci.select_pairs(np.ones(B, bool), ratio, rng))
-        batch = ci.take_batch(slots, list(range(B)), which, slot_free, global_step, T)
-        parts, _, logits_all, values_all, rest = ci.learner_step(model, opt, shared, batch, which, 6e-4, args, device)
-        replay_mask = which.float().to(device)
+        batch = ci.take_batch(slots, list(range(B)), which)
+        ci.release_slots(list(range(B)), slot_free, global_step, T)
+        update = ci.learner_step(model, opt, shared, batch, which, 6e-4, args, device)
         if ratio > 0:  # the learner's replay diagnostic (replay/<task>/importance_weight), as in clear_impala.py
-            rho, mu_taken = ci.truncated_importance_weights(ci.align_unroll(logits_all, values_all, rest))
-            confident = (mu_taken >= 0.5).float() * replay_mask
-            rho_sum.index_add_(0, torch.zeros(B, dtype=torch.int64, device=device), (rho * confident).sum(0))
-        float(parts["losses/total_loss"])
+            replay_weights.add(update.unroll, which, torch.zeros(B, dtype=torch.int64))
+        float(update.parts["losses/total_loss"])
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -196,10 +194,10 @@ def bench_training(env_id, num_procs, envs_per_actor, batch_size, seconds, warmu
         "--log-every-seconds",
         "2",
         "--no-cuda",
-        "--buffer-frames",
+        "--buffer-size",
         "500000",
     ]
-    configs = {"replay off (--replay-ratio 0)": ["--replay-ratio", "0"], "CLEAR 50-50 + BC": []}
+    configs = {"replay off (--replay-fraction 0)": ["--replay-fraction", "0"], "CLEAR 50-50 + BC": []}
     sps = {name: [] for name in configs}
     for i in range(repeats):
         for name in list(configs) if i % 2 == 0 else list(configs)[::-1]:
@@ -245,7 +243,7 @@ def bench_actors(env_id, num_procs, seconds):
             "--no-cuda",
             "--start-method",
             "forkserver",
-            "--buffer-frames",
+            "--buffer-size",
             "200000",
         ],
         seconds + 15,

@@ -1,7 +1,7 @@
 """Forgetting tables for clear_impala.py task-sequence runs (README Results; not collected by pytest).
 
 Reads each run's args.json, summary.json and eval_records.json (the test actors' (step, task, return) records) and
-prints, grouped by configuration (replay ratio, behavioural cloning):
+prints, grouped by configuration (replay fraction, behavioural cloning):
 1. the paper's Figure 8 table: final cumulative return per task (`final_cumulative_return` in summary.json, the time
    average of the test return over the whole run), mean over seeds, with each seed's value;
 2. the per-visit table: each task's mean test return during each visit of the sequence (mean over seeds), which shows
@@ -43,16 +43,22 @@ def load_run(run_dir: str) -> dict:
     return {"args": args, "summary": summary, "records": records}
 
 
+def replay_fraction(args: dict) -> float:
+    """The run's --replay-fraction; args.json of a run from before the rename (the exports) names it replay_ratio."""
+    return args["replay_fraction"] if "replay_fraction" in args else args["replay_ratio"]
+
+
 def config_name(args: dict) -> str:
     flags = "" if args.get("bootstrap_truncation") in (True, None) else ", --bootstrap-truncation False"
     if args.get("entropy_cost", 0.005) != 0.005:
         flags += f", --entropy-cost {args['entropy_cost']:g}"
     mode = args.get("mode", "sequential")
-    if args["replay_ratio"] == 0:  # the paper's Fig. 1 baselines: sequential / simultaneous / separate
-        return f"{mode}, no replay (--replay-ratio 0{flags})"
+    fraction = replay_fraction(args)
+    if fraction == 0:  # the paper's Fig. 1 baselines: sequential / simultaneous / separate
+        return f"{mode}, no replay (--replay-fraction 0{flags})"
     mode = "" if mode == "sequential" else f"{mode}, "
     bc = "+ BC" if args["behavior_cloning"] else "no BC (--no-behavior-cloning)"
-    return f"{mode}CLEAR {1 - args['replay_ratio']:.0%}-{args['replay_ratio']:.0%} {bc}{flags}"
+    return f"{mode}CLEAR {1 - fraction:.0%}-{fraction:.0%} {bc}{flags}"
 
 
 def per_visit_means(records: np.ndarray, num_tasks: int, steps_per_task: int, num_visits: int) -> np.ndarray:
@@ -180,7 +186,7 @@ def main() -> None:
         runs,
         key=lambda r: (
             modes.index(r["args"].get("mode", "sequential")),
-            r["args"]["replay_ratio"],
+            replay_fraction(r["args"]),
             not r["args"]["behavior_cloning"],
         ),
     ):

@@ -12,11 +12,11 @@ BASE=(--env-ids MinAtar/Breakout-v0 MinAtar/SpaceInvaders-v0 MinAtar/Seaquest-v0
       --num-cycles 1 --num-actors 3 --envs-per-actor 32 --batch-size 32 --num-test-actors 1 --test-actor-max-sps 100
       --no-cuda --checkpoint-every 500000 --no-progress)
 declare -A CONFIG=(
-  [clear_sequential]="--replay-ratio 0"
+  [clear_sequential]="--replay-fraction 0"
   [clear]=""
   [clear_nobc]="--no-behavior-cloning"
-  [clear_simultaneous]="--mode simultaneous --replay-ratio 0"
-  [clear_separate]="--mode separate --replay-ratio 0"
+  [clear_simultaneous]="--mode simultaneous --replay-fraction 0"
+  [clear_separate]="--mode separate --replay-fraction 0"
 )
 mkdir -p logs
 for job in "$@"; do
