@@ -6,8 +6,8 @@
 The main loop: the longest `for`/`while` loop inside the last `if __name__ == "__main__":` block (CleanRL: the
 `for iteration in ...` loop). Its code lines (not blank, not comments) are counted once each; a line is plumbing
 - if a section comment above it, at any depth, is one of `# LOG`, `# CHECKPOINT` (this repo's markers) or CleanRL's
-  `# TRY NOT TO MODIFY: record rewards for plotting purposes` (until the next section comment: `# COLLECT`,
-  `# LEARN`, `# ALGO LOGIC`, ...), or
+  `# TRY NOT TO MODIFY: record rewards for plotting purposes` (until the next section comment, a blank line, or the
+  end of the block the comment is in), or
 - if the statement it belongs to (a simple statement, or a compound statement's header and, then, all of its body;
   the body of a `with` or `try` is classed by its own lines) names a logging, timing or run-control thing:
   PLUMBING_WORDS below.
@@ -82,10 +82,17 @@ def classify(source: str) -> dict[int, str]:
     visit(loop.body, False)
     # the section comments of the loop's body
     in_plumbing_section = False
+    section_indent = 0
     for number in range(loop.body[0].lineno, loop.end_lineno + 1):
-        text = lines[number - 1].strip()
+        line = lines[number - 1]
+        text = line.strip()
+        indent = len(line) - len(line.lstrip())
         if text.startswith("#") and ANY_SECTION.match(text):
             in_plumbing_section = bool(PLUMBING_SECTIONS.match(text))
+            section_indent = indent
+        elif not text or (indent < section_indent and not text.startswith("#")):
+            # a section ends at a blank line or where the code leaves the block its comment is in
+            in_plumbing_section = False
         if in_plumbing_section and number in classes:
             classes[number] = "plumbing"
     code = {
