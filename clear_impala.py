@@ -1113,7 +1113,7 @@ RUN_ONLY_ON_RESUME = (
 )
 # a checkpoint written before a flag was renamed resumes with its value under the new name (common/args.py)
 RENAMED_FLAGS = {
-    # the replayed share of a batch (reactor.py's --replay-ratio: acting steps per learning step)
+    # the replayed share of a batch (the old name also meant reactor.py's acting steps per learning step)
     "replay_ratio": "replay_fraction",
     # capacity in agent steps, as vracer_refer.py's --buffer-size (frames: emulator frames only)
     "buffer_frames": "buffer_size",

@@ -473,7 +473,7 @@ def test_resumed_process_holds_the_checkpoint_at_its_first_step(runs):
 
 
 def test_a_checkpoint_saved_with_replay_ratio_resumes_with_its_value_as_acting_learning_ratio(runs, tmp_path):
-    """Issue 51 renamed --replay-ratio to --acting-learning-ratio (reactor.RENAMED_FLAGS): A's checkpoint, its ratio
+    """--replay-ratio was renamed --acting-learning-ratio (reactor.RENAMED_FLAGS): A's checkpoint, its ratio
     saved under the old name at a value neither A's nor the default (5), resumes as a real run with that value in
     effect: the resumed process's flags, the checkpoint's ratio base kept (the value is the checkpoint's, not a new
     one counted from the resumed step) and both gates at every learning step with ratio 5."""
