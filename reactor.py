@@ -21,7 +21,7 @@ Paper parts, in file order
 - Acting:learning ratio (3.4) `learner_may_learn`, `actor_loop`; Adam, priorities back, weights to the actors and the
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
 - The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags, the loop's logging
-  and checkpoint cadence (RUN PLUMBING) `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`, `LoopMetrics`,
+  and checkpoint cadence (RUN PLUMBING) `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`, `LoopLog`,
   `CheckpointSchedule`. The loop's contract: tests/test_reactor_loop.py.
 
 Defaults: 32 transitions per sequence, batch 4, acting:learning ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1
@@ -1399,7 +1399,7 @@ def apply_optimizer_flags(optimizer: torch.optim.Optimizer, args: Args) -> None:
         group["betas"] = (args.adam_beta1, group["betas"][1])
 
 
-class LoopMetrics:
+class LoopLog:
     """The main loop's logging, none of it the method: episodes as they arrive, the policy lag of the env steps
     received, the learning steps' stats (`MetricAverager`: summed on the device, means in float64 with one transfer per
     log line) and their time, and every log_every learning steps one metrics record and one progress line."""
@@ -1605,7 +1605,7 @@ if __name__ == "__main__":
             ),
         )
 
-    loop_metrics = LoopMetrics(logger, global_step)
+    loop_log = LoopLog(logger, global_step)
     checkpoints = CheckpointSchedule(args.checkpoint_every, global_step, make_checkpoint)
     error = None
     can_learn = False
@@ -1625,11 +1625,11 @@ if __name__ == "__main__":
                     # one version per env step (a pad slot is none)
                     global_step += len(versions)
                     actor_env_steps[actor_id] += len(versions)
-                    loop_metrics.received(learn_steps, versions)
+                    loop_log.received(learn_steps, versions)
                 else:
                     # the actors' only other message: an EpisodeMessage
                     episodes_done += 1
-                    loop_metrics.episode(global_step, message)
+                    loop_log.episode(global_step, message)
             # LEARN: enforced ratio: learning steps <= (env steps - learning_starts) / acting_learning_ratio
             can_learn = learner_may_learn(global_step, learn_steps, len(replay), ratio_base, args)
             if can_learn:
@@ -1638,9 +1638,9 @@ if __name__ == "__main__":
                 learn_steps += 1
                 publish_weights(net, target_net, shared_net, handles.weights_version, handles.learner_steps, learn_steps, args)
                 # LOG: the step's stats; every log_every steps, their means since the last log line
-                loop_metrics.learned(stats, step_start)
+                loop_log.learned(stats, step_start)
                 if learn_steps % args.log_every == 0:
-                    loop_metrics.log_line(global_step, learn_steps, replay, ratio_base)
+                    loop_log.log_line(global_step, learn_steps, replay, ratio_base)
             # CHECKPOINT
             checkpoints.save_if_due(global_step)
             # a dead actor stops the run with its reason
@@ -1650,7 +1650,7 @@ if __name__ == "__main__":
     finally:
         procs.stop()
     # the last record is at the last step
-    loop_metrics.last_record(global_step, learn_steps)
+    loop_log.last_record(global_step, learn_steps)
     # SAVE + EVALUATE (after a normal end), summary.json, the exit code
     if args.checkpoint_every and error is None:
         make_checkpoint()
@@ -1674,7 +1674,7 @@ if __name__ == "__main__":
             "global_step": global_step,
             "learning_steps": learn_steps,
             "episodes": episodes_done,
-            "train_return_mean_last100": loop_metrics.mean_recent_return(),
+            "train_return_mean_last100": loop_log.mean_recent_return(),
         },
         {"model": net.state_dict(), "args": vars(args)} if args.save_model else None,
         final_eval if args.save_model and args.eval_episodes else None,
