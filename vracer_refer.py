@@ -11,7 +11,8 @@ Paper parts (gymnasium MuJoCo tasks)
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
   `EpisodeReplay.vtbc_at`, `qret_at`: the recursion over the stored V, rho, by blocks (`compose_maps`).
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
-  lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
+  lr annealing (Eq. (13)) `refer_cmax`, `annealed_learning_rate`; ablations (Sec. 5) `--refer full|rule1|rule2|none`,
+  `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
   (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
 - Master algorithm (App. C Alg. 1): `actor_loop` writes transitions to shared-memory rings, `store_episodes` reads them
@@ -211,23 +212,26 @@ class Agent(nn.Module):
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
 def compose_maps(decay: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The maps x_i = offset_i + decay_i x_{i+1} of each row composed from its first column to its last:
-    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8))."""
+    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8)).
+    Oracle: tests/test_vracer_replay.py::test_vtbc_read_by_blocks_matches_textbook."""
     product = np.cumprod(decay, axis=1)
     return product[:, -1], offset[:, 0] + np.einsum("ij,ij->i", product[:, :-1], offset[:, 1:])
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
-    """Eq. (13): c_max(k) = 1 + C / (1 + A k), k = gradient steps."""
+    """Eq. (13): c_max(k) = 1 + C / (1 + A k), k = gradient steps.
+    Oracle: tests/test_vracer_estimators.py::test_refer_cmax_and_lr."""
     return 1.0 + C / (1.0 + A * step)
 
 
-def annealed_lr(step: int, lr: float, A: float) -> float:
-    """Eq. (13): eta(k) = eta / (1 + A k)."""
+def annealed_learning_rate(step: int, lr: float, A: float) -> float:
+    """Eq. (13): eta(k) = eta / (1 + A k). Oracle: tests/test_vracer_estimators.py::test_refer_cmax_and_lr."""
     return lr / (1.0 + A * step)
 
 
 def refer_beta_update(beta: float, far_fraction: float, D: float, eta: float) -> float:
-    """Eq. (12): beta <- (1 - eta) beta if n_far/N > D, else (1 - eta) beta + eta."""
+    """Eq. (12): beta <- (1 - eta) beta if n_far/N > D, else (1 - eta) beta + eta.
+    Oracle: tests/test_vracer_estimators.py::test_refer_beta_update."""
     return (1.0 - eta) * beta if far_fraction > D else (1.0 - eta) * beta + eta
 
 
@@ -237,7 +241,8 @@ def is_far_policy(rho, cmax: float):
 
 
 def gaussian_kl(mean_p, std_p, mean_q, std_q):
-    """D_KL(p || q) of diagonal Gaussians, summed over dimensions (closed form)."""
+    """D_KL(p || q) of diagonal Gaussians, summed over dimensions (closed form).
+    Oracle: tests/test_vracer_estimators.py::test_gaussian_kl_both_directions_against_torch."""
     return (torch.log(std_q / std_p) + (std_p**2 + (mean_p - mean_q) ** 2) / (2.0 * std_q**2) - 0.5).sum(-1)
 
 
@@ -274,7 +279,10 @@ def refer_loss(
     mean, std, value: the network's pi and V(s) at the sampled states. Per sample: near-policy (1/c_max < rho < c_max):
     beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL (Rule 1). rule1: beta_eff = 1; rule2: all near
     (PG rho clipped at RULE2_RHO_MAX); none: all near, beta_eff = 1.
-    Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses."""
+    Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses.
+    Oracles: tests/test_vracer_estimators.py::test_per_sample_gradient_matches_hand_derivation,
+    ::test_ablations_change_the_gradient_as_described;
+    tests/test_vracer_loop.py::test_two_learner_steps_equal_a_hand_written_update."""
     batch_size = mean.shape[0]
     logmu = gaussian_logprob(batch.action, batch.mu_mean, batch.mu_std)
     # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN, which counts as far and is zeroed downstream
@@ -325,7 +333,8 @@ def refer_loss(
 
 
 def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
-    """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal."""
+    """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal.
+    Oracle: tests/test_vracer_estimators.py::test_noise_and_action_scaling."""
     z = rng.standard_normal(shape)
     bad = np.abs(z) > 3.0
     # rejection sampling: an exact truncated normal
@@ -338,7 +347,8 @@ def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np
 
 
 def to_env_action(u: np.ndarray, low: np.ndarray, high: np.ndarray, clip: bool = False) -> np.ndarray:
-    """App. B: linear rescaling of the Gaussian sample u to the action bounds, a = low + (high - low)(u + 1)/2."""
+    """App. B: linear rescaling of the Gaussian sample u to the action bounds, a = low + (high - low)(u + 1)/2.
+    Oracle: tests/test_vracer_estimators.py::test_noise_and_action_scaling."""
     a = low + 0.5 * (high - low) * (u + 1.0)
     return np.clip(a, low, high) if clip else a
 
@@ -506,7 +516,8 @@ class EpisodeReplay:
 
     # -- sampling
     def sample(self, B: int, rng: np.random.Generator) -> np.ndarray:
-        """B distinct stored steps, uniformly (rejection over the slots; App. C Alg. 1)."""
+        """B distinct stored steps, uniformly (rejection over the slots; App. C Alg. 1).
+        Oracle: tests/test_vracer_replay.py::test_sampling_is_distinct_valid_and_roughly_uniform."""
         if self.size < B:
             raise ValueError(f"replay holds {self.size} samples < batch size {B}")
         for _ in range(8):
@@ -530,7 +541,9 @@ class EpisodeReplay:
         """Rank-based PER (Schaul et al. 2015) between two re-sorts: a step stored since the last re-sort has no rank and
         is drawn with probability 1/n (n stored steps), as in uniform sampling; the others by rank, P(rank k) ~ k^-alpha,
         scaled to the remaining probability (ranks whose step has been removed since are skipped).
-        Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement."""
+        Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement.
+        Oracles: tests/test_vracer_replay.py::test_rank_per_prefers_high_priorities,
+        ::test_rank_per_draws_steps_stored_since_the_last_sort_uniformly."""
         if self.per_order is None:
             self.per_rebuild()
         # the memory changed since the last draw: find the ranks still stored and the new steps
@@ -607,7 +620,9 @@ class EpisodeReplay:
         evaluated by blocks: the maps of t's steps to the end of its block, then the block maps (`_set_maps`) up to the
         block of the episode's last step, where the recursion ends. This is what refreshing Q^ret of every prior step
         after each gradient step keeps stored (App. C Alg. 3; `EagerReplay` in tests/benchmarks/bench_vracer_refer.py):
-        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark)."""
+        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark).
+        Oracles: tests/test_vracer_replay.py::test_vtbc_read_by_blocks_matches_textbook (the recursion written out),
+        ::test_vtbc_edge_cases."""
         slots = np.asarray(slots)
         if not len(slots):
             return np.zeros(0)
@@ -632,7 +647,8 @@ class EpisodeReplay:
         return first_offset + first_decay * rest
 
     def qret_at(self, slots: np.ndarray) -> np.ndarray:
-        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step."""
+        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step.
+        Oracle: tests/test_vracer_replay.py::test_insertion_targets_and_incremental_refresh_equal_full_recomputation."""
         slots = np.asarray(slots)
         is_last = self.episode_last[slots] == slots
         next_vtbc = np.where(is_last, self.boot_value[slots], self.vtbc_at(np.where(is_last, slots, slots + 1)))
@@ -660,7 +676,8 @@ class EpisodeReplay:
         return states.mean(0), np.where(std < 1e-7, 1.0, std) + 1e-7
 
     def update_reward_scale(self, eps: float = 1e-7) -> float:
-        """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret."""
+        """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret.
+        Oracle: tests/test_vracer_replay.py::test_reward_scaling_is_rms_without_mean_shift."""
         in_use = slice(0, self.high_water)
         r = self.reward[in_use][self.valid[in_use]]
         self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
@@ -726,7 +743,7 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     cmax = refer_cmax(k, args.C, args.A)
     replay.cmax = cmax
     for group in learner.optimizer.param_groups:
-        group["lr"] = annealed_lr(k, args.learning_rate, args.A)
+        group["lr"] = annealed_learning_rate(k, args.learning_rate, args.A)
     weights = None
     if args.per == "rank":
         beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
@@ -1219,7 +1236,7 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
     load_state_dicts(ckpt, model=learner.agent, optimizer=learner.optimizer, replay=replay)
     for group in learner.optimizer.param_groups:
         group["eps"] = args.adam_eps
-        group["lr"] = annealed_lr(ckpt["state"]["k"], args.learning_rate, args.A)
+        group["lr"] = annealed_learning_rate(ckpt["state"]["k"], args.learning_rate, args.A)
     learner.obs_mean.copy_(ckpt["obs_mean"])
     learner.obs_std.copy_(ckpt["obs_std"])
     learner.replay.reward_scale = ckpt["reward_scale"]
@@ -1392,7 +1409,7 @@ if __name__ == "__main__":
                         global_step,
                         {
                             "charts/SPS": sps,
-                            "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
+                            "charts/learning_rate": annealed_learning_rate(k, args.learning_rate, args.A),
                             "charts/grad_steps": k,
                             "charts/policy_lag": policy_lag,
                             **means,

@@ -43,7 +43,8 @@ import vracer_refer as vr
 from common.checkpoint import rng_state
 
 
-# ---------------------------------------------------------------- 1-2. what the actors act with
+# ----------------------------------------------------------------------------------------------------------------
+# 1-2. what the actors act with
 def start_actor(args, shared, obs_dim, act_dim, seed):
     """The real `actor_loop` in a thread (the processes' shared memory works the same within one process)."""
     actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared, seed, "test"), daemon=True)
@@ -450,7 +451,8 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
             assert rm.boot_value[start + L - 1] == pytest.approx(boot[1], rel=1e-12)
 
 
-# ---------------------------------------------------------------- 4. one learner step, by hand
+# ----------------------------------------------------------------------------------------------------------------
+# 4. one learner step, by hand
 def textbook_loss(net, obs, act, mu_mean, mu_std, qret, weights, beta, cmax, args):
     """Eq. (10) per sample, written from the paper with torch.distributions: rho = pi(u|s) / mu(u|s) (log clipped at
     +-logrho_clip), c = min(1, rho); near-policy iff 1/c_max < rho < c_max (Rule 1); g = beta (rho (Q^ret - V) grad
@@ -709,10 +711,10 @@ def test_train_step_anneals_learning_rate_and_cmax():
     before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
     vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
     moved = (torch.nn.utils.parameters_to_vector(agent.parameters()).detach() - before).abs().max()
-    assert float(moved) == pytest.approx(vr.annealed_lr(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
+    assert float(moved) == pytest.approx(vr.annealed_learning_rate(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
     for k in range(4, 8):
         vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
-        assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_lr(k, 1e-3, 0.1))
+        assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_learning_rate(k, 1e-3, 0.1))
         assert rm.cmax == pytest.approx(vr.refer_cmax(k, 2.0, 0.1))
     assert state["k"] == 8
 
@@ -751,7 +753,8 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     np.testing.assert_allclose(rm.priority[idx], info["abs_err"].double().numpy(), rtol=1e-5)
 
 
-# ---------------------------------------------------------------- 5. the learner's turn
+# ----------------------------------------------------------------------------------------------------------------
+# 5. the learner's turn
 def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     """`learn`, the main loop's LEARN phase: gradient steps while k < (t - t0)/F (at most GRAD_STEPS_PER_READ); at
     k = stats_every, first the reward scale (Eq. (16)), the PER re-sort and the state statistics (--state-stats-rate);
@@ -820,7 +823,8 @@ def test_state_statistics_stay_frozen_with_rate_zero():
     torch.testing.assert_close(obs_std, torch.tensor([2.0, 0.5, 1.0]), rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------- 6. evaluation
+# ----------------------------------------------------------------------------------------------------------------
+# 6. evaluation
 def test_evaluate_standardises_the_state(monkeypatch):
     """`evaluate` acts with the mean action of the standardised state (s - mean) / std (Eqs. (14)-(15)), as the
     network was trained; the direct rollout here is written from that."""
@@ -858,7 +862,8 @@ def test_evaluate_standardises_the_state(monkeypatch):
     assert np.abs(np.array(raw) - expected).max() > 0.01  # the standardisation changes the returns here
 
 
-# ---------------------------------------------------------------- 7. what a resume restores
+# ----------------------------------------------------------------------------------------------------------------
+# 7. what a resume restores
 def learner_for_resume(seed, args, obs_dim=3, act_dim=2):
     """A learner as `__main__` builds one before `restore_run` (its own initial weights, generator and statistics)."""
     torch.manual_seed(seed)
