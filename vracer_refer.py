@@ -67,7 +67,7 @@ from common.checkpoint import (
     set_rng_state,
     state_dicts,
 )
-from common.logger import start_run
+from common.logger import MetricAverager, start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
 from common.processes import ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads
 from common.video import check_video_support
@@ -731,11 +731,10 @@ class Learner(NamedTuple):
 STEP_STATS = ("losses/loss", "losses/policy_loss", "losses/value_loss", "refer/kl", "refer/far_batch_frac", "refer/avg_rho")
 
 
-def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = True) -> torch.Tensor:
+def train_step(learner: Learner, state: dict, args: Args) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
     k, beta). Returns the CPU tensor of STEP_STATS (kl: the mean D_KL(mu || pi)); a non-finite loss raises
-    FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
-    bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
+    FloatingPointError before the optimizer step and the replay are touched (the NaN guard)."""
     replay = learner.replay
     device = learner.device
     k = state["k"]
@@ -791,9 +790,9 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     learner.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     learner.optimizer.step()
-    if bookkeeping:
-        priority = abs_err if args.per == "rank" else None
-        replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
+    # App. C Alg. 3: the sampled steps' rho and V written back (their Q^ret follow), and their PER priorities
+    priority = abs_err if args.per == "rank" else None
+    replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
     # Eq. (12), with the far fraction from each stored step's most recent rho
     if args.refer != "none":
         state["beta"] = refer_beta_update(state["beta"], replay.far_fraction(), args.D, args.beta_lr)
@@ -801,10 +800,10 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     return torch.from_numpy(stats)
 
 
-def learn(learner: Learner, state: dict, args: Args, steps_due: float, stats_sum: torch.Tensor, publish) -> int:
+def learn(learner: Learner, state: dict, args: Args, steps_due: float, step_stats: MetricAverager, publish) -> int:
     """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
     at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
-    the new weights to the actors. Adds train_step's stats to `stats_sum`; moves obs_mean, obs_std in place (with
+    the new weights to the actors. Adds each step's STEP_STATS to `step_stats`; moves obs_mean, obs_std in place (with
     --state-stats-rate). Returns the number of gradient steps done."""
     replay = learner.replay
     done = 0
@@ -819,11 +818,30 @@ def learn(learner: Learner, state: dict, args: Args, steps_due: float, stats_sum
             if args.state_stats_rate:
                 for current, target in zip((learner.obs_mean, learner.obs_std), replay.state_stats()):
                     current += args.state_stats_rate * (torch.as_tensor(target, device=learner.device) - current)
-        stats_sum += train_step(learner, state, args)
+        step_stats.add(dict(zip(STEP_STATS, train_step(learner, state, args).tolist())))
         done += 1
     if done:
         publish()
     return done
+
+
+def start_learning(learner: Learner, state: dict, args: Args, shared, base_step: int, stats_ready: bool) -> int:
+    """App. C Alg. 1 when the replay first holds N_start samples: the initial state statistics (Eqs. (14)-(15), unless a
+    resumed run brought them), the reward scale (Eq. (16)) and the far-policy count; the F clock starts from every step
+    the actors have taken, stored or still in their rings (a resumed run's k continues at once), and the actors' gate
+    stays closed there until the main loop opens it to t0 + F k + slack. Returns t0, the env step from which k keeps
+    up with (t - t0) / F."""
+    replay = learner.replay
+    if not stats_ready:
+        mean, std = replay.state_stats()
+        learner.obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        learner.obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
+    replay.update_reward_scale()
+    replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+    steps_written = int(shared.written.sum())
+    shared.steps_allowed[0] = steps_written
+    print(f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True)
+    return base_step + steps_written - int(state["k"] * args.F)
 
 
 # ACTOR PROCESSES (module level, so that spawn can pickle them)
@@ -1247,6 +1265,84 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
     return ckpt["global_step"], ckpt["t0"], started, ckpt["stats_ready"]
 
 
+class LoopLog:
+    """The main loop's records: each finished episode as it arrives; every --log-every gradient steps a metric line
+    (the means of train_step's STEP_STATS since the last line, from a MetricAverager that `learn` adds to), SPS, the
+    annealed lr, the policy lag and the ReF-ER state, with a progress line; while the replay fills, a progress line
+    every 10,000 env steps."""
+
+    def __init__(self, logger, args: Args, global_step: int, k: int):
+        self.logger = logger
+        self.args = args
+        # train_step's STEP_STATS since the last metric line
+        self.step_stats = MetricAverager()
+        self.recent_returns: deque = deque(maxlen=20)
+        self.last_k = k
+        self.last_time = time.time()
+        self.last_step = global_step
+
+    def episodes(self, global_step: int, finished: list) -> None:
+        for episode_return, episode_length in finished:
+            self.recent_returns.append(episode_return)
+            self.logger.log(global_step, {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length})
+
+    def line_if_due(self, global_step: int, started: bool, learner: Learner, state: dict, shared) -> None:
+        k = state["k"]
+        if started:
+            due = k - self.last_k >= self.args.log_every and len(self.step_stats) > 0
+        else:
+            due = global_step - self.last_step >= 10_000
+        if not due:
+            return
+        now = time.time()
+        sps = (global_step - self.last_step) / max(1e-9, now - self.last_time)
+        replay = learner.replay
+        loss = None
+        extra = f"collecting {replay.size}"
+        if started:
+            means = self.step_stats.means()
+            sigma = float(std_from_param(learner.agent.std_param.detach(), self.args.std_map).mean())
+            # publishes since the weights the newest stored step was acted with
+            policy_lag = published_version(shared) - int(replay.policy_version[replay.head - 1])
+            self.logger.log(
+                global_step,
+                {
+                    "charts/SPS": sps,
+                    "charts/learning_rate": annealed_learning_rate(k, self.args.learning_rate, self.args.A),
+                    "charts/grad_steps": k,
+                    "charts/policy_lag": policy_lag,
+                    **means,
+                    "refer/far_policy_frac": replay.far_fraction(),
+                    "refer/beta": state["beta"],
+                    "refer/c_max": refer_cmax(k, self.args.C, self.args.A),
+                    "stats/reward_scale": replay.reward_scale,
+                    "stats/sigma_mean": sigma,
+                    "stats/replay_size": replay.size,
+                },
+            )
+            loss = means["losses/value_loss"]
+            extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
+            self.last_k = k
+        mean_return = np.mean(self.recent_returns) if self.recent_returns else None
+        self.logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
+        self.last_time = now
+        self.last_step = global_step
+
+
+class CheckpointCadence:
+    """A checkpoint every --checkpoint-every env steps, counted from the last one (0: none)."""
+
+    def __init__(self, every: int, global_step: int):
+        self.every = every
+        self.last = global_step
+
+    def due(self, global_step: int) -> bool:
+        if not self.every or global_step - self.last < self.every:
+            return False
+        self.last = global_step
+        return True
+
+
 if __name__ == "__main__":
     # with --resume: the checkpoint's flags, overridden by the flags given on this command line
     args, ckpt, overridden = parse_run_args(Args, "vracer_refer.py", FIXED_ON_RESUME, APPLIED_ON_RESUME, RUN_ONLY_ON_RESUME)
@@ -1339,16 +1435,10 @@ if __name__ == "__main__":
 
     # blocks of ring rows of each actor's running episode
     partial = [[] for _ in range(args.num_actors)]
-    recent_returns: deque = deque(maxlen=20)
-    # the sums of train_step's STEP_STATS since the last metric line, and their count
-    stats_sum = torch.zeros(len(STEP_STATS), dtype=torch.float64)
-    stats_count = 0
-    last_log_k = state["k"]
-    last_ckpt = global_step
+    checkpoints = CheckpointCadence(args.checkpoint_every, global_step)
     error = None
     start_time = time.time()
-    last_time = start_time
-    last_step = global_step
+    loop_log = LoopLog(logger, args, global_step, state["k"])
     try:
         for i in range(args.num_actors):
             # resumed runs do not replay the same noise
@@ -1359,82 +1449,25 @@ if __name__ == "__main__":
             for i in range(args.num_actors):
                 n_rows, finished = store_episodes(shared, i, partial[i], replay)
                 global_step += n_rows
-                for ep_return, ep_length in finished:
-                    recent_returns.append(ep_return)
-                    logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
+                loop_log.episodes(global_step, finished)
             if not started and replay.size >= args.learning_starts:
-                # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
-                if not stats_ready:
-                    mean, std = replay.state_stats()
-                    obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-                    obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
-                    stats_ready = True
-                replay.update_reward_scale()
-                replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+                t0 = start_learning(learner, state, args, shared, base_step, stats_ready)
                 started = True
-                # the F clock starts from every step the actors have taken, stored or still in their rings (a resumed
-                # run's k continues at once); the gate stays closed there until allow_steps opens it to t0 + F k + slack
-                steps_written = int(shared.written.sum())
-                shared.steps_allowed[0] = steps_written
-                t0 = base_step + steps_written - int(state["k"] * args.F)
+                stats_ready = True
                 publish()
-                print(
-                    f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True
-                )
 
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             grad_steps = 0
             if started:
-                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, stats_sum, publish)
-                stats_count += grad_steps
+                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, loop_log.step_stats, publish)
             allow_steps()
 
             # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected
-            k = state["k"]
-            if started:
-                log_due = k - last_log_k >= args.log_every and stats_count > 0
-            else:
-                log_due = global_step - last_step >= 10_000
-            if log_due:
-                now = time.time()
-                sps = (global_step - last_step) / max(1e-9, now - last_time)
-                loss = None
-                extra = f"collecting {replay.size}"
-                if started:
-                    means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
-                    sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
-                    # publishes since the weights the newest stored step was acted with
-                    policy_lag = published_version(shared) - int(replay.policy_version[replay.head - 1])
-                    logger.log(
-                        global_step,
-                        {
-                            "charts/SPS": sps,
-                            "charts/learning_rate": annealed_learning_rate(k, args.learning_rate, args.A),
-                            "charts/grad_steps": k,
-                            "charts/policy_lag": policy_lag,
-                            **means,
-                            "refer/far_policy_frac": replay.far_fraction(),
-                            "refer/beta": state["beta"],
-                            "refer/c_max": refer_cmax(k, args.C, args.A),
-                            "stats/reward_scale": replay.reward_scale,
-                            "stats/sigma_mean": sigma,
-                            "stats/replay_size": replay.size,
-                        },
-                    )
-                    loss = means["losses/value_loss"]
-                    extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
-                    stats_sum.zero_()
-                    stats_count = 0
-                    last_log_k = k
-                mean_return = np.mean(recent_returns) if recent_returns else None
-                logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
-                last_time = now
-                last_step = global_step
+            loop_log.line_if_due(global_step, started, learner, state, shared)
 
             # CHECKPOINT
-            if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
+            if checkpoints.due(global_step):
                 save_checkpoint_now()
-                last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
                 break
@@ -1470,7 +1503,7 @@ if __name__ == "__main__":
             "global_step": global_step,
             "grad_steps": state["k"],
             "beta": state["beta"],
-            "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+            "final_return_mean20": float(np.mean(loop_log.recent_returns)) if loop_log.recent_returns else None,
             "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time),
         },
         model_file if args.save_model else None,

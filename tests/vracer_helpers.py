@@ -194,7 +194,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
     }
     published = deque()
 
-    def train_step(learner, state, args, bookkeeping=True):
+    def train_step(learner, state, args):
         replay = learner.replay
         k = state["k"]
         if records["first_step"] is None:
@@ -224,7 +224,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             "replay_size": replay.size,
             "weights_version": vr.published_version(vr.shared),
         }
-        stats = real["train_step"](learner, state, args, bookkeeping)
+        stats = real["train_step"](learner, state, args)
         group = learner.optimizer.param_groups[0]
         entry |= {
             "lr": group["lr"],
