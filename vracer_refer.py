@@ -11,7 +11,8 @@ Paper parts (gymnasium MuJoCo tasks)
 - Off-policy policy gradient (Eq. (5)) and value loss (Eq. (9)) `refer_loss`; Retrace / V^tbc (Eqs. (6)-(8))
   `EpisodeReplay.vtbc_at`, `qret_at`: the recursion over the stored V, rho, by blocks (`compose_maps`).
 - ReF-ER Rules 1 and 2 (Eqs. (10)-(11)) `refer_loss`, `gaussian_kl`; beta (Eq. (12)) `refer_beta_update`; c_max and
-  lr annealing (Eq. (13)) `refer_cmax`, `annealed_lr`; ablations (Sec. 5) `--refer full|rule1|rule2|none`, `--per rank`.
+  lr annealing (Eq. (13)) `refer_cmax`, `annealed_learning_rate`; ablations (Sec. 5) `--refer full|rule1|rule2|none`,
+  `--per rank`.
 - Replay memory (Sec. 3, App. B, C) `EpisodeReplay`: whole episodes, FIFO, state standardisation and reward scaling
   (Eqs. (14)-(16)); truncated-normal actions rescaled to the bounds (App. A, B) `sample_noise`, `to_env_action`.
 - Master algorithm (App. C Alg. 1): `actor_loop` writes transitions to shared-memory rings, `store_episodes` reads them
@@ -66,7 +67,7 @@ from common.checkpoint import (
     set_rng_state,
     state_dicts,
 )
-from common.logger import start_run
+from common.logger import MetricAverager, start_run
 from common.mujoco_env import check_mujoco_env_id, make_mujoco_env
 from common.processes import ProcessGroup, StopRun, check_memory, check_stop, finish_run, set_learner_threads
 from common.video import check_video_support
@@ -211,23 +212,26 @@ class Agent(nn.Module):
 # ALGORITHM PIECES: small pure functions, each with the paper's equation numbers in comments
 def compose_maps(decay: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The maps x_i = offset_i + decay_i x_{i+1} of each row composed from its first column to its last:
-    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8))."""
+    x_0 = B + A x_end with A = prod_i decay_i and B = sum_i (prod_{j<i} decay_j) offset_i (the rows of Eq. (8)).
+    Oracle: tests/test_vracer_replay.py::test_vtbc_read_by_blocks_matches_textbook."""
     product = np.cumprod(decay, axis=1)
     return product[:, -1], offset[:, 0] + np.einsum("ij,ij->i", product[:, :-1], offset[:, 1:])
 
 
 def refer_cmax(step: int, C: float, A: float) -> float:
-    """Eq. (13): c_max(k) = 1 + C / (1 + A k), k = gradient steps."""
+    """Eq. (13): c_max(k) = 1 + C / (1 + A k), k = gradient steps.
+    Oracle: tests/test_vracer_estimators.py::test_refer_cmax_and_lr."""
     return 1.0 + C / (1.0 + A * step)
 
 
-def annealed_lr(step: int, lr: float, A: float) -> float:
-    """Eq. (13): eta(k) = eta / (1 + A k)."""
+def annealed_learning_rate(step: int, lr: float, A: float) -> float:
+    """Eq. (13): eta(k) = eta / (1 + A k). Oracle: tests/test_vracer_estimators.py::test_refer_cmax_and_lr."""
     return lr / (1.0 + A * step)
 
 
 def refer_beta_update(beta: float, far_fraction: float, D: float, eta: float) -> float:
-    """Eq. (12): beta <- (1 - eta) beta if n_far/N > D, else (1 - eta) beta + eta."""
+    """Eq. (12): beta <- (1 - eta) beta if n_far/N > D, else (1 - eta) beta + eta.
+    Oracle: tests/test_vracer_estimators.py::test_refer_beta_update."""
     return (1.0 - eta) * beta if far_fraction > D else (1.0 - eta) * beta + eta
 
 
@@ -237,7 +241,8 @@ def is_far_policy(rho, cmax: float):
 
 
 def gaussian_kl(mean_p, std_p, mean_q, std_q):
-    """D_KL(p || q) of diagonal Gaussians, summed over dimensions (closed form)."""
+    """D_KL(p || q) of diagonal Gaussians, summed over dimensions (closed form).
+    Oracle: tests/test_vracer_estimators.py::test_gaussian_kl_both_directions_against_torch."""
     return (torch.log(std_q / std_p) + (std_p**2 + (mean_p - mean_q) ** 2) / (2.0 * std_q**2) - 0.5).sum(-1)
 
 
@@ -274,7 +279,10 @@ def refer_loss(
     mean, std, value: the network's pi and V(s) at the sampled states. Per sample: near-policy (1/c_max < rho < c_max):
     beta (L_offPG + L_tbc) + (1 - beta) D_KL; far: (1 - beta) D_KL (Rule 1). rule1: beta_eff = 1; rule2: all near
     (PG rho clipped at RULE2_RHO_MAX); none: all near, beta_eff = 1.
-    Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses."""
+    Returns (loss, info): per-sample detached rho, far, kl_mu_pi, abs_err, and the scalar losses.
+    Oracles: tests/test_vracer_estimators.py::test_per_sample_gradient_matches_hand_derivation,
+    ::test_ablations_change_the_gradient_as_described;
+    tests/test_vracer_loop.py::test_two_learner_steps_equal_a_hand_written_update."""
     batch_size = mean.shape[0]
     logmu = gaussian_logprob(batch.action, batch.mu_mean, batch.mu_std)
     # rho = pi/mu; pi = mu = 0 (both log-densities -inf) gives NaN, which counts as far and is zeroed downstream
@@ -325,7 +333,8 @@ def refer_loss(
 
 
 def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np.ndarray:
-    """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal."""
+    """z for a = m + sigma z: standard normal truncated at +-3 (App. A), or the authors' refill, or plain normal.
+    Oracle: tests/test_vracer_estimators.py::test_noise_and_action_scaling."""
     z = rng.standard_normal(shape)
     bad = np.abs(z) > 3.0
     # rejection sampling: an exact truncated normal
@@ -338,7 +347,8 @@ def sample_noise(rng: np.random.Generator, shape, mode: str = "truncnorm") -> np
 
 
 def to_env_action(u: np.ndarray, low: np.ndarray, high: np.ndarray, clip: bool = False) -> np.ndarray:
-    """App. B: linear rescaling of the Gaussian sample u to the action bounds, a = low + (high - low)(u + 1)/2."""
+    """App. B: linear rescaling of the Gaussian sample u to the action bounds, a = low + (high - low)(u + 1)/2.
+    Oracle: tests/test_vracer_estimators.py::test_noise_and_action_scaling."""
     a = low + 0.5 * (high - low) * (u + 1.0)
     return np.clip(a, low, high) if clip else a
 
@@ -506,7 +516,8 @@ class EpisodeReplay:
 
     # -- sampling
     def sample(self, B: int, rng: np.random.Generator) -> np.ndarray:
-        """B distinct stored steps, uniformly (rejection over the slots; App. C Alg. 1)."""
+        """B distinct stored steps, uniformly (rejection over the slots; App. C Alg. 1).
+        Oracle: tests/test_vracer_replay.py::test_sampling_is_distinct_valid_and_roughly_uniform."""
         if self.size < B:
             raise ValueError(f"replay holds {self.size} samples < batch size {B}")
         for _ in range(8):
@@ -530,7 +541,9 @@ class EpisodeReplay:
         """Rank-based PER (Schaul et al. 2015) between two re-sorts: a step stored since the last re-sort has no rank and
         is drawn with probability 1/n (n stored steps), as in uniform sampling; the others by rank, P(rank k) ~ k^-alpha,
         scaled to the remaining probability (ranks whose step has been removed since are skipped).
-        Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement."""
+        Returns (indices, IS weights (n P)^-beta divided by the batch maximum); draws with replacement.
+        Oracles: tests/test_vracer_replay.py::test_rank_per_prefers_high_priorities,
+        ::test_rank_per_draws_steps_stored_since_the_last_sort_uniformly."""
         if self.per_order is None:
             self.per_rebuild()
         # the memory changed since the last draw: find the ranks still stored and the new steps
@@ -607,7 +620,9 @@ class EpisodeReplay:
         evaluated by blocks: the maps of t's steps to the end of its block, then the block maps (`_set_maps`) up to the
         block of the episode's last step, where the recursion ends. This is what refreshing Q^ret of every prior step
         after each gradient step keeps stored (App. C Alg. 3; `EagerReplay` in tests/benchmarks/bench_vracer_refer.py):
-        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark)."""
+        the learner step is 3-4x faster than with that recursion at N = 2**18, and flat in N (the benchmark).
+        Oracles: tests/test_vracer_replay.py::test_vtbc_read_by_blocks_matches_textbook (the recursion written out),
+        ::test_vtbc_edge_cases."""
         slots = np.asarray(slots)
         if not len(slots):
             return np.zeros(0)
@@ -632,7 +647,8 @@ class EpisodeReplay:
         return first_offset + first_decay * rest
 
     def qret_at(self, slots: np.ndarray) -> np.ndarray:
-        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step."""
+        """Q^ret_t = r_{t+1} + gamma V^tbc_{t+1} (Eq. (6)), V^tbc_L = V(s_L) at an episode's last step.
+        Oracle: tests/test_vracer_replay.py::test_insertion_targets_and_incremental_refresh_equal_full_recomputation."""
         slots = np.asarray(slots)
         is_last = self.episode_last[slots] == slots
         next_vtbc = np.where(is_last, self.boot_value[slots], self.vtbc_at(np.where(is_last, slots, slots + 1)))
@@ -660,7 +676,8 @@ class EpisodeReplay:
         return states.mean(0), np.where(std < 1e-7, 1.0, std) + 1e-7
 
     def update_reward_scale(self, eps: float = 1e-7) -> float:
-        """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret."""
+        """Eq. (16): sigma_r = sqrt(mean r^2) over the RM (no mean shift); rescale rewards and recompute Q^ret.
+        Oracle: tests/test_vracer_replay.py::test_reward_scaling_is_rms_without_mean_shift."""
         in_use = slice(0, self.high_water)
         r = self.reward[in_use][self.valid[in_use]]
         self.reward_scale = float(np.sqrt(np.mean(r * r))) + eps if len(r) else 1.0
@@ -714,11 +731,10 @@ class Learner(NamedTuple):
 STEP_STATS = ("losses/loss", "losses/policy_loss", "losses/value_loss", "refer/kl", "refer/far_batch_frac", "refer/avg_rho")
 
 
-def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = True) -> torch.Tensor:
+def train_step(learner: Learner, state: dict, args: Args) -> torch.Tensor:
     """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
     k, beta). Returns the CPU tensor of STEP_STATS (kl: the mean D_KL(mu || pi)); a non-finite loss raises
-    FloatingPointError before the optimizer step and the replay are touched (the NaN guard).
-    bookkeeping=False skips the write-back, Q^ret refresh and n_far (the benchmark's bare learner)."""
+    FloatingPointError before the optimizer step and the replay are touched (the NaN guard)."""
     replay = learner.replay
     device = learner.device
     k = state["k"]
@@ -726,7 +742,7 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     cmax = refer_cmax(k, args.C, args.A)
     replay.cmax = cmax
     for group in learner.optimizer.param_groups:
-        group["lr"] = annealed_lr(k, args.learning_rate, args.A)
+        group["lr"] = annealed_learning_rate(k, args.learning_rate, args.A)
     weights = None
     if args.per == "rank":
         beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * k)
@@ -774,9 +790,9 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     learner.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     learner.optimizer.step()
-    if bookkeeping:
-        priority = abs_err if args.per == "rank" else None
-        replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
+    # App. C Alg. 3: the sampled steps' rho and V written back (their Q^ret follow), and their PER priorities
+    priority = abs_err if args.per == "rank" else None
+    replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
     # Eq. (12), with the far fraction from each stored step's most recent rho
     if args.refer != "none":
         state["beta"] = refer_beta_update(state["beta"], replay.far_fraction(), args.D, args.beta_lr)
@@ -784,10 +800,10 @@ def train_step(learner: Learner, state: dict, args: Args, bookkeeping: bool = Tr
     return torch.from_numpy(stats)
 
 
-def learn(learner: Learner, state: dict, args: Args, steps_due: float, stats_sum: torch.Tensor, publish) -> int:
+def learn(learner: Learner, state: dict, args: Args, steps_due: float, step_stats: MetricAverager, publish) -> int:
     """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
     at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
-    the new weights to the actors. Adds train_step's stats to `stats_sum`; moves obs_mean, obs_std in place (with
+    the new weights to the actors. Adds each step's STEP_STATS to `step_stats`; moves obs_mean, obs_std in place (with
     --state-stats-rate). Returns the number of gradient steps done."""
     replay = learner.replay
     done = 0
@@ -802,11 +818,30 @@ def learn(learner: Learner, state: dict, args: Args, steps_due: float, stats_sum
             if args.state_stats_rate:
                 for current, target in zip((learner.obs_mean, learner.obs_std), replay.state_stats()):
                     current += args.state_stats_rate * (torch.as_tensor(target, device=learner.device) - current)
-        stats_sum += train_step(learner, state, args)
+        step_stats.add(dict(zip(STEP_STATS, train_step(learner, state, args).tolist())))
         done += 1
     if done:
         publish()
     return done
+
+
+def start_learning(learner: Learner, state: dict, args: Args, shared, base_step: int, stats_ready: bool) -> int:
+    """App. C Alg. 1 when the replay first holds N_start samples: the initial state statistics (Eqs. (14)-(15), unless a
+    resumed run brought them), the reward scale (Eq. (16)) and the far-policy count; the F clock starts from every step
+    the actors have taken, stored or still in their rings (a resumed run's k continues at once), and the actors' gate
+    stays closed there until the main loop opens it to t0 + F k + slack. Returns t0, the env step from which k keeps
+    up with (t - t0) / F."""
+    replay = learner.replay
+    if not stats_ready:
+        mean, std = replay.state_stats()
+        learner.obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        learner.obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
+    replay.update_reward_scale()
+    replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+    steps_written = int(shared.written.sum())
+    shared.steps_allowed[0] = steps_written
+    print(f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True)
+    return base_step + steps_written - int(state["k"] * args.F)
 
 
 # ACTOR PROCESSES (module level, so that spawn can pickle them)
@@ -1219,7 +1254,7 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
     load_state_dicts(ckpt, model=learner.agent, optimizer=learner.optimizer, replay=replay)
     for group in learner.optimizer.param_groups:
         group["eps"] = args.adam_eps
-        group["lr"] = annealed_lr(ckpt["state"]["k"], args.learning_rate, args.A)
+        group["lr"] = annealed_learning_rate(ckpt["state"]["k"], args.learning_rate, args.A)
     learner.obs_mean.copy_(ckpt["obs_mean"])
     learner.obs_std.copy_(ckpt["obs_std"])
     learner.replay.reward_scale = ckpt["reward_scale"]
@@ -1228,6 +1263,84 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
     state.update(ckpt["state"])
     started = ckpt["started"] and replay is not None
     return ckpt["global_step"], ckpt["t0"], started, ckpt["stats_ready"]
+
+
+class LoopLog:
+    """The main loop's records: each finished episode as it arrives; every --log-every gradient steps a metric line
+    (the means of train_step's STEP_STATS since the last line, from a MetricAverager that `learn` adds to), SPS, the
+    annealed lr, the policy lag and the ReF-ER state, with a progress line; while the replay fills, a progress line
+    every 10,000 env steps."""
+
+    def __init__(self, logger, args: Args, global_step: int, k: int):
+        self.logger = logger
+        self.args = args
+        # train_step's STEP_STATS since the last metric line
+        self.step_stats = MetricAverager()
+        self.recent_returns: deque = deque(maxlen=20)
+        self.last_k = k
+        self.last_time = time.time()
+        self.last_step = global_step
+
+    def episodes(self, global_step: int, finished: list) -> None:
+        for episode_return, episode_length in finished:
+            self.recent_returns.append(episode_return)
+            self.logger.log(global_step, {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length})
+
+    def line_if_due(self, global_step: int, started: bool, learner: Learner, state: dict, shared) -> None:
+        k = state["k"]
+        if started:
+            due = k - self.last_k >= self.args.log_every and len(self.step_stats) > 0
+        else:
+            due = global_step - self.last_step >= 10_000
+        if not due:
+            return
+        now = time.time()
+        sps = (global_step - self.last_step) / max(1e-9, now - self.last_time)
+        replay = learner.replay
+        loss = None
+        extra = f"collecting {replay.size}"
+        if started:
+            means = self.step_stats.means()
+            sigma = float(std_from_param(learner.agent.std_param.detach(), self.args.std_map).mean())
+            # publishes since the weights the newest stored step was acted with
+            policy_lag = published_version(shared) - int(replay.policy_version[replay.head - 1])
+            self.logger.log(
+                global_step,
+                {
+                    "charts/SPS": sps,
+                    "charts/learning_rate": annealed_learning_rate(k, self.args.learning_rate, self.args.A),
+                    "charts/grad_steps": k,
+                    "charts/policy_lag": policy_lag,
+                    **means,
+                    "refer/far_policy_frac": replay.far_fraction(),
+                    "refer/beta": state["beta"],
+                    "refer/c_max": refer_cmax(k, self.args.C, self.args.A),
+                    "stats/reward_scale": replay.reward_scale,
+                    "stats/sigma_mean": sigma,
+                    "stats/replay_size": replay.size,
+                },
+            )
+            loss = means["losses/value_loss"]
+            extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
+            self.last_k = k
+        mean_return = np.mean(self.recent_returns) if self.recent_returns else None
+        self.logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
+        self.last_time = now
+        self.last_step = global_step
+
+
+class CheckpointCadence:
+    """A checkpoint every --checkpoint-every env steps, counted from the last one (0: none)."""
+
+    def __init__(self, every: int, global_step: int):
+        self.every = every
+        self.last = global_step
+
+    def due(self, global_step: int) -> bool:
+        if not self.every or global_step - self.last < self.every:
+            return False
+        self.last = global_step
+        return True
 
 
 if __name__ == "__main__":
@@ -1322,16 +1435,10 @@ if __name__ == "__main__":
 
     # blocks of ring rows of each actor's running episode
     partial = [[] for _ in range(args.num_actors)]
-    recent_returns: deque = deque(maxlen=20)
-    # the sums of train_step's STEP_STATS since the last metric line, and their count
-    stats_sum = torch.zeros(len(STEP_STATS), dtype=torch.float64)
-    stats_count = 0
-    last_log_k = state["k"]
-    last_ckpt = global_step
+    checkpoints = CheckpointCadence(args.checkpoint_every, global_step)
     error = None
     start_time = time.time()
-    last_time = start_time
-    last_step = global_step
+    loop_log = LoopLog(logger, args, global_step, state["k"])
     try:
         for i in range(args.num_actors):
             # resumed runs do not replay the same noise
@@ -1342,82 +1449,25 @@ if __name__ == "__main__":
             for i in range(args.num_actors):
                 n_rows, finished = store_episodes(shared, i, partial[i], replay)
                 global_step += n_rows
-                for ep_return, ep_length in finished:
-                    recent_returns.append(ep_return)
-                    logger.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
+                loop_log.episodes(global_step, finished)
             if not started and replay.size >= args.learning_starts:
-                # App. C Alg. 1: initial state statistics (Eqs. (14)-(15)) and reward scale (Eq. (16))
-                if not stats_ready:
-                    mean, std = replay.state_stats()
-                    obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-                    obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
-                    stats_ready = True
-                replay.update_reward_scale()
-                replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+                t0 = start_learning(learner, state, args, shared, base_step, stats_ready)
                 started = True
-                # the F clock starts from every step the actors have taken, stored or still in their rings (a resumed
-                # run's k continues at once); the gate stays closed there until allow_steps opens it to t0 + F k + slack
-                steps_written = int(shared.written.sum())
-                shared.steps_allowed[0] = steps_written
-                t0 = base_step + steps_written - int(state["k"] * args.F)
+                stats_ready = True
                 publish()
-                print(
-                    f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True
-                )
 
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             grad_steps = 0
             if started:
-                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, stats_sum, publish)
-                stats_count += grad_steps
+                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, loop_log.step_stats, publish)
             allow_steps()
 
             # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected
-            k = state["k"]
-            if started:
-                log_due = k - last_log_k >= args.log_every and stats_count > 0
-            else:
-                log_due = global_step - last_step >= 10_000
-            if log_due:
-                now = time.time()
-                sps = (global_step - last_step) / max(1e-9, now - last_time)
-                loss = None
-                extra = f"collecting {replay.size}"
-                if started:
-                    means = dict(zip(STEP_STATS, (stats_sum / stats_count).tolist()))
-                    sigma = float(std_from_param(agent.std_param.detach(), args.std_map).mean())
-                    # publishes since the weights the newest stored step was acted with
-                    policy_lag = published_version(shared) - int(replay.policy_version[replay.head - 1])
-                    logger.log(
-                        global_step,
-                        {
-                            "charts/SPS": sps,
-                            "charts/learning_rate": annealed_lr(k, args.learning_rate, args.A),
-                            "charts/grad_steps": k,
-                            "charts/policy_lag": policy_lag,
-                            **means,
-                            "refer/far_policy_frac": replay.far_fraction(),
-                            "refer/beta": state["beta"],
-                            "refer/c_max": refer_cmax(k, args.C, args.A),
-                            "stats/reward_scale": replay.reward_scale,
-                            "stats/sigma_mean": sigma,
-                            "stats/replay_size": replay.size,
-                        },
-                    )
-                    loss = means["losses/value_loss"]
-                    extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
-                    stats_sum.zero_()
-                    stats_count = 0
-                    last_log_k = k
-                mean_return = np.mean(recent_returns) if recent_returns else None
-                logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
-                last_time = now
-                last_step = global_step
+            loop_log.line_if_due(global_step, started, learner, state, shared)
 
             # CHECKPOINT
-            if args.checkpoint_every and global_step - last_ckpt >= args.checkpoint_every:
+            if checkpoints.due(global_step):
                 save_checkpoint_now()
-                last_ckpt = global_step
 
             if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
                 break
@@ -1453,7 +1503,7 @@ if __name__ == "__main__":
             "global_step": global_step,
             "grad_steps": state["k"],
             "beta": state["beta"],
-            "final_return_mean20": float(np.mean(recent_returns)) if recent_returns else None,
+            "final_return_mean20": float(np.mean(loop_log.recent_returns)) if loop_log.recent_returns else None,
             "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time),
         },
         model_file if args.save_model else None,

@@ -10,14 +10,15 @@ import torch
 import vracer_refer as vr
 
 
-# ---------------------------------------------------------------- ReF-ER schedules (Eqs. (12), (13))
+# ----------------------------------------------------------------------------------------------------------------
+# ReF-ER schedules (Eqs. (12), (13))
 def test_refer_cmax_and_lr():
     assert vr.refer_cmax(0, 4.0, 5e-7) == pytest.approx(5.0)
     assert vr.refer_cmax(1_000_000, 4.0, 5e-7) == pytest.approx(1 + 4 / 1.5)
     assert vr.refer_cmax(10**7, 4.0, 5e-7) == pytest.approx(1 + 4 / 6)
     c = [vr.refer_cmax(k, 4.0, 5e-7) for k in range(0, 10**9, 10**7)]
     assert all(x > y for x, y in zip(c, c[1:])) and c[-1] > 1.0  # decreasing towards 1, never below
-    assert vr.annealed_lr(2_000_000, 1e-4, 5e-7) == pytest.approx(1e-4 / 2)
+    assert vr.annealed_learning_rate(2_000_000, 1e-4, 5e-7) == pytest.approx(1e-4 / 2)
 
 
 def test_refer_beta_update():
@@ -43,7 +44,8 @@ def test_refer_beta_update():
     assert vr.refer_beta_update(0.5, 0.1, 0.1, 0.1) > 0.5  # frac == D is "otherwise" (not >)
 
 
-# ---------------------------------------------------------------- KL (Eq. (11)) and the per-sample gradient (Eq. (10))
+# ----------------------------------------------------------------------------------------------------------------
+# KL (Eq. (11)) and the per-sample gradient (Eq. (10))
 def test_gaussian_kl_both_directions_against_torch():
     g = torch.Generator().manual_seed(0)
     m1 = torch.randn(50, 6, generator=g, dtype=torch.float64)
@@ -197,7 +199,8 @@ def test_overflowing_sample_leaves_loss_and_gradient_finite():
     np.testing.assert_array_equal(vr.is_far_policy(np.array([np.nan, 1.0, 5.0, 0.1]), 2.0), [True, False, True, True])
 
 
-# ---------------------------------------------------------------- actions, network (App. A, B)
+# ----------------------------------------------------------------------------------------------------------------
+# Actions, network (App. A, B)
 def test_noise_and_action_scaling():
     rng = np.random.default_rng(12)
     z = vr.sample_noise(rng, (200_000,), "truncnorm")

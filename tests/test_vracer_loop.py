@@ -41,9 +41,11 @@ from vracer_helpers import check_qret_consistent, cpu_learner, fill, stored_qret
 
 import vracer_refer as vr
 from common.checkpoint import rng_state
+from common.logger import MetricAverager
 
 
-# ---------------------------------------------------------------- 1-2. what the actors act with
+# ----------------------------------------------------------------------------------------------------------------
+# 1-2. what the actors act with
 def start_actor(args, shared, obs_dim, act_dim, seed):
     """The real `actor_loop` in a thread (the processes' shared memory works the same within one process)."""
     actor = threading.Thread(target=vr.actor_loop, args=(0, args, obs_dim, act_dim, shared, seed, "test"), daemon=True)
@@ -450,7 +452,8 @@ def test_actor_rings_into_replay_equal_a_direct_rollout(monkeypatch):
             assert rm.boot_value[start + L - 1] == pytest.approx(boot[1], rel=1e-12)
 
 
-# ---------------------------------------------------------------- 4. one learner step, by hand
+# ----------------------------------------------------------------------------------------------------------------
+# 4. one learner step, by hand
 def textbook_loss(net, obs, act, mu_mean, mu_std, qret, weights, beta, cmax, args):
     """Eq. (10) per sample, written from the paper with torch.distributions: rho = pi(u|s) / mu(u|s) (log clipped at
     +-logrho_clip), c = min(1, rho); near-policy iff 1/c_max < rho < c_max (Rule 1); g = beta (rho (Q^ret - V) grad
@@ -709,10 +712,10 @@ def test_train_step_anneals_learning_rate_and_cmax():
     before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
     vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
     moved = (torch.nn.utils.parameters_to_vector(agent.parameters()).detach() - before).abs().max()
-    assert float(moved) == pytest.approx(vr.annealed_lr(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
+    assert float(moved) == pytest.approx(vr.annealed_learning_rate(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
     for k in range(4, 8):
         vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
-        assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_lr(k, 1e-3, 0.1))
+        assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_learning_rate(k, 1e-3, 0.1))
         assert rm.cmax == pytest.approx(vr.refer_cmax(k, 2.0, 0.1))
     assert state["k"] == 8
 
@@ -751,7 +754,8 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     np.testing.assert_allclose(rm.priority[idx], info["abs_err"].double().numpy(), rtol=1e-5)
 
 
-# ---------------------------------------------------------------- 5. the learner's turn
+# ----------------------------------------------------------------------------------------------------------------
+# 5. the learner's turn
 def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     """`learn`, the main loop's LEARN phase: gradient steps while k < (t - t0)/F (at most GRAD_STEPS_PER_READ); at
     k = stats_every, first the reward scale (Eq. (16)), the PER re-sort and the state statistics (--state-stats-rate);
@@ -767,7 +771,7 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     state = {"k": 0, "beta": 0.0}
     obs_mean = torch.zeros(3)
     obs_std = torch.ones(3)
-    stats_sum = torch.zeros(6, dtype=torch.float64)
+    step_stats = MetricAverager()
     published = []  # the weights each publish() hands to the actors
 
     def weights():
@@ -775,14 +779,14 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
 
     def learn_until(steps_due):
         learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"))
-        return vr.learn(learner, state, args, steps_due, stats_sum, lambda: published.append(weights()))
+        return vr.learn(learner, state, args, steps_due, step_stats, lambda: published.append(weights()))
 
     initial = weights()
     assert learn_until(5) == 5 and state["k"] == 5
     assert rm.reward_scale == scale_before  # not yet: the update comes before gradient step k = stats_every
     assert len(published) == 1 and not torch.equal(published[0], initial)
     torch.testing.assert_close(published[0], weights())  # the weights after the steps
-    assert torch.isfinite(stats_sum).all() and stats_sum[0] != 0
+    assert torch.isfinite(torch.tensor(list(step_stats.sums.values()))).all() and step_stats.sums["losses/loss"] != 0
     fill(rm, rng, 2)  # new steps, unranked until the re-sort
     assert learn_until(5.5) == 1 and state["k"] == 6 and len(published) == 2
     torch.testing.assert_close(published[1], weights())
@@ -813,14 +817,15 @@ def test_state_statistics_stay_frozen_with_rate_zero():
     learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"))
     state = {"k": 0, "beta": 0.0}
     rm.reward[rm.valid] *= 4.0
-    assert vr.learn(learner, state, args, 10, torch.zeros(6, dtype=torch.float64), lambda: None) == 10
+    assert vr.learn(learner, state, args, 10, MetricAverager(), lambda: None) == 10
     r = rm.reward[rm.valid]
     assert rm.reward_scale == pytest.approx(np.sqrt(np.mean(r * r)) + 1e-7)
     torch.testing.assert_close(obs_mean, torch.tensor([0.5, -0.5, 0.1]), rtol=0, atol=0)
     torch.testing.assert_close(obs_std, torch.tensor([2.0, 0.5, 1.0]), rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------- 6. evaluation
+# ----------------------------------------------------------------------------------------------------------------
+# 6. evaluation
 def test_evaluate_standardises_the_state(monkeypatch):
     """`evaluate` acts with the mean action of the standardised state (s - mean) / std (Eqs. (14)-(15)), as the
     network was trained; the direct rollout here is written from that."""
@@ -858,7 +863,8 @@ def test_evaluate_standardises_the_state(monkeypatch):
     assert np.abs(np.array(raw) - expected).max() > 0.01  # the standardisation changes the returns here
 
 
-# ---------------------------------------------------------------- 7. what a resume restores
+# ----------------------------------------------------------------------------------------------------------------
+# 7. what a resume restores
 def learner_for_resume(seed, args, obs_dim=3, act_dim=2):
     """A learner as `__main__` builds one before `restore_run` (its own initial weights, generator and statistics)."""
     torch.manual_seed(seed)
@@ -891,19 +897,19 @@ def test_a_restored_learner_continues_exactly(per):
     learner.replay.update_reward_scale()
     learner.obs_mean.copy_(torch.tensor([0.1, 0.2, -0.3]))
     learner.obs_std.copy_(torch.tensor([1.1, 0.9, 2.0]))
-    stats_sum = torch.zeros(len(vr.STEP_STATS), dtype=torch.float64)
-    vr.learn(learner, state, args, 12, stats_sum, lambda: None)
+    step_stats = MetricAverager()
+    vr.learn(learner, state, args, 12, step_stats, lambda: None)
     fill(learner.replay, rng, 2)  # steps stored since the last PER re-sort: unranked
     ckpt = vr.checkpoint_contents(args, learner, state, global_step=1234, t0=56, started=True, stats_ready=True)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 1234, **ckpt})
     uninterrupted = copy.deepcopy(learner)
     uninterrupted_state = dict(state)
-    vr.learn(uninterrupted, uninterrupted_state, args, 30, stats_sum, lambda: None)
+    vr.learn(uninterrupted, uninterrupted_state, args, 30, step_stats, lambda: None)
     torch.manual_seed(99)  # the resumed process's own global RNG states, replaced by the checkpoint's
     resumed, resumed_state = learner_for_resume(2, args)
     assert vr.restore_run(ckpt, args, resumed, resumed_state) == (1234, 56, True, True)
     assert rng_state()["torch"].equal(ckpt["rng"]["torch"]) and rng_state()["python"] == ckpt["rng"]["python"]
-    vr.learn(resumed, resumed_state, args, 30, stats_sum, lambda: None)
+    vr.learn(resumed, resumed_state, args, 30, step_stats, lambda: None)
     assert resumed_state == uninterrupted_state and resumed_state["k"] == 30
     for p, q in zip(resumed.agent.parameters(), uninterrupted.agent.parameters()):
         assert torch.equal(p, q)
@@ -926,7 +932,7 @@ def test_resume_applies_adam_eps_the_learning_rate_and_the_per_exponent_of_its_c
     rng = np.random.default_rng(34)
     learner, state = learner_for_resume(1, args)
     fill(learner.replay, rng, 30)
-    vr.learn(learner, state, args, 5, torch.zeros(len(vr.STEP_STATS), dtype=torch.float64), lambda: None)
+    vr.learn(learner, state, args, 5, MetricAverager(), lambda: None)
     ckpt = vr.checkpoint_contents(args, learner, state, global_step=500, t0=0, started=True, stats_ready=True)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 500, **ckpt})
     changed = vr.Args(batch_size=16, buffer_size=300, adam_eps=1e-3, learning_rate=3e-4, A=0.01, per="rank", per_alpha=0.9)

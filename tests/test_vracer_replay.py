@@ -13,7 +13,8 @@ from vracer_helpers import check_qret_consistent, cpu_learner, fill, random_epis
 import vracer_refer as vr
 
 
-# ---------------------------------------------------------------- V^tbc and Q^ret (Eqs. (6)-(8)), read by blocks
+# ----------------------------------------------------------------------------------------------------------------
+# V^tbc and Q^ret (Eqs. (6)-(8)), read by blocks
 def one_episode_memory(rewards, values, rhos, gamma, terminated, offset=0):
     """A memory holding one episode (after `offset` padding steps of another), with the given r, V, rho and V(s_L)."""
     L = len(rewards)

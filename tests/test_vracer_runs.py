@@ -132,7 +132,8 @@ def network(weights: torch.Tensor) -> vr.Agent:
     return agent
 
 
-# ---------------------------------------------------------------- the fresh run
+# ----------------------------------------------------------------------------------------------------------------
+# The fresh run
 def test_a_fresh_run_completes_logs_saves_and_checkpoints_at_its_end(chain):
     """The fresh run: CleanRL's and the method's metrics, the saved model, a checkpoint every --checkpoint-every env
     steps and one at the normal end (its step and k are the run's last)."""
@@ -228,7 +229,8 @@ def test_the_F_gate_holds_at_every_gradient_step(chain, run):
     assert end["state"]["k"] >= (end["global_step"] - end["t0"]) / F
 
 
-# ---------------------------------------------------------------- resume
+# ----------------------------------------------------------------------------------------------------------------
+# Resume
 def test_a_resumed_run_starts_from_exactly_what_the_checkpoint_holds(chain):
     """Issue 48's property on a real resume with the memory: in the resumed process, at its first gradient step, k,
     beta, t0, the network, Adam's state and settings, the state statistics, the reward scale, the sampler's generator,
@@ -245,7 +247,7 @@ def test_a_resumed_run_starts_from_exactly_what_the_checkpoint_holds(chain):
     settings = {name: value for name, value in ckpt["optimizer"]["param_groups"][0].items() if name != "lr"}
     assert {name: first["optimizer"]["param_groups"][0][name] for name in settings} == settings
     k = ckpt["state"]["k"]
-    assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(vr.annealed_lr(k, 1e-4, 5e-7), rel=1e-12)
+    assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(vr.annealed_learning_rate(k, 1e-4, 5e-7), rel=1e-12)
     assert torch.equal(first["obs_mean"], ckpt["obs_mean"]) and torch.equal(first["obs_std"], ckpt["obs_std"])
     assert first["reward_scale"] == ckpt["reward_scale"]
     assert first["np_rng"] == ckpt["np_rng"].bit_generator.state
@@ -259,7 +261,7 @@ def test_a_resumed_run_starts_from_exactly_what_the_checkpoint_holds(chain):
             assert first["replay"][name] == saved, name
     assert ckpt["replay"]["per_order"] is not None
     step = chain.resumed.records["steps"][0]
-    assert step["lr"] == pytest.approx(vr.annealed_lr(k, 1e-4, 5e-7), rel=1e-12)
+    assert step["lr"] == pytest.approx(vr.annealed_learning_rate(k, 1e-4, 5e-7), rel=1e-12)
     assert step["cmax"] == pytest.approx(vr.refer_cmax(k, 4.0, 5e-7), rel=1e-12)
     assert [seed for _, seed, _ in chain.resumed.records["actors"]] == [1 + 1000 * i + ckpt["global_step"] for i in (0, 1)]
     assert min(chain.resumed.records["publishes"]) == ckpt["weights_version"] + 1
@@ -314,7 +316,9 @@ def test_every_applied_flag_takes_effect_on_resume(chain):
 
     def probe_learning_rate():
         for step in steps:
-            assert step["lr"] == pytest.approx(vr.annealed_lr(step["k"], changes["learning_rate"], changes["A"]), rel=1e-12)
+            assert step["lr"] == pytest.approx(
+                vr.annealed_learning_rate(step["k"], changes["learning_rate"], changes["A"]), rel=1e-12
+            )
 
     def probe_adam_eps():
         assert {step["eps"] for step in steps} == {changes["adam_eps"]}
@@ -442,7 +446,8 @@ def test_a_checkpoint_of_an_older_script_is_refused_before_the_run_folder(chain,
     assert [f.name for f in old_run.iterdir()] == ["checkpoint.pt"]
 
 
-# ---------------------------------------------------------------- other tasks, bad input
+# ----------------------------------------------------------------------------------------------------------------
+# Other tasks, bad input
 def test_one_action_dimension_task_runs(tmp_path):
     """InvertedPendulum-v5 has one action dimension: collection, storage, learning and the evaluation of the saved
     model run (before, the first stored episode crashed)."""

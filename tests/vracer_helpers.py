@@ -23,7 +23,8 @@ SCRIPT = str(ROOT / "vracer_refer.py")
 TESTS = str(Path(__file__).resolve().parent)
 
 
-# ---------------------------------------------------------------- textbook Retrace (paper notation, slow)
+# ----------------------------------------------------------------------------------------------------------------
+# Textbook Retrace (paper notation, slow)
 def textbook_vtbc(rewards, values, rhos, gamma, terminated):
     """Eq. (8) as a backward loop: V^tbc_t = V_t + min(1, rho_t) [r_{t+1} + gamma V^tbc_{t+1} - V_t]."""
     L = len(rewards)
@@ -84,7 +85,8 @@ def random_episode(rng, L, terminated):
     return rewards, values, rhos
 
 
-# ---------------------------------------------------------------- a memory of random episodes, a CPU learner
+# ----------------------------------------------------------------------------------------------------------------
+# A memory of random episodes, a CPU learner
 def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
     lens = []
     for _ in range(n_episodes):
@@ -110,7 +112,8 @@ def cpu_learner(agent, optimizer, rm, rng, obs_dim=3):
     return vr.Learner(agent, optimizer, rm, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"))
 
 
-# ---------------------------------------------------------------- real runs in a subprocess
+# ----------------------------------------------------------------------------------------------------------------
+# Real runs in a subprocess
 def run_script(cwd, *flags, timeout=180):
     """vracer_refer.py as a user runs it (CPU, no progress line)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -191,7 +194,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
     }
     published = deque()
 
-    def train_step(learner, state, args, bookkeeping=True):
+    def train_step(learner, state, args):
         replay = learner.replay
         k = state["k"]
         if records["first_step"] is None:
@@ -221,7 +224,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             "replay_size": replay.size,
             "weights_version": vr.published_version(vr.shared),
         }
-        stats = real["train_step"](learner, state, args, bookkeeping)
+        stats = real["train_step"](learner, state, args)
         group = learner.optimizer.param_groups[0]
         entry |= {
             "lr": group["lr"],

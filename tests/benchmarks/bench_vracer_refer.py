@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import vracer_refer as vr  # noqa: E402
+from common.logger import MetricAverager  # noqa: E402
 
 OBS_DIM = 11
 ACT_DIM = 3
@@ -202,18 +203,29 @@ def make_learner(rm, rng, refer="full", device=torch.device("cpu")):
 
 def learner_run(learner, state, args, bookkeeping=True):
     """n gradient steps as the script's `learn` does them (the stats_every updates included), or bare steps."""
-    stats_sum = torch.zeros(len(vr.STEP_STATS), dtype=torch.float64)
+    step_stats = MetricAverager()
 
     def run(n):
         if bookkeeping:
             done = 0
             while done < n:
-                done += vr.learn(learner, state, args, state["k"] + n - done, stats_sum, lambda: None)
+                done += vr.learn(learner, state, args, state["k"] + n - done, step_stats, lambda: None)
         else:
-            for _ in range(n):
-                vr.train_step(learner, state, args, bookkeeping=False)
+            # the script's train_step without its write-back: this instance's update_samples does nothing (the
+            # replay is shared with another setup, so the class's method comes back after the steps)
+            replay = learner.replay
+            replay.update_samples = skip_write_back
+            try:
+                for _ in range(n):
+                    vr.train_step(learner, state, args)
+            finally:
+                del replay.update_samples
 
     return run
+
+
+def skip_write_back(*args, **kwargs) -> None:
+    """The bare learner's stand-in for EpisodeReplay.update_samples: no rho / V write-back, no n_far, no priorities."""
 
 
 def make_sac(env_id, device, transitions=10_000):
