@@ -715,8 +715,10 @@ class EpisodeReplay:
 
 
 # LEARNER STEP (App. C Alg. 3)
-class Learner(NamedTuple):
-    """The learner's handles. obs_mean, obs_std: the state statistics (Eqs. (14)-(15)), moved in place."""
+@dataclass
+class Learner:
+    """The learner: network, Adam, replay memory, the state statistics (Eqs. (14)-(15), moved in place), the sampling
+    generator, and what every gradient step moves: k, the gradient steps so far, and beta (Eq. (12))."""
 
     agent: Agent
     optimizer: torch.optim.Optimizer
@@ -725,19 +727,21 @@ class Learner(NamedTuple):
     obs_std: torch.Tensor
     rng: np.random.Generator
     device: torch.device
+    k: int = 0
+    beta: float = 1.0
 
 
 # The scalar statistics `train_step` returns, in this order (averaged and logged under these names).
 STEP_STATS = ("losses/loss", "losses/policy_loss", "losses/value_loss", "refer/kl", "refer/far_batch_frac", "refer/avg_rho")
 
 
-def train_step(learner: Learner, state: dict, args: Args) -> torch.Tensor:
-    """One gradient step: sample B steps, ReF-ER loss, Adam, write back rho/V, refresh Q^ret, update beta (`state`:
-    k, beta). Returns the CPU tensor of STEP_STATS (kl: the mean D_KL(mu || pi)); a non-finite loss raises
+def train_step(learner: Learner, args: Args) -> torch.Tensor:
+    """App. C Alg. 1's learner step: sample B steps, ReF-ER loss, Adam, write back rho/V (Q^ret follows), update beta,
+    k += 1 (both on `learner`). Returns the CPU tensor of STEP_STATS (kl: the mean D_KL(mu || pi)); a non-finite loss raises
     FloatingPointError before the optimizer step and the replay are touched (the NaN guard)."""
     replay = learner.replay
     device = learner.device
-    k = state["k"]
+    k = learner.k
     # Eq. (13); with --refer none c_max only counts the far-policy samples
     cmax = refer_cmax(k, args.C, args.A)
     replay.cmax = cmax
@@ -764,7 +768,7 @@ def train_step(learner: Learner, state: dict, args: Args) -> torch.Tensor:
     mean, std, value = learner.agent(obs)
     B = args.batch_size
     loss, info = refer_loss(
-        mean[:B], std[:B], value[:B], batch, state["beta"], cmax, args.refer, args.kl_direction, args.logrho_clip
+        mean[:B], std[:B], value[:B], batch, learner.beta, cmax, args.refer, args.kl_direction, args.logrho_clip
     )
     # STEP_STATS, in that order
     step_stats = torch.stack(
@@ -795,20 +799,20 @@ def train_step(learner: Learner, state: dict, args: Args) -> torch.Tensor:
     replay.update_samples(idx, rho, value_now, boot_idx, boot_value, priority=priority)
     # Eq. (12), with the far fraction from each stored step's most recent rho
     if args.refer != "none":
-        state["beta"] = refer_beta_update(state["beta"], replay.far_fraction(), args.D, args.beta_lr)
-    state["k"] = k + 1
+        learner.beta = refer_beta_update(learner.beta, replay.far_fraction(), args.D, args.beta_lr)
+    learner.k = k + 1
     return torch.from_numpy(stats)
 
 
-def learn(learner: Learner, state: dict, args: Args, steps_due: float, step_stats: MetricAverager, publish) -> int:
+def learn(learner: Learner, args: Args, steps_due: float, step_stats: MetricAverager, publish) -> int:
     """The learner's turn between two reads of the rings (App. C Alg. 1): gradient steps while k < steps_due = (t - t0)/F,
     at most GRAD_STEPS_PER_READ; every stats_every steps first the replay statistics (App. B); then `publish()` hands
     the new weights to the actors. Adds each step's STEP_STATS to `step_stats`; moves obs_mean, obs_std in place (with
     --state-stats-rate). Returns the number of gradient steps done."""
     replay = learner.replay
     done = 0
-    while state["k"] < steps_due and done < GRAD_STEPS_PER_READ:
-        k = state["k"]
+    while learner.k < steps_due and done < GRAD_STEPS_PER_READ:
+        k = learner.k
         # App. B: every 1000 steps
         if k > 0 and k % args.stats_every == 0:
             replay.update_reward_scale()
@@ -818,14 +822,14 @@ def learn(learner: Learner, state: dict, args: Args, steps_due: float, step_stat
             if args.state_stats_rate:
                 for current, target in zip((learner.obs_mean, learner.obs_std), replay.state_stats()):
                     current += args.state_stats_rate * (torch.as_tensor(target, device=learner.device) - current)
-        step_stats.add(dict(zip(STEP_STATS, train_step(learner, state, args).tolist())))
+        step_stats.add(dict(zip(STEP_STATS, train_step(learner, args).tolist())))
         done += 1
     if done:
         publish()
     return done
 
 
-def start_learning(learner: Learner, state: dict, args: Args, shared, base_step: int, stats_ready: bool) -> int:
+def start_learning(learner: Learner, args: Args, shared, base_step: int, stats_ready: bool) -> int:
     """App. C Alg. 1 when the replay first holds N_start samples: the initial state statistics (Eqs. (14)-(15), unless a
     resumed run brought them), the reward scale (Eq. (16)) and the far-policy count; the F clock starts from every step
     the actors have taken, stored or still in their rings (a resumed run's k continues at once), and the actors' gate
@@ -837,11 +841,11 @@ def start_learning(learner: Learner, state: dict, args: Args, shared, base_step:
         learner.obs_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
         learner.obs_std.copy_(torch.as_tensor(std, dtype=torch.float32))
     replay.update_reward_scale()
-    replay.recount_far(refer_cmax(state["k"], args.C, args.A))
+    replay.recount_far(refer_cmax(learner.k, args.C, args.A))
     steps_written = int(shared.written.sum())
     shared.steps_allowed[0] = steps_written
     print(f"learning starts at env step {base_step + steps_written} (replay holds {replay.size} samples)", flush=True)
-    return base_step + steps_written - int(state["k"] * args.F)
+    return base_step + steps_written - int(learner.k * args.F)
 
 
 # ACTOR PROCESSES (module level, so that spawn can pickle them)
@@ -1181,16 +1185,14 @@ def validate_args(args: Args) -> None:
     require(args.C > 0 or args.refer == "none", "--C must be > 0 with ReF-ER (use --refer none for conventional ER)")
 
 
-def checkpoint_contents(
-    args: Args, learner: Learner, state: dict, global_step: int, t0: int, started: bool, stats_ready: bool
-):
+def checkpoint_contents(args: Args, learner: Learner, global_step: int, t0: int, started: bool, stats_ready: bool):
     """The script's part of checkpoint.pt (`save_run_checkpoint` adds the flags, the step and the global RNGs): the
     network, Adam, k and beta, the F clock t0, whether learning has started and the state statistics been computed,
     the state statistics, the reward scale, the sampler's generator and, with --checkpoint-replay, the replay memory
     (also before learning starts: a resumed run then keeps collecting into it)."""
     replay = learner.replay if args.checkpoint_replay else None
     return {
-        "state": dict(state),
+        "state": {"k": learner.k, "beta": learner.beta},
         "t0": t0,
         "started": started,
         "stats_ready": stats_ready,
@@ -1245,7 +1247,7 @@ def steps_before_learning(ckpt: dict | None, args: Args) -> int:
     return max(0, args.learning_starts - ckpt["replay"]["size"])
 
 
-def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[int, int, bool, bool]:
+def restore_run(ckpt: dict, args: Args, learner: Learner) -> tuple[int, int, bool, bool]:
     """--resume: put the checkpoint's network, Adam state, k and beta, state statistics, reward scale, sampler generator,
     global RNGs and (when saved) replay memory in place, with this run's flags in effect (Adam's eps and lr are flags
     applied on resume; load_state_dict brought back the checkpoint's). Returns (global_step, t0, started, stats_ready);
@@ -1260,7 +1262,8 @@ def restore_run(ckpt: dict, args: Args, learner: Learner, state: dict) -> tuple[
     learner.replay.reward_scale = ckpt["reward_scale"]
     learner.rng.bit_generator.state = ckpt["np_rng"].bit_generator.state
     set_rng_state(ckpt["rng"])
-    state.update(ckpt["state"])
+    learner.k = ckpt["state"]["k"]
+    learner.beta = ckpt["state"]["beta"]
     started = ckpt["started"] and replay is not None
     return ckpt["global_step"], ckpt["t0"], started, ckpt["stats_ready"]
 
@@ -1286,8 +1289,8 @@ class LoopLog:
             self.recent_returns.append(episode_return)
             self.logger.log(global_step, {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length})
 
-    def line_if_due(self, global_step: int, started: bool, learner: Learner, state: dict, shared) -> None:
-        k = state["k"]
+    def line_if_due(self, global_step: int, started: bool, learner: Learner, shared) -> None:
+        k = learner.k
         if started:
             due = k - self.last_k >= self.args.log_every and len(self.step_stats) > 0
         else:
@@ -1313,7 +1316,7 @@ class LoopLog:
                     "charts/policy_lag": policy_lag,
                     **means,
                     "refer/far_policy_frac": replay.far_fraction(),
-                    "refer/beta": state["beta"],
+                    "refer/beta": learner.beta,
                     "refer/c_max": refer_cmax(k, self.args.C, self.args.A),
                     "stats/reward_scale": replay.reward_scale,
                     "stats/sigma_mean": sigma,
@@ -1321,7 +1324,7 @@ class LoopLog:
                 },
             )
             loss = means["losses/value_loss"]
-            extra = f"beta {state['beta']:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
+            extra = f"beta {learner.beta:.3f} far {replay.far_fraction():.3f} kl {means['refer/kl']:.3g}"
             self.last_k = k
         mean_return = np.mean(self.recent_returns) if self.recent_returns else None
         self.logger.progress(global_step, sps, mean_return, "value_loss", loss, extra)
@@ -1386,8 +1389,9 @@ if __name__ == "__main__":
     rng = np.random.default_rng(args.seed)
     obs_mean = torch.zeros(obs_dim, device=device)
     obs_std = torch.ones(obs_dim, device=device)
-    state = {"k": 0, "beta": args.beta_init if args.refer != "none" else 1.0}
-    learner = Learner(agent, optimizer, replay, obs_mean, obs_std, rng, device)
+    learner = Learner(
+        agent, optimizer, replay, obs_mean, obs_std, rng, device, k=0, beta=args.beta_init if args.refer != "none" else 1.0
+    )
     global_step = 0
     # the env step from which k keeps up with (t - t0)/F
     t0 = 0
@@ -1395,7 +1399,7 @@ if __name__ == "__main__":
     started = False
     stats_ready = False
     if ckpt:
-        global_step, t0, started, stats_ready = restore_run(ckpt, args, learner, state)
+        global_step, t0, started, stats_ready = restore_run(ckpt, args, learner)
         if started:
             replay_note = f"replay memory ({replay.size:,} samples)"
         elif ckpt["replay"] is not None:
@@ -1403,7 +1407,7 @@ if __name__ == "__main__":
         else:
             replay_note = f"no replay memory (refilled in {refill:,}+ steps)"
         print(
-            f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {state['k']:,}, beta, statistics, RNGs, "
+            f"resumed {args.resume} at step {global_step:,}: network, Adam, k = {learner.k:,}, beta, statistics, RNGs, "
             f"{replay_note}; flags from this command line: {', '.join(overridden) or 'none'}; runs to step "
             f"{args.total_timesteps:,}",
             flush=True,
@@ -1420,11 +1424,11 @@ if __name__ == "__main__":
 
     def allow_steps() -> None:
         """App. C Alg. 1: "while t < F k: advance the environment", with 32 steps of slack per actor."""
-        limit = t0 + int(state["k"] * args.F) + 32 * args.num_actors if started else args.total_timesteps
+        limit = t0 + int(learner.k * args.F) + 32 * args.num_actors if started else args.total_timesteps
         shared.steps_allowed[0] = min(args.total_timesteps, limit) - base_step
 
     def save_checkpoint_now() -> None:
-        contents = checkpoint_contents(args, learner, state, global_step, t0, started, stats_ready)
+        contents = checkpoint_contents(args, learner, global_step, t0, started, stats_ready)
         weights_version = published_version(shared)
         save_run_checkpoint(logger, "vracer_refer.py", args, global_step, weights_version=weights_version, **contents)
 
@@ -1438,7 +1442,7 @@ if __name__ == "__main__":
     checkpoints = CheckpointCadence(args.checkpoint_every, global_step)
     error = None
     start_time = time.time()
-    loop_log = LoopLog(logger, args, global_step, state["k"])
+    loop_log = LoopLog(logger, args, global_step, learner.k)
     try:
         for i in range(args.num_actors):
             # resumed runs do not replay the same noise
@@ -1451,7 +1455,7 @@ if __name__ == "__main__":
                 global_step += n_rows
                 loop_log.episodes(global_step, finished)
             if not started and replay.size >= args.learning_starts:
-                t0 = start_learning(learner, state, args, shared, base_step, stats_ready)
+                t0 = start_learning(learner, args, shared, base_step, stats_ready)
                 started = True
                 stats_ready = True
                 publish()
@@ -1459,17 +1463,17 @@ if __name__ == "__main__":
             # LEARN: keep k <= (t - t0)/F (App. C Alg. 1), then publish the new weights
             grad_steps = 0
             if started:
-                grad_steps = learn(learner, state, args, (global_step - t0) / args.F, loop_log.step_stats, publish)
+                grad_steps = learn(learner, args, (global_step - t0) / args.F, loop_log.step_stats, publish)
             allow_steps()
 
             # LOG: metrics and a progress line every log_every gradient steps; a progress line every 10k collected
-            loop_log.line_if_due(global_step, started, learner, state, shared)
+            loop_log.line_if_due(global_step, started, learner, shared)
 
             # CHECKPOINT
             if checkpoints.due(global_step):
                 save_checkpoint_now()
 
-            if global_step >= args.total_timesteps and (not started or state["k"] >= (global_step - t0) / args.F):
+            if global_step >= args.total_timesteps and (not started or learner.k >= (global_step - t0) / args.F):
                 break
             # every iteration: a dead actor stops the run with its reason
             procs.check()
@@ -1501,8 +1505,8 @@ if __name__ == "__main__":
         error,
         {
             "global_step": global_step,
-            "grad_steps": state["k"],
-            "beta": state["beta"],
+            "grad_steps": learner.k,
+            "beta": learner.beta,
             "final_return_mean20": float(np.mean(loop_log.recent_returns)) if loop_log.recent_returns else None,
             "env_steps_per_s": (global_step - base_step) / max(1e-9, time.time() - start_time),
         },

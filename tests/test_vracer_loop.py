@@ -561,9 +561,10 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction,
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     obs_mean = torch.tensor([0.2, -0.1, 0.3])
     obs_std = torch.tensor([1.5, 0.7, 1.1])
-    learner = vr.Learner(agent, optimizer, rm, obs_mean, obs_std, rng, torch.device("cpu"))
     k0 = 10
-    state = {"k": k0, "beta": 1.0 if refer == "none" else 0.3}
+    learner = vr.Learner(
+        agent, optimizer, rm, obs_mean, obs_std, rng, torch.device("cpu"), k0, 1.0 if refer == "none" else 0.3
+    )
     rm.recount_far(vr.refer_cmax(k0, args.C, args.A))
     # Adam written out (torch's defaults: beta1 0.9, beta2 0.999)
     moments = [
@@ -593,7 +594,7 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction,
             torch.as_tensor(rm.mu_std[idx], dtype=torch.float64),
             qret,
             weights,
-            state["beta"],
+            learner.beta,
             cmax,
             args,
         )
@@ -606,8 +607,8 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction,
         saw["near"] |= bool((~far).any())
         saw["truncated end"] |= len(boot) > 0
         before = [p.detach().double().clone() for p in agent.parameters()]
-        beta_before = state["beta"]
-        stats = vr.train_step(learner, state, args)
+        beta_before = learner.beta
+        stats = vr.train_step(learner, args)
         assert float(stats[0]) == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
         for p, p_before, textbook_p, (m, v) in zip(agent.parameters(), before, net.parameters(), moments):
             torch.testing.assert_close(p.grad.double(), textbook_p.grad, rtol=1e-4, atol=1e-6)
@@ -632,12 +633,12 @@ def test_two_learner_steps_equal_a_hand_written_update(refer, per, kl_direction,
         far_fraction = np.mean(~((stored > 1.0 / cmax) & (stored < cmax)))
         assert (far_fraction > args.D) == (args.D == 0.001)
         if refer == "none":
-            assert state["beta"] == 1.0
+            assert learner.beta == 1.0
         elif far_fraction > args.D:
-            assert state["beta"] == pytest.approx((1.0 - args.beta_lr) * beta_before, rel=1e-12)
+            assert learner.beta == pytest.approx((1.0 - args.beta_lr) * beta_before, rel=1e-12)
         else:
-            assert state["beta"] == pytest.approx((1.0 - args.beta_lr) * beta_before + args.beta_lr, rel=1e-12)
-        assert state["k"] == k + 1
+            assert learner.beta == pytest.approx((1.0 - args.beta_lr) * beta_before + args.beta_lr, rel=1e-12)
+        assert learner.k == k + 1
     assert all(saw.values()), saw
 
 
@@ -651,15 +652,15 @@ def test_train_step_nan_guard():
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
 
-    def step(state, refer):
+    def step(learner, refer):
         args = vr.Args(batch_size=16, buffer_size=300, refer=refer)
-        return vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+        return vr.train_step(learner, args)
 
-    state = {"k": 0, "beta": 0.5}
-    assert torch.isfinite(step(state, "full")).all() and state["k"] == 1 and 0.5 < state["beta"] < 0.51
+    learner = cpu_learner(agent, opt, rm, rng, k=0, beta=0.5)
+    assert torch.isfinite(step(learner, "full")).all() and learner.k == 1 and 0.5 < learner.beta < 0.51
     rm.mu_std[rm.valid] = 1e30  # sigma_mu^2 / sigma_pi^2 overflows float32: D_KL(mu || pi) = inf; log rho clips (far)
     for refer in ("rule1", "none"):
-        stats = step({"k": 1, "beta": 0.5}, refer)
+        stats = step(cpu_learner(agent, opt, rm, rng, k=1, beta=0.5), refer)
         assert torch.isfinite(stats[:3]).all() and torch.isinf(stats[3]), refer
     rm.mu_std[rm.valid] = 1.0
     rm.value[rm.valid] = np.nan  # V^tbc and Q^ret of every step become NaN
@@ -668,9 +669,9 @@ def test_train_step_nan_guard():
     weights_before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
     adam_before = [{name: v.clone() for name, v in s.items()} for s in opt.state.values()]
     with pytest.raises(FloatingPointError, match="non-finite loss at gradient step 1"):
-        step(state, "full")
+        step(learner, "full")
     np.testing.assert_array_equal(rm.rho, rho_before)
-    assert state["k"] == 1
+    assert learner.k == 1
     # the guard fires before the optimizer step: weights and Adam's moments are untouched (finite)
     torch.testing.assert_close(torch.nn.utils.parameters_to_vector(agent.parameters()), weights_before)
     for s, before in zip(opt.state.values(), adam_before):
@@ -689,14 +690,14 @@ def test_train_step_all_variants(refer, per):
     args = vr.Args(batch_size=32, buffer_size=400, refer=refer, per=per, C=0.5)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-2)
-    state = {"k": 0, "beta": 1.0 if refer == "none" else 0.0}
+    learner = cpu_learner(agent, opt, rm, rng, k=0, beta=1.0 if refer == "none" else 0.0)
     for _ in range(30):
-        stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+        stats = vr.train_step(learner, args)
         assert torch.isfinite(stats).all()
     check_qret_consistent(rm)  # the refresh keeps Q^ret equal to the full recursion in every variant
     assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
-    assert state["k"] == 30
-    assert (state["beta"] == 1.0) if refer == "none" else (0.0 < state["beta"] < 0.01)
+    assert learner.k == 30
+    assert (learner.beta == 1.0) if refer == "none" else (0.0 < learner.beta < 0.01)
 
 
 def test_train_step_anneals_learning_rate_and_cmax():
@@ -708,16 +709,16 @@ def test_train_step_anneals_learning_rate_and_cmax():
     args = vr.Args(batch_size=16, buffer_size=300, learning_rate=1e-3, A=0.1, C=2.0)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-12)
-    state = {"k": 3, "beta": 0.5}
+    learner = cpu_learner(agent, opt, rm, rng, k=3, beta=0.5)
     before = torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
-    vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+    vr.train_step(learner, args)
     moved = (torch.nn.utils.parameters_to_vector(agent.parameters()).detach() - before).abs().max()
     assert float(moved) == pytest.approx(vr.annealed_learning_rate(3, 1e-3, 0.1), rel=1e-3)  # 1e-3 / 1.3
     for k in range(4, 8):
-        vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+        vr.train_step(learner, args)
         assert opt.param_groups[0]["lr"] == pytest.approx(vr.annealed_learning_rate(k, 1e-3, 0.1))
         assert rm.cmax == pytest.approx(vr.refer_cmax(k, 2.0, 0.1))
-    assert state["k"] == 8
+    assert learner.k == 8
 
 
 def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
@@ -733,7 +734,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     torch.manual_seed(3)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    state = {"k": 2, "beta": 0.5}
+    learner = cpu_learner(agent, opt, rm, rng, k=2, beta=0.5)
     # the batch train_step will draw (the same generator state) and the loss it should minimise
     beta_is = min(1.0, args.per_beta0 + (1.0 - args.per_beta0) * args.A * 2)
     idx, w = rm.sample_per(args.batch_size, copy.deepcopy(rng), beta_is)
@@ -749,7 +750,7 @@ def test_rank_per_step_weights_the_loss_and_writes_priorities_back():
     weighted, info = vr.refer_loss(mean, std, value, vr.Batch(act, mu_mean, mu_std, qret, weights), 0.5, cmax)
     unweighted, _ = vr.refer_loss(mean, std, value, vr.Batch(act, mu_mean, mu_std, qret), 0.5, cmax)
     assert abs(float(weighted) - float(unweighted)) > 0.01 * abs(float(unweighted))
-    stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+    stats = vr.train_step(learner, args)
     assert float(stats[0]) == pytest.approx(float(weighted), rel=1e-5)
     np.testing.assert_allclose(rm.priority[idx], info["abs_err"].double().numpy(), rtol=1e-5)
 
@@ -768,9 +769,9 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
     args = vr.Args(batch_size=16, buffer_size=400, stats_every=5, state_stats_rate=0.5, per="rank")
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    state = {"k": 0, "beta": 0.0}
     obs_mean = torch.zeros(3)
     obs_std = torch.ones(3)
+    learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"), k=0, beta=0.0)
     step_stats = MetricAverager()
     published = []  # the weights each publish() hands to the actors
 
@@ -778,17 +779,16 @@ def test_learn_updates_statistics_every_stats_every_steps_then_publishes():
         return torch.nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
 
     def learn_until(steps_due):
-        learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"))
-        return vr.learn(learner, state, args, steps_due, step_stats, lambda: published.append(weights()))
+        return vr.learn(learner, args, steps_due, step_stats, lambda: published.append(weights()))
 
     initial = weights()
-    assert learn_until(5) == 5 and state["k"] == 5
+    assert learn_until(5) == 5 and learner.k == 5
     assert rm.reward_scale == scale_before  # not yet: the update comes before gradient step k = stats_every
     assert len(published) == 1 and not torch.equal(published[0], initial)
     torch.testing.assert_close(published[0], weights())  # the weights after the steps
     assert torch.isfinite(torch.tensor(list(step_stats.sums.values()))).all() and step_stats.sums["losses/loss"] != 0
     fill(rm, rng, 2)  # new steps, unranked until the re-sort
-    assert learn_until(5.5) == 1 and state["k"] == 6 and len(published) == 2
+    assert learn_until(5.5) == 1 and learner.k == 6 and len(published) == 2
     torch.testing.assert_close(published[1], weights())
     r = rm.reward[rm.valid]
     assert rm.reward_scale == pytest.approx(np.sqrt(np.mean(r * r)) + 1e-7)
@@ -814,10 +814,9 @@ def test_state_statistics_stay_frozen_with_rate_zero():
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
     obs_mean = torch.tensor([0.5, -0.5, 0.1])
     obs_std = torch.tensor([2.0, 0.5, 1.0])
-    learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"))
-    state = {"k": 0, "beta": 0.0}
+    learner = vr.Learner(agent, opt, rm, obs_mean, obs_std, rng, torch.device("cpu"), k=0, beta=0.0)
     rm.reward[rm.valid] *= 4.0
-    assert vr.learn(learner, state, args, 10, MetricAverager(), lambda: None) == 10
+    assert vr.learn(learner, args, 10, MetricAverager(), lambda: None) == 10
     r = rm.reward[rm.valid]
     assert rm.reward_scale == pytest.approx(np.sqrt(np.mean(r * r)) + 1e-7)
     torch.testing.assert_close(obs_mean, torch.tensor([0.5, -0.5, 0.1]), rtol=0, atol=0)
@@ -872,8 +871,9 @@ def learner_for_resume(seed, args, obs_dim=3, act_dim=2):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     replay = vr.EpisodeReplay(args.buffer_size, obs_dim, act_dim, args.gamma, max_episode_len=40, per_alpha=args.per_alpha)
     rng = np.random.default_rng(seed)
-    learner = vr.Learner(agent, optimizer, replay, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"))
-    return learner, {"k": 0, "beta": args.beta_init}
+    zeros = torch.zeros(obs_dim)
+    ones = torch.ones(obs_dim)
+    return vr.Learner(agent, optimizer, replay, zeros, ones, rng, torch.device("cpu"), k=0, beta=args.beta_init)
 
 
 def saved_and_loaded(ckpt):
@@ -892,25 +892,24 @@ def test_a_restored_learner_continues_exactly(per):
     the global RNGs are the checkpoint's."""
     args = vr.Args(batch_size=16, buffer_size=300, per=per, stats_every=7, checkpoint_replay=True, learning_rate=1e-3)
     rng = np.random.default_rng(33)
-    learner, state = learner_for_resume(1, args)
+    learner = learner_for_resume(1, args)
     fill(learner.replay, rng, 30)
     learner.replay.update_reward_scale()
     learner.obs_mean.copy_(torch.tensor([0.1, 0.2, -0.3]))
     learner.obs_std.copy_(torch.tensor([1.1, 0.9, 2.0]))
     step_stats = MetricAverager()
-    vr.learn(learner, state, args, 12, step_stats, lambda: None)
+    vr.learn(learner, args, 12, step_stats, lambda: None)
     fill(learner.replay, rng, 2)  # steps stored since the last PER re-sort: unranked
-    ckpt = vr.checkpoint_contents(args, learner, state, global_step=1234, t0=56, started=True, stats_ready=True)
+    ckpt = vr.checkpoint_contents(args, learner, global_step=1234, t0=56, started=True, stats_ready=True)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 1234, **ckpt})
     uninterrupted = copy.deepcopy(learner)
-    uninterrupted_state = dict(state)
-    vr.learn(uninterrupted, uninterrupted_state, args, 30, step_stats, lambda: None)
+    vr.learn(uninterrupted, args, 30, step_stats, lambda: None)
     torch.manual_seed(99)  # the resumed process's own global RNG states, replaced by the checkpoint's
-    resumed, resumed_state = learner_for_resume(2, args)
-    assert vr.restore_run(ckpt, args, resumed, resumed_state) == (1234, 56, True, True)
+    resumed = learner_for_resume(2, args)
+    assert vr.restore_run(ckpt, args, resumed) == (1234, 56, True, True)
     assert rng_state()["torch"].equal(ckpt["rng"]["torch"]) and rng_state()["python"] == ckpt["rng"]["python"]
-    vr.learn(resumed, resumed_state, args, 30, step_stats, lambda: None)
-    assert resumed_state == uninterrupted_state and resumed_state["k"] == 30
+    vr.learn(resumed, args, 30, step_stats, lambda: None)
+    assert (resumed.k, resumed.beta) == (uninterrupted.k, uninterrupted.beta) and resumed.k == 30
     for p, q in zip(resumed.agent.parameters(), uninterrupted.agent.parameters()):
         assert torch.equal(p, q)
     for s, t in zip(resumed.optimizer.state.values(), uninterrupted.optimizer.state.values()):
@@ -930,20 +929,20 @@ def test_resume_applies_adam_eps_the_learning_rate_and_the_per_exponent_of_its_c
     memory keeps its PER sort and draws by this run's --per-alpha: P(rank 2) / P(rank 1) = 2^-alpha."""
     args = vr.Args(batch_size=16, buffer_size=300, checkpoint_replay=True, per="rank")
     rng = np.random.default_rng(34)
-    learner, state = learner_for_resume(1, args)
+    learner = learner_for_resume(1, args)
     fill(learner.replay, rng, 30)
-    vr.learn(learner, state, args, 5, MetricAverager(), lambda: None)
-    ckpt = vr.checkpoint_contents(args, learner, state, global_step=500, t0=0, started=True, stats_ready=True)
+    vr.learn(learner, args, 5, MetricAverager(), lambda: None)
+    ckpt = vr.checkpoint_contents(args, learner, global_step=500, t0=0, started=True, stats_ready=True)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 500, **ckpt})
     changed = vr.Args(batch_size=16, buffer_size=300, adam_eps=1e-3, learning_rate=3e-4, A=0.01, per="rank", per_alpha=0.9)
-    resumed, resumed_state = learner_for_resume(2, changed)
-    vr.restore_run(ckpt, changed, resumed, resumed_state)
+    resumed = learner_for_resume(2, changed)
+    vr.restore_run(ckpt, changed, resumed)
     group = resumed.optimizer.param_groups[0]
     assert group["eps"] == 1e-3 and group["lr"] == pytest.approx(3e-4 / (1.0 + 0.01 * 5))
     for s, t in zip(resumed.optimizer.state.values(), learner.optimizer.state.values()):
         assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(s["step"], t["step"])
     np.testing.assert_array_equal(resumed.replay.per_order, learner.replay.per_order)
-    vr.train_step(resumed, resumed_state, changed)
+    vr.train_step(resumed, changed)
     rank_prob = resumed.replay.per_rank_prob
     assert rank_prob[1] / rank_prob[0] == pytest.approx(2.0**-0.9, rel=1e-12)
 
@@ -955,14 +954,14 @@ def test_a_checkpoint_from_before_learning_keeps_its_memory_and_waits_for_N_star
     a checkpoint of a memory learning has started on learns at once."""
     args = vr.Args(batch_size=16, buffer_size=300, learning_starts=300, checkpoint_replay=True)
     rng = np.random.default_rng(35)
-    learner, state = learner_for_resume(1, args)
+    learner = learner_for_resume(1, args)
     while learner.replay.size < 150:
         fill(learner.replay, rng, 1)
-    ckpt = vr.checkpoint_contents(args, learner, state, global_step=170, t0=0, started=False, stats_ready=False)
+    ckpt = vr.checkpoint_contents(args, learner, global_step=170, t0=0, started=False, stats_ready=False)
     ckpt = saved_and_loaded({"rng": rng_state(), "global_step": 170, **ckpt})
     assert vr.steps_before_learning(ckpt, args) == 300 - learner.replay.size
-    resumed, resumed_state = learner_for_resume(2, args)
-    assert vr.restore_run(ckpt, args, resumed, resumed_state) == (170, 0, False, False)
+    resumed = learner_for_resume(2, args)
+    assert vr.restore_run(ckpt, args, resumed) == (170, 0, False, False)
     assert resumed.replay.size == learner.replay.size and list(resumed.replay.episodes) == list(learner.replay.episodes)
     np.testing.assert_array_equal(resumed.replay.obs, learner.replay.obs)
     assert vr.steps_before_learning({**ckpt, "replay": None}, args) == 300

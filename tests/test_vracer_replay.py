@@ -272,9 +272,9 @@ def test_far_count_stays_exact_when_cmax_is_one():
     args = vr.Args(batch_size=16, buffer_size=200, refer="none", C=0.0)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4)
-    state = {"k": 0, "beta": 1.0}
+    learner = cpu_learner(agent, opt, rm, rng, k=0, beta=1.0)
     for _ in range(10):
-        vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+        vr.train_step(learner, args)
         fill(rm, rng, 1)
         assert rm.n_far == int((vr.is_far_policy(rm.rho, rm.cmax) & rm.valid).sum())
         assert 0.0 <= rm.far_fraction() <= 1.0
@@ -295,11 +295,11 @@ def test_replay_and_train_step_with_one_action_dimension():
     rm.update_reward_scale()
     agent = vr.Agent(3, 1)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    state = {"k": 0, "beta": 0.0}
+    learner = cpu_learner(agent, opt, rm, rng, k=0, beta=0.0)
     for per in ("none", "rank"):
         args = vr.Args(batch_size=16, buffer_size=300, per=per)
         for _ in range(5):
-            stats = vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+            stats = vr.train_step(learner, args)
             assert torch.isfinite(stats).all()
     check_qret_consistent(rm)
     restored = vr.EpisodeReplay(300, 3, 1, 0.99, max_episode_len=40, per_alpha=0.5)
@@ -327,10 +327,10 @@ def test_new_steps_get_the_largest_priority_written_so_far():
     args = vr.Args(batch_size=32, buffer_size=300, per="rank", learning_rate=1e-3)
     agent = vr.Agent(3, 2)
     opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate)
-    state = {"k": 0, "beta": 0.5}
+    learner = cpu_learner(agent, opt, rm, rng, k=0, beta=0.5)
     written = []
     for _ in range(5):
-        vr.train_step(cpu_learner(agent, opt, rm, rng), state, args)
+        vr.train_step(learner, args)
         written.append(rm.priority[rm.valid].max())
     largest = max(written)
     assert largest > 2.0

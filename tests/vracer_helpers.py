@@ -107,9 +107,9 @@ def fill(rm, rng, n_episodes, lmin=1, lmax=40, obs_dim=3, act_dim=2):
     return lens
 
 
-def cpu_learner(agent, optimizer, rm, rng, obs_dim=3):
-    """The learner's handles on the CPU, with state statistics mean 0 and std 1."""
-    return vr.Learner(agent, optimizer, rm, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"))
+def cpu_learner(agent, optimizer, rm, rng, obs_dim=3, k=0, beta=1.0):
+    """A learner on the CPU at gradient step k with this beta, its state statistics mean 0 and std 1."""
+    return vr.Learner(agent, optimizer, rm, torch.zeros(obs_dim), torch.ones(obs_dim), rng, torch.device("cpu"), k, beta)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,12 +194,12 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
     }
     published = deque()
 
-    def train_step(learner, state, args):
+    def train_step(learner, args):
         replay = learner.replay
-        k = state["k"]
+        k = learner.k
         if records["first_step"] is None:
             records["first_step"] = {
-                "state": dict(state),
+                "state": {"k": learner.k, "beta": learner.beta},
                 "global_step": vr.global_step,
                 "t0": vr.t0,
                 "model": copy.deepcopy(learner.agent.state_dict()),
@@ -215,7 +215,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             records["stats"][k] = real["state_stats"](replay)
         entry = {
             "k": k,
-            "beta_before": state["beta"],
+            "beta_before": learner.beta,
             "global_step": vr.global_step,
             "t0": vr.t0,
             "obs_mean": learner.obs_mean.clone(),
@@ -224,13 +224,13 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
             "replay_size": replay.size,
             "weights_version": vr.published_version(vr.shared),
         }
-        stats = real["train_step"](learner, state, args)
+        stats = real["train_step"](learner, args)
         group = learner.optimizer.param_groups[0]
         entry |= {
             "lr": group["lr"],
             "eps": group["eps"],
             "cmax": replay.cmax,
-            "beta_after": state["beta"],
+            "beta_after": learner.beta,
             "far_fraction": replay.far_fraction(),
             "rho": replay.rho[drawn["idx"]].copy(),
         }
@@ -241,7 +241,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
         real["publish_weights"](shared, agent, obs_mean, obs_std)
         version = vr.published_version(shared)
         weights = shared.weights.clone()
-        records["publishes"][version] = (weights, shared.obs_mean.clone(), shared.obs_std.clone(), vr.state["k"])
+        records["publishes"][version] = (weights, shared.obs_mean.clone(), shared.obs_std.clone(), vr.learner.k)
         published.append(version)
         while len(published) > 400:
             records["publishes"].pop(published.popleft(), None)
@@ -270,7 +270,7 @@ def probe_main(probe_dir: str, flags: list[str]) -> None:
         stored = self.valid[: self.high_water]
         result = real["state_stats"](self)
         call = {
-            "k": vr.state["k"],
+            "k": vr.learner.k,
             "obs": self.obs[: self.high_water][stored],
             "reward": self.reward[: self.high_water][stored],
         }

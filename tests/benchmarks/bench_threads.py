@@ -163,13 +163,12 @@ def setup(script, a, device):
         rm = bench_vracer_refer.filled_replay(args.buffer_size, rng)
         agent = vr.Agent(obs_dim, act_dim, args.hidden_size, args.init_std, args.std_map, args.residual).to(device)
         opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
-        state = {"k": 0, "beta": args.beta_init}
         mean0 = torch.zeros(obs_dim, device=device)
         std0 = torch.ones(obs_dim, device=device)
-        learner = vr.Learner(agent, opt, rm, mean0, std0, rng, device)
+        learner = vr.Learner(agent, opt, rm, mean0, std0, rng, device, k=0, beta=args.beta_init)
 
         def step():
-            vr.train_step(learner, state, args)
+            vr.train_step(learner, args)
 
         return 1, args.num_actors, timed_blocks(step, a.max_block_seconds)  # old: --learner-threads, default 1
     if script == "plr_ppo":

@@ -196,12 +196,12 @@ def make_learner(rm, rng, refer="full", device=torch.device("cpu")):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps, foreach=True)
     obs_mean = torch.zeros(OBS_DIM, device=device)
     obs_std = torch.ones(OBS_DIM, device=device)
-    learner = vr.Learner(agent, optimizer, rm, obs_mean, obs_std, rng, device)
-    state = {"k": 0, "beta": 0.5 if refer != "none" else 1.0}
-    return learner, state, args
+    beta = 0.5 if refer != "none" else 1.0
+    learner = vr.Learner(agent, optimizer, rm, obs_mean, obs_std, rng, device, k=0, beta=beta)
+    return learner, args
 
 
-def learner_run(learner, state, args, bookkeeping=True):
+def learner_run(learner, args, bookkeeping=True):
     """n gradient steps as the script's `learn` does them (the stats_every updates included), or bare steps."""
     step_stats = MetricAverager()
 
@@ -209,7 +209,7 @@ def learner_run(learner, state, args, bookkeeping=True):
         if bookkeeping:
             done = 0
             while done < n:
-                done += vr.learn(learner, state, args, state["k"] + n - done, step_stats, lambda: None)
+                done += vr.learn(learner, args, learner.k + n - done, step_stats, lambda: None)
         else:
             # the script's train_step without its write-back: this instance's update_samples does nothing (the
             # replay is shared with another setup, so the class's method comes back after the steps)
@@ -217,7 +217,7 @@ def learner_run(learner, state, args, bookkeeping=True):
             replay.update_samples = skip_write_back
             try:
                 for _ in range(n):
-                    vr.train_step(learner, state, args)
+                    vr.train_step(learner, args)
             finally:
                 del replay.update_samples
 
@@ -278,11 +278,10 @@ class Split:
     backward and Adam step; the rest of the step is bookkeeping. Run as a setup of `interleaved`, so that its parts add
     up to the time the learner table shows."""
 
-    def __init__(self, learner, state, args):
+    def __init__(self, learner, args):
         self.learner = learner
-        self.state = state
         self.args = args
-        self.learn = learner_run(learner, state, args)
+        self.learn = learner_run(learner, args)
         self.reset()
 
     def reset(self) -> None:
@@ -332,7 +331,7 @@ class Split:
         start = time.perf_counter()
         for _ in range(calls):
             replay.update_reward_scale()
-            replay.recount_far(vr.refer_cmax(self.state["k"], self.args.C, self.args.A))
+            replay.recount_far(vr.refer_cmax(self.learner.k, self.args.C, self.args.A))
         return 1e3 * (time.perf_counter() - start) / calls / self.args.stats_every
 
     def ms(self) -> dict:
@@ -389,16 +388,16 @@ def bench_learner(a):
     for N in a.sizes:
         for form, replay_class in forms.items():
             rng = np.random.default_rng(N)
-            learner, state, args = make_learner(filled_replay(N, rng, replay_class), rng, device=device)
+            learner, args = make_learner(filled_replay(N, rng, replay_class), rng, device=device)
             if replay_class is vr.EpisodeReplay:
-                splits[N] = Split(learner, state, args)
+                splits[N] = Split(learner, args)
                 setups[form, N] = splits[N]
             else:
-                setups[form, N] = learner_run(learner, state, args)
+                setups[form, N] = learner_run(learner, args)
     N_max = max(a.sizes)
     rng = np.random.default_rng(0)
-    bare, bare_state, bare_args = make_learner(splits[N_max].learner.replay, rng, "none", device)
-    setups["bare", N_max] = learner_run(bare, bare_state, bare_args, bookkeeping=False)
+    bare, bare_args = make_learner(splits[N_max].learner.replay, rng, "none", device)
+    setups["bare", N_max] = learner_run(bare, bare_args, bookkeeping=False)
     if a.sac:
         sac = make_sac(a.env_id, device)
         setups["SAC", None] = lambda n: sac.train(gradient_steps=n, batch_size=256)
