@@ -223,7 +223,7 @@ def test_metric_averager_means_each_name_over_the_steps_that_added_it_and_starts
     averager.add({"losses/a": torch.tensor(3.0), "charts/b": 4.0, "losses/c": torch.tensor(5.0, dtype=torch.float64)})
     assert len(averager) == 2
     # the caller's tensor is not the sum
-    assert float(first) == 1.0
+    assert float(first.detach()) == 1.0
     assert averager.means() == {"losses/a": 2.0, "charts/b": 3.0, "losses/c": 5.0}
     assert len(averager) == 0 and averager.means() == {}
     averager.add({"losses/a": torch.tensor(0.1)})
