@@ -537,10 +537,9 @@ def test_ci_runs_exactly_readmes_test_command():
     assert readme_command.endswith("python -m pytest tests -q")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The run folder, the disk and the signals at the edges (issue 48). start_run and install_stop_handling change this
+# ----------------------------------------------------------------------------------------------------------------
+# The run folder, the disk and the signals at the edges. start_run and install_stop_handling change this
 # process (signal handlers, sys.stdout, sys.excepthook, the run of the process): `process_state` puts them back.
-# ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def process_state(monkeypatch):
     """What `start_run` and `install_stop_handling` change in this process, restored after the test (a registered

@@ -484,12 +484,11 @@ def test_bad_input_stops_at_start_up_with_one_error_line(tmp_path, script, flags
     assert not (tmp_path / "runs").exists()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The edges of a run (issue 48): the first instants, a starting env worker, stdout, the folder, optional packages.
+# ----------------------------------------------------------------------------------------------------------------
+# The edges of a run: the first instants, a starting env worker, stdout, the folder, optional packages.
 # Where the mechanism lives in common/ and every script reaches it the same way (install_stop_handling, start_run,
 # parse_run_args, MiniGridVecEnv), one script runs it for real and `test_each_script_installs_stop_handling_first`
 # checks that the four scripts reach it.
-# ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_installs_stop_handling_before_its_heavy_imports(script):
     """Contract: each script's first statement after its standard-library imports is `install_stop_handling()`

@@ -1,4 +1,4 @@
-"""plr_ppo.py's training loop as a contract (issue 50), each clause checked on the real `__main__` run in this process
+"""plr_ppo.py's training loop as a contract, each clause checked on the real `__main__` run in this process
 (its code executed in the module's namespace, so that spies on the module's functions and classes see every call),
 against textbook versions written from the papers (tests/plr_helpers.py). Clauses 1-4 and 7 are tested here, clause 5
 in tests/test_plr_evaluation.py, clause 6 in tests/test_plr_resume.py:
