@@ -61,8 +61,8 @@ from torch.distributions import Categorical
 
 from common.args import CommonArgs, parse_run_args, require
 from common.checkpoint import (
+    CheckpointSchedule,
     load_state_dicts,
-    next_checkpoint_step,
     save_run_checkpoint,
     seed_everything,
     select_device,
@@ -1230,20 +1230,6 @@ def training_level_difficulties(args: Args) -> np.ndarray | None:
         check_stop()
         labels.append(level_difficulty(args.env_id, level))
     return np.array(labels)
-
-
-class CheckpointSchedule:
-    """--checkpoint-every: `due(step)` is True once per checkpoint step reached (never with 0)."""
-
-    def __init__(self, global_step: int, checkpoint_every: int):
-        self.checkpoint_every = checkpoint_every
-        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
-
-    def due(self, global_step: int) -> bool:
-        if self.next_step is None or global_step < self.next_step:
-            return False
-        self.next_step += self.checkpoint_every
-        return True
 
 
 def set_optimizer_settings(optimizer: torch.optim.Optimizer, args: Args) -> None:

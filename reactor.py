@@ -22,7 +22,7 @@ Paper parts, in file order
   target network (3.4, 4.1) `learning_step`, `publish_weights`, `__main__`; no-op starts, whole games (4.1) `evaluate`.
 - The actors' chunks into the replay `store_chunk`; a resume's checks, ratio base and Adam flags, the loop's logging
   and checkpoint cadence (RUN PLUMBING) `check_resume`, `resumed_ratio_base`, `apply_optimizer_flags`, `LoopLog`,
-  `CheckpointSchedule`. The loop's contract: tests/test_reactor_loop.py.
+  common/checkpoint.py's `CheckpointSchedule`. The loop's contract: tests/test_reactor_loop.py.
 
 Defaults: 32 transitions per sequence, batch 4, acting:learning ratio 4 (3.4); target update 1000, lambda 1, beta_loo_c 1
 (4.1, Fig. 3); lr 5e-5, Adam beta1 0 (3.4.1); IS exponent 1 (3.3). The appendix's tables are lost (its priority-tree text
@@ -61,8 +61,8 @@ import torch.nn.functional as F
 from common.args import CommonArgs, parse_run_args, require
 from common.atari_env import ATARI_ENV_IDS, make_atari_env
 from common.checkpoint import (
+    CheckpointSchedule,
     load_state_dicts,
-    next_checkpoint_step,
     resumed_seed,
     save_run_checkpoint,
     seed_everything,
@@ -1478,20 +1478,6 @@ class LoopLog:
         self.logger.log(global_step, {"charts/SPS": self.sps(global_step), "charts/learning_steps": learn_steps})
 
 
-class CheckpointSchedule:
-    """A checkpoint each time the env steps pass the next multiple of checkpoint_every (0: none; `next_checkpoint_step`)."""
-
-    def __init__(self, checkpoint_every: int, global_step: int, save):
-        self.checkpoint_every = checkpoint_every
-        self.next_step = next_checkpoint_step(global_step, checkpoint_every)
-        self.save = save
-
-    def save_if_due(self, global_step: int) -> None:
-        if self.next_step is not None and global_step >= self.next_step:
-            self.save()
-            self.next_step += self.checkpoint_every
-
-
 if __name__ == "__main__":
     # tyro; --resume: the checkpoint's flags, given flags override
     args, ckpt, overridden = parse_run_args(
@@ -1606,7 +1592,7 @@ if __name__ == "__main__":
         )
 
     loop_log = LoopLog(logger, global_step)
-    checkpoints = CheckpointSchedule(args.checkpoint_every, global_step, make_checkpoint)
+    checkpoints = CheckpointSchedule(global_step, args.checkpoint_every)
     error = None
     can_learn = False
     try:
@@ -1642,7 +1628,8 @@ if __name__ == "__main__":
                 if learn_steps % args.log_every == 0:
                     loop_log.log_line(global_step, learn_steps, replay, ratio_base)
             # CHECKPOINT
-            checkpoints.save_if_due(global_step)
+            if checkpoints.due(global_step):
+                make_checkpoint()
             # a dead actor stops the run with its reason
             procs.check()
     except (KeyboardInterrupt, StopRun) as e:

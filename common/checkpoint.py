@@ -9,6 +9,8 @@
 - `save_run_checkpoint(logger, script, args, global_step, **state)`: the run's `checkpoint.pt`, with what every
   `--resume` reads (`script`, `run_name`, `args`, `global_step`, `rng`) and the script's own `state`.
 - `next_checkpoint_step(global_step, every)`: the first multiple of `every` after `global_step` (None when 0).
+- `CheckpointSchedule(global_step, every)`: `due(step)` once each time the steps pass the next such multiple
+  (reactor.py's and plr_ppo.py's cadence).
 - `load_run_checkpoint(path, script)`: for `--resume`: SystemExit('error: --resume: ...') unless `path` is a
   readable checkpoint written by `script` (every script stores `"script": "<name>.py"` in its checkpoints).
 - `select_device(cuda)`: CUDA when asked for and present, else CPU.
@@ -109,6 +111,21 @@ def next_checkpoint_step(global_step: int, every: int) -> int | None:
     if not every:
         return None
     return (global_step // every + 1) * every
+
+
+class CheckpointSchedule:
+    """--checkpoint-every as multiples of the period: `due(global_step)` is True once each time the steps reach the
+    next multiple of `every` after the step the schedule started from (never with 0)."""
+
+    def __init__(self, global_step: int, every: int):
+        self.every = every
+        self.next_step = next_checkpoint_step(global_step, every)
+
+    def due(self, global_step: int) -> bool:
+        if self.next_step is None or global_step < self.next_step:
+            return False
+        self.next_step += self.every
+        return True
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:

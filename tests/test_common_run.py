@@ -307,6 +307,12 @@ def test_run_checkpoint_holds_what_every_resume_reads_and_the_first_checkpoint_s
     assert next_checkpoint_step(100, 100) == 200
     assert next_checkpoint_step(250, 100) == 300
     assert next_checkpoint_step(250, 0) is None
+    from common.checkpoint import CheckpointSchedule
+
+    # reactor.py's and plr_ppo.py's cadence: once per multiple reached, counted from the (resumed) start step
+    schedule = CheckpointSchedule(250, 100)
+    assert [schedule.due(step) for step in (299, 300, 300, 450, 499, 500)] == [False, True, False, True, False, True]
+    assert not CheckpointSchedule(0, 0).due(10**9)
 
 
 def test_finish_run_writes_the_model_file_atomically_after_a_normal_end_only(tmp_path, capsys):
