@@ -729,12 +729,9 @@ class BoundedLevelSampler(LevelSampler):
 
 class UnboundedLevelSampler(LevelSampler):
     """PLR on the full level distribution (App. B.3): M slots holding the top-M levels; new levels are random seeds in
-    [0, 2^31-1), staged until their first episode is scored. `levels` must be None (the signature of
-    BoundedLevelSampler's, so that both modes are built alike)."""
+    [0, 2^31-1), staged until their first episode is scored."""
 
-    def __init__(self, levels, num_actors, config=SamplerConfig(), seed=0):
-        if levels is not None:
-            raise ValueError("UnboundedLevelSampler plays the full distribution: levels must be None")
+    def __init__(self, num_actors, config=SamplerConfig(), seed=0):
         # -1: an empty buffer slot
         super().__init__(np.full(config.buffer_size, -1, np.int64), num_actors, config, seed)
 
@@ -793,7 +790,7 @@ def make_sampler(args: Args, seed: int) -> LevelSampler:
         buffer_size=args.plr_buffer_size,
     )
     if levels is None:
-        return UnboundedLevelSampler(None, args.num_envs, config, seed=seed)
+        return UnboundedLevelSampler(args.num_envs, config, seed=seed)
     return BoundedLevelSampler(levels, args.num_envs, config, seed=seed)
 
 

@@ -202,7 +202,7 @@ def test_evaluation_unbounded_mode_train_is_the_buffer_test_is_not(monkeypatch):
     """Unbounded mode: training levels are the buffer's levels; test levels are any other seed of [0, 20)."""
     monkeypatch.setattr(plr_ppo, "MAX_SEED", 20)
     args = Args(env_id="MultiRoom-N4-Random", num_train_levels=0, plr_replay_schedule="fixed", num_envs=5)
-    sampler = UnboundedLevelSampler(None, 5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
+    sampler = UnboundedLevelSampler(5, SamplerConfig(buffer_size=5, replay_schedule="fixed"))
     buffer = [3, 7, 11, 12, 19]
     sampler.update_with_rollouts(np.ones((1, 5)), np.ones((1, 5), bool), np.array([buffer]))
     assert set(sampler.slot_of) == set(buffer)

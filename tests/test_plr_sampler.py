@@ -159,7 +159,7 @@ def test_no_replay_until_scored_then_only_scored_levels():
 
 
 def test_unbounded_top_m_buffer():
-    s = UnboundedLevelSampler(None, 2, SamplerConfig(buffer_size=3, replay_schedule="fixed", replay_prob=0.5), seed=0)
+    s = UnboundedLevelSampler(2, SamplerConfig(buffer_size=3, replay_schedule="fixed", replay_prob=0.5), seed=0)
     assert s.replay_decision_prob() == 0.0
     lv = [s.sample(0), s.sample(1)]
     assert all(x not in s.slot_of for x in lv) and len(s.staged) == 2  # staged, not yet in the buffer
@@ -287,14 +287,18 @@ def test_both_modes_draw_and_save_as_the_sampler_before_its_split(name):
     state into a sampler of another seed, it continues with the same draws, the same RNG state and the same stats."""
     levels, num_actors, config, seed = GOLDEN_SCENARIOS[name]
     golden = json.loads(GOLDEN.read_text())[name]
-    sampler_class = UnboundedLevelSampler if levels is None else BoundedLevelSampler
-    levels = None if levels is None else np.array(levels)
-    sampler = sampler_class(levels, num_actors, SamplerConfig(**config), seed=seed)
+
+    def make_sampler(seed):
+        if levels is None:
+            return UnboundedLevelSampler(num_actors, SamplerConfig(**config), seed=seed)
+        return BoundedLevelSampler(np.array(levels), num_actors, SamplerConfig(**config), seed=seed)
+
+    sampler = make_sampler(seed)
     rng = np.random.default_rng(seed + 100)
     drawn, levels_now = drive_sampler(sampler, rng, 4, 12)
     assert drawn == golden["warmup_drawn"] and levels_now == golden["levels_now"]
     assert json.loads(json.dumps(encode_state(sampler.state_dict()))) == golden["state"]
-    resumed = sampler_class(levels, num_actors, SamplerConfig(**config), seed=seed + 999)
+    resumed = make_sampler(seed + 999)
     resumed.load_state_dict(decode_state(golden["state"]))
     drawn, _ = drive_sampler(resumed, rng, 4, 12, golden["levels_now"])
     assert drawn == golden["drawn"]

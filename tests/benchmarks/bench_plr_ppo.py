@@ -67,8 +67,10 @@ def bench_sampler(module, num_levels, unbounded, N=64, T=256, mean_episode_len=1
         replay_prob=0.95,
     )
     if hasattr(module, "UnboundedLevelSampler"):
-        sampler_class = module.UnboundedLevelSampler if unbounded else module.BoundedLevelSampler
-        s = sampler_class(levels, N, module.SamplerConfig(**settings), seed=seed)
+        if unbounded:
+            s = module.UnboundedLevelSampler(N, module.SamplerConfig(**settings), seed=seed)
+        else:
+            s = module.BoundedLevelSampler(levels, N, module.SamplerConfig(**settings), seed=seed)
     elif hasattr(module, "SamplerConfig"):
         # before the two modes were two classes
         s = module.LevelSampler(levels, N, module.SamplerConfig(**settings), seed=seed)
