@@ -1464,7 +1464,7 @@ class LoopLog:
         self.logger.progress(
             global_step,
             sps,
-            np.mean(self.recent_returns) if self.recent_returns else None,
+            self.mean_recent_return(),
             "value_loss",
             float(metrics["losses/value_loss"]),
             f"learn {learn_steps:,} ({learner_sps:.1f}/s) rho {float(metrics['replay/rho_mean']):.2f}",
