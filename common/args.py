@@ -192,13 +192,19 @@ def resume_args(args: Any, argv: Iterable[str], ckpt_args: dict, fixed: Iterable
     return dataclasses.replace(args, **restored), sorted(given)
 
 
-def checkpoint_flags(ckpt_args: dict, args_class: type, renamed: dict[str, str], path: str) -> dict:
-    """The checkpoint's flags under this script's names: an old name in `renamed` becomes its new name; a flag the
-    script has under no name stops the resume with one `error:` line."""
+def check_renamed(args_class: type, renamed: dict[str, str]) -> None:
+    """A script's RENAMED_FLAGS maps old names that are no longer flags to flags it has; raises TypeError naming each
+    entry that does not (a programming error: checked at every start, as `resume_classes` is)."""
     fields = {f.name for f in dataclasses.fields(args_class)}
     bad = [f"{old} -> {new}" for old, new in renamed.items() if old in fields or new not in fields]
     if bad:
         raise TypeError(f"{args_class.__module__}.RENAMED_FLAGS: not an old name -> a flag: {', '.join(bad)}")
+
+
+def checkpoint_flags(ckpt_args: dict, args_class: type, renamed: dict[str, str], path: str) -> dict:
+    """The checkpoint's flags under this script's names: an old name in `renamed` becomes its new name; a flag the
+    script has under no name stops the resume with one `error:` line."""
+    fields = {f.name for f in dataclasses.fields(args_class)}
     flags = {renamed.get(name, name): value for name, value in ckpt_args.items()}
     unknown = sorted(set(flags) - fields)
     require(
@@ -222,6 +228,7 @@ def parse_run_args(
     script's classes of its own flags, checked by `resume_classes`; `renamed`: {old name: new name} of its renamed
     flags, `checkpoint_flags`)."""
     classes = resume_classes(args_class, fixed, applied, run_only)
+    check_renamed(args_class, renamed or {})
     args = cli(args_class)
     args.exp_name = args.exp_name or script[: -len(".py")]
     # numpy and the envs take seeds below 2**32; the scripts add per-actor and per-env offsets below 2**31
